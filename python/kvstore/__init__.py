@@ -1,0 +1,43 @@
+"""kvstore: a persistent, shared, content-addressed store for transformer KV caches.
+
+    import kvstore
+    layout = kvstore.Layout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    with kvstore.open("/data/kv", layout=layout, model="org/model@rev") as store:
+        store.put(tokens, kv)            # kv: [L, 2, T, H, D]
+        kv = store.get(tokens)           # KV of the longest stored prefix
+
+See README.md for durability, concurrency and the disk format.
+"""
+
+from ._lib import FORMAT_VERSION
+from .errors import (
+    CorruptStore,
+    InvalidInput,
+    KVStoreError,
+    LayoutMismatch,
+    SessionNotFound,
+    StoreClosed,
+    StoreFull,
+    StoreIOError,
+    StoreLocked,
+)
+from .layout import Layout
+from .store import Store, open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CorruptStore",
+    "InvalidInput",
+    "KVStoreError",
+    "Layout",
+    "LayoutMismatch",
+    "SessionNotFound",
+    "Store",
+    "StoreClosed",
+    "StoreFull",
+    "StoreIOError",
+    "StoreLocked",
+    "open",
+]

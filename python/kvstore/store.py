@@ -1,0 +1,346 @@
+"""`kvstore.open` and the `Store` handle.
+
+This layer only turns Python values (lists, numpy arrays, torch tensors) into
+contiguous byte and uint32 buffers for the Rust engine, and back. Checks that
+need Python types (dtype, shape) happen here, before anything is written.
+
+Arrays returned by `get`: the family is chosen by `like=` when given, else by
+the `array=` argument of `open`; its default is "numpy" for float16/float32
+layouts and "torch" for bfloat16/float8 layouts (numpy has no such dtypes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _lib
+from .errors import InvalidInput
+from .layout import Layout
+
+_U32_MAX = 2**32 - 1
+_NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+def _is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def tokens_array(tokens: Any) -> np.ndarray:
+    """Token ids as a contiguous uint32 array; raises InvalidInput otherwise."""
+    if _is_torch(tokens):
+        tokens = tokens.detach().cpu().numpy()
+    try:
+        a = np.asarray(tokens)
+    except (OverflowError, ValueError) as e:
+        raise InvalidInput(f"tokens: expected integers in [0, {_U32_MAX}], got {e}") from None
+    if a.ndim != 1:
+        raise InvalidInput(f"tokens: expected a 1-D sequence of token ids, got shape {a.shape}")
+    if a.size == 0:
+        return np.zeros(0, dtype=np.uint32)
+    if a.dtype.kind not in "iu":
+        raise InvalidInput(f"tokens: expected integer token ids, got dtype {a.dtype}")
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi > _U32_MAX:
+        bad = lo if lo < 0 else hi
+        raise InvalidInput(f"tokens: expected ids in [0, {_U32_MAX}], got {bad}")
+    return np.ascontiguousarray(a, dtype=np.uint32)
+
+
+def _extra(extra: bytes | str | None) -> bytes:
+    if extra is None:
+        return b""
+    if isinstance(extra, str):
+        return extra.encode()
+    if isinstance(extra, (bytes, bytearray, memoryview)):
+        return bytes(extra)
+    raise InvalidInput(f"extra: expected bytes, str or None, got {type(extra).__name__}")
+
+
+def _check_shape(shape: tuple[int, ...], layout: Layout, what: str) -> int:
+    want = (layout.num_layers, 2, "T", layout.num_kv_heads, layout.head_dim)
+    ok = len(shape) == 5 and all(w == "T" or s == w for s, w in zip(shape, want))
+    if not ok:
+        expected = "[{}, 2, T, {}, {}]".format(*[want[0], want[3], want[4]])
+        raise InvalidInput(f"{what}: expected shape {expected} (L, 2, T, H, D), got {list(shape)}")
+    return int(shape[2])
+
+
+def kv_bytes(kv: Any, layout: Layout, what: str = "kv") -> tuple[np.ndarray, int]:
+    """A `[L, 2, T, H, D]` tensor/array as a flat contiguous uint8 view (or copy) and T."""
+    if _is_torch(kv):
+        import torch
+
+        want = getattr(torch, layout.dtype, None)
+        if kv.dtype != want:
+            raise InvalidInput(f"{what}: expected dtype torch.{layout.dtype}, got {kv.dtype}")
+        t = _check_shape(tuple(kv.shape), layout, what)
+        cpu = kv.detach().to("cpu").contiguous()
+        return cpu.reshape(-1).view(torch.uint8).numpy(), t
+    if isinstance(kv, np.ndarray):
+        if kv.dtype.name != layout.dtype:
+            raise InvalidInput(f"{what}: expected dtype {layout.dtype}, got {kv.dtype}")
+        t = _check_shape(kv.shape, layout, what)
+        return np.ascontiguousarray(kv).reshape(-1).view(np.uint8), t
+    raise InvalidInput(f"{what}: expected a numpy array or torch tensor, got {type(kv).__name__}")
+
+
+def _out_bytes(out: Any, layout: Layout) -> tuple[np.ndarray, int]:
+    """A writable flat uint8 view of a preallocated output; refuses a copy."""
+    if _is_torch(out):
+        if out.device.type != "cpu":
+            raise InvalidInput(f"out: expected a CPU tensor, got device {out.device}")
+        if not out.is_contiguous():
+            raise InvalidInput("out: expected a contiguous tensor")
+    elif isinstance(out, np.ndarray):
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise InvalidInput("out: expected a writable C-contiguous array")
+    flat, t = kv_bytes(out, layout, "out")
+    return flat, t
+
+
+class Store:
+    """A handle on a store directory. Use as a context manager, or call `close()`.
+
+    One handle may be shared by many threads; the GIL is released during I/O,
+    hashing, compression and copies. Do not use a handle in a process forked
+    after it was opened: it raises StoreClosed there; open the store again.
+    """
+
+    def __init__(self, raw: _lib.Store, layout: Layout, model: str, array: str) -> None:
+        self._raw = raw
+        self.layout = layout
+        self.model = model
+        self._array = array
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        return Path(self._raw.path)
+
+    @property
+    def closed(self) -> bool:
+        return self._raw.closed
+
+    @property
+    def durability(self) -> str:
+        return self._raw.durability()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<kvstore.Store {str(self.path)!r} model={self.model!r} {self.layout} {state}>"
+
+    # -- blocks -----------------------------------------------------------------------------
+
+    def put(self, tokens: Any, kv: Any, *, extra: bytes | str | None = None) -> int:
+        """Stores every full block of `tokens` not stored yet; returns the tokens covered.
+
+        `kv` is `[L, 2, T, H, D]` with T >= the full-block tokens of `tokens`, of the
+        layout's dtype (bfloat16 through torch). `extra` is mixed into every block id
+        (e.g. an adapter name): only a request with the same `extra` finds these blocks.
+        """
+        toks = tokens_array(tokens)
+        flat, t = kv_bytes(kv, self.layout)
+        return self._raw.put(toks, flat, t, _extra(extra))
+
+    def lookup(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
+        """Longest stored prefix of `tokens`, in tokens (a multiple of block_size)."""
+        return self._raw.lookup(tokens_array(tokens), _extra(extra), True)
+
+    def get(
+        self,
+        tokens: Any,
+        *,
+        out: Any = None,
+        like: Any = None,
+        extra: bytes | str | None = None,
+    ) -> Any:
+        """KV of the longest stored prefix of `tokens`.
+
+        Without `out`: returns a new `[L, 2, m, H, D]` array (m may be 0) of the family
+        of `like` (a numpy array or torch tensor), else of the store's `array` setting.
+        With `out` (a contiguous `[L, 2, T, H, D]` CPU array/tensor): fills its first m
+        tokens and returns m (m <= T); the rest of `out` is left unspecified.
+        """
+        toks = tokens_array(tokens)
+        ex = _extra(extra)
+        if out is not None:
+            flat, t = _out_bytes(out, self.layout)
+            return self._raw.get_into(toks, ex, flat, t)
+        m = self._raw.lookup(toks, ex, False)
+        result = self._empty(m, like)
+        flat, _ = kv_bytes(result, self.layout, "out")
+        n = self._raw.get_into(toks, ex, flat, m)
+        if n < m:  # a block turned out damaged (or was compacted away) after lookup
+            result = result[:, :, :n].copy() if isinstance(result, np.ndarray) else result[:, :, :n].clone()
+        return result
+
+    def _empty(self, tokens: int, like: Any) -> Any:
+        family = self._array
+        if like is not None:
+            family = "torch" if _is_torch(like) else "numpy"
+        shape = self.layout.kv_shape(tokens)
+        if family == "torch":
+            import torch
+
+            return torch.empty(shape, dtype=getattr(torch, self.layout.dtype))
+        if self.layout.dtype not in _NUMPY_DTYPES:
+            raise InvalidInput(
+                f"array: numpy has no {self.layout.dtype}; use array='torch' or like=<torch tensor>"
+            )
+        return np.empty(shape, dtype=_NUMPY_DTYPES[self.layout.dtype])
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def save_session(self, name: str, tokens: Any, kv: Any) -> int:
+        """Binds `name` to `tokens` and stores their full blocks (shared with any other
+        session or put of the same prefix). Returns the tokens whose KV is stored."""
+        if not isinstance(name, str):
+            raise InvalidInput(f"name: expected str, got {type(name).__name__}")
+        toks = tokens_array(tokens)
+        flat, t = kv_bytes(kv, self.layout)
+        return self._raw.save_session(name, toks, flat, t)
+
+    def load_session(self, name: str, *, like: Any = None) -> tuple[Any, Any]:
+        """`(tokens, kv)`: the session's token ids (all of them, as saved) and the KV of
+        their longest stored prefix. Raises SessionNotFound (a KeyError) if unknown."""
+        toks = self._raw.session_tokens(name)
+        kv = self.get(toks, like=like)
+        if like is not None and _is_torch(like) or like is None and self._array == "torch":
+            import torch
+
+            return torch.from_numpy(toks.astype(np.int64)), kv
+        return toks.astype(np.int64), kv
+
+    def sessions(self) -> list[str]:
+        """Names of this tenant's sessions."""
+        return [name for name, _ in self._raw.sessions()]
+
+    def delete_session(self, name: str) -> bool:
+        """Forgets a session (its blocks stay until gc); False if it did not exist."""
+        return self._raw.delete_session(name)
+
+    # -- lifecycle and maintenance -----------------------------------------------------------
+
+    def flush(self) -> None:
+        """Everything put so far is durable, and visible to other processes, on return."""
+        self._raw.flush()
+
+    def stats(self) -> dict[str, Any]:
+        """Blocks, bytes per tier, hits and misses (of this handle), dedupe, page kind."""
+        s = dict(self._raw.stats())
+        live = s["live_bytes"]
+        s["compression_ratio"] = (s["raw_live_bytes"] / live) if live else 1.0
+        s["durability"] = self.durability
+        s["hot_bytes"] = 0
+        s["page_kind"] = "none"  # no shared-memory hot tier yet: every read goes to segments
+        return s
+
+    def segments(self) -> list[dict[str, Any]]:
+        return list(self._raw.segments())
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        return dict(self._raw.verify(progress))
+
+    def compact(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        return dict(self._raw.compact(progress))
+
+    def gc(
+        self,
+        max_bytes: int | None = None,
+        older_than: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Evicts the oldest blocks (created more than `older_than` seconds ago, and
+        until the live bytes fit `max_bytes`), then compacts."""
+        return dict(self._raw.gc(max_bytes, older_than, progress))
+
+    def manifest(self) -> dict[str, Any]:
+        return dict(self._raw.manifest())
+
+    def close(self) -> None:
+        """Commits what is pending and releases the handle. Idempotent."""
+        self._raw.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open(  # noqa: A001 - the name users expect (kvstore.open)
+    path: str | os.PathLike[str],
+    layout: Layout | None = None,
+    model: str | None = None,
+    *,
+    salt: bytes | str | None = None,
+    hot_bytes: int | None = None,
+    disk_bytes: int | None = None,
+    durability: str = "batch",
+    array: str | None = None,
+    compression: str | None = None,
+    compression_level: int = 3,
+    segment_bytes: int = 1 << 30,
+    batch_window_ms: int = 20,
+    create: bool = True,
+) -> Store:
+    """Opens (creating if needed) the store at `path`, bound to `model` + `layout`.
+
+    - `salt`: tenant secret; handles with different salts never see each other's blocks.
+    - `durability`: "sync" (each put durable on return), "batch" (group commit within
+      `batch_window_ms`; `flush()` forces it), "none" (no fsync; survives a process
+      crash, not a power loss).
+    - `disk_bytes`: bound on segment bytes; a put past it raises StoreFull.
+    - `compression`: None (raw payloads) or "zstd" (with byte-plane shuffle for 16-bit
+      dtypes) at `compression_level`.
+    - `array`: "numpy" or "torch", the family `get` returns (see the module doc).
+    - `hot_bytes`: capacity of the shared-memory tier, reserved for it; accepted and
+      unused until that tier exists.
+    - With `layout` and `model` both None, opens an existing store as its MANIFEST says.
+    """
+    if (layout is None) != (model is None):
+        raise InvalidInput("layout and model: give both (to open or create) or neither (to open)")
+    if layout is not None and not isinstance(layout, Layout):
+        raise InvalidInput(f"layout: expected kvstore.Layout, got {type(layout).__name__}")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidInput(f"model: expected a non-empty fingerprint string, got {model!r}")
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if salt is not None and not isinstance(salt, (bytes, bytearray)):
+        raise InvalidInput(f"salt: expected bytes, str or None, got {type(salt).__name__}")
+    if compression not in (None, "zstd"):
+        raise InvalidInput(f"compression: expected None or 'zstd', got {compression!r}")
+    if array not in (None, "numpy", "torch"):
+        raise InvalidInput(f"array: expected 'numpy', 'torch' or None, got {array!r}")
+    for name, value in (("disk_bytes", disk_bytes), ("hot_bytes", hot_bytes)):
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise InvalidInput(f"{name}: expected a positive int or None, got {value!r}")
+    level = compression_level if compression == "zstd" else 0
+    if compression == "zstd" and not 1 <= level <= 22:
+        raise InvalidInput(f"compression_level: expected 1 to 22, got {level}")
+    raw = _lib.Store.open(
+        os.fspath(path),
+        model,
+        layout._as_tuple() if layout is not None else None,
+        bytes(salt) if salt is not None else None,
+        durability,
+        disk_bytes,
+        level,
+        segment_bytes,
+        batch_window_ms,
+        create,
+    )
+    num_layers, num_kv_heads, head_dim, dtype, block_size = raw.layout()
+    actual = Layout(num_layers, num_kv_heads, head_dim, dtype, block_size)
+    fingerprint = model if model is not None else raw.manifest()["fingerprint"]
+    if array is None:
+        array = "numpy" if actual.dtype in _NUMPY_DTYPES else "torch"
+    return Store(raw, actual, fingerprint, array)

@@ -1,0 +1,335 @@
+//! `kvstore._lib`: the Python binding of the engine. It converts arguments,
+//! releases the GIL around every call into the engine, and maps errors to the
+//! exception classes of `kvstore.errors`. No store logic lives here.
+
+use kvstore::{DType, Durability, Layout, Options, Store as Engine};
+use numpy::{PyArray1, PyReadonlyArray1, PyReadwriteArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+mod error;
+use error::{to_pyerr, PyResultExt};
+
+/// A handle on one store; all methods may be called from many threads.
+#[pyclass(frozen, module = "kvstore._lib", name = "Store")]
+struct Store {
+    engine: Engine,
+    path: PathBuf,
+}
+
+fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str) -> PyResult<&'a [T]> {
+    a.as_slice().map_err(|_| {
+        to_pyerr(kvstore::Error::InvalidInput(format!(
+            "{what}: expected a contiguous array"
+        )))
+    })
+}
+
+/// Calls a Python progress callback at most ten times a second (and at the end).
+fn progress_fn(cb: Option<Py<PyAny>>) -> impl Fn(u64, u64) + Sync {
+    let last = std::sync::Mutex::new(None::<Instant>);
+    move |done, total| {
+        let Some(cb) = &cb else { return };
+        let mut last = last.lock().expect("progress lock");
+        if done < total && last.is_some_and(|t| t.elapsed() < Duration::from_millis(100)) {
+            return;
+        }
+        *last = Some(Instant::now());
+        Python::attach(|py| {
+            let _ = cb.call1(py, (done, total));
+        });
+    }
+}
+
+#[pymethods]
+impl Store {
+    /// Opens or creates a store. `layout` is `(num_layers, num_kv_heads,
+    /// head_dim, dtype, block_size)`; with `layout` and `fingerprint` both
+    /// `None` an existing store opens as its MANIFEST says.
+    #[staticmethod]
+    #[pyo3(signature = (path, fingerprint, layout, salt, durability, disk_bytes, compression_level, segment_bytes, batch_window_ms, create))]
+    #[allow(clippy::too_many_arguments)]
+    fn open(
+        py: Python<'_>,
+        path: PathBuf,
+        fingerprint: Option<String>,
+        layout: Option<(u32, u32, u32, String, u32)>,
+        salt: Option<Vec<u8>>,
+        durability: &str,
+        disk_bytes: Option<u64>,
+        compression_level: i32,
+        segment_bytes: u64,
+        batch_window_ms: u64,
+        create: bool,
+    ) -> PyResult<Store> {
+        let layout = match layout {
+            Some((l, h, d, dtype, b)) => {
+                Some(Layout::new(l, h, d, DType::parse(&dtype).py()?, b).py()?)
+            }
+            None => None,
+        };
+        let opts = Options {
+            fingerprint,
+            layout,
+            salt,
+            durability: Durability::parse(durability).py()?,
+            disk_bytes,
+            compression_level,
+            segment_bytes,
+            batch_window: Duration::from_millis(batch_window_ms),
+            create,
+            ..Options::default()
+        };
+        let p = path.clone();
+        let engine = py.detach(move || Engine::open(&p, opts)).py()?;
+        Ok(Store { engine, path })
+    }
+
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.path.clone()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.engine.is_closed()
+    }
+
+    /// `(num_layers, num_kv_heads, head_dim, dtype, block_size)`.
+    fn layout(&self) -> PyResult<(u32, u32, u32, &'static str, u32)> {
+        let l = self.engine.layout().py()?;
+        Ok((
+            l.num_layers,
+            l.num_kv_heads,
+            l.head_dim,
+            l.dtype.name(),
+            l.block_size,
+        ))
+    }
+
+    fn manifest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.engine.manifest().py()?;
+        let d = PyDict::new(py);
+        d.set_item("format_version", m.format_version)?;
+        d.set_item("fingerprint", m.fingerprint)?;
+        d.set_item("num_layers", m.num_layers)?;
+        d.set_item("num_kv_heads", m.num_kv_heads)?;
+        d.set_item("head_dim", m.head_dim)?;
+        d.set_item("dtype", m.dtype)?;
+        d.set_item("block_size", m.block_size)?;
+        d.set_item("created_unix", m.created_unix)?;
+        d.set_item("store_id", m.store_id)?;
+        Ok(d)
+    }
+
+    fn durability(&self) -> PyResult<&'static str> {
+        Ok(self.engine.durability().py()?.name())
+    }
+
+    fn put(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        kv: PyReadonlyArray1<'_, u8>,
+        kv_tokens: usize,
+        extra: &[u8],
+    ) -> PyResult<usize> {
+        let (t, k) = (slice(&tokens, "tokens")?, slice(&kv, "kv")?);
+        py.detach(|| self.engine.put(t, k, kv_tokens, extra)).py()
+    }
+
+    /// Longest stored prefix in tokens; `count` adds it to the hit/miss figures.
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        extra: &[u8],
+        count: bool,
+    ) -> PyResult<usize> {
+        let t = slice(&tokens, "tokens")?;
+        py.detach(|| {
+            if count {
+                self.engine.lookup(t, extra)
+            } else {
+                self.engine.stored_prefix(t, extra)
+            }
+        })
+        .py()
+    }
+
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        extra: &[u8],
+        mut out: PyReadwriteArray1<'_, u8>,
+        out_tokens: usize,
+    ) -> PyResult<usize> {
+        let t = slice(&tokens, "tokens")?;
+        let o = out.as_slice_mut().map_err(|_| {
+            to_pyerr(kvstore::Error::InvalidInput(
+                "out: expected a contiguous array".into(),
+            ))
+        })?;
+        py.detach(|| self.engine.get_into(t, extra, o, out_tokens))
+            .py()
+    }
+
+    fn save_session(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        tokens: PyReadonlyArray1<'_, u32>,
+        kv: PyReadonlyArray1<'_, u8>,
+        kv_tokens: usize,
+    ) -> PyResult<usize> {
+        let (t, k) = (slice(&tokens, "tokens")?, slice(&kv, "kv")?);
+        py.detach(|| self.engine.save_session(name, t, k, kv_tokens))
+            .py()
+    }
+
+    fn session_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let v = py.detach(|| self.engine.session_tokens(name)).py()?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    fn sessions(&self, py: Python<'_>) -> PyResult<Vec<(String, usize)>> {
+        py.detach(|| self.engine.sessions()).py()
+    }
+
+    fn delete_session(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
+        py.detach(|| self.engine.delete_session(name)).py()
+    }
+
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.engine.flush()).py()
+    }
+
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.engine.close()).py()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.engine.stats()).py()?;
+        let d = PyDict::new(py);
+        d.set_item("blocks", s.blocks)?;
+        d.set_item("sessions", s.sessions)?;
+        d.set_item("segments", s.segments)?;
+        d.set_item("disk_bytes", s.disk_bytes)?;
+        d.set_item("live_bytes", s.live_bytes)?;
+        d.set_item("dead_bytes", s.dead_bytes)?;
+        d.set_item("raw_live_bytes", s.raw_live_bytes)?;
+        d.set_item("damaged_blocks", s.damaged_blocks)?;
+        d.set_item("pending_blocks", s.pending_blocks)?;
+        d.set_item("hit_blocks", s.hit_blocks)?;
+        d.set_item("miss_blocks", s.miss_blocks)?;
+        d.set_item("blocks_written", s.blocks_written)?;
+        d.set_item("blocks_deduped", s.blocks_deduped)?;
+        d.set_item("bytes_written", s.bytes_written)?;
+        d.set_item("bytes_read", s.bytes_read)?;
+        d.set_item("block_bytes", s.block_bytes)?;
+        Ok(d)
+    }
+
+    fn segments<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let segs = py.detach(|| self.engine.segments()).py()?;
+        let out = PyList::empty(py);
+        for s in segs {
+            let d = PyDict::new(py);
+            d.set_item("segment", s.segment)?;
+            d.set_item("sealed", s.sealed)?;
+            d.set_item("file_bytes", s.file_bytes)?;
+            d.set_item("committed_bytes", s.committed_bytes)?;
+            d.set_item("live_bytes", s.live_bytes)?;
+            d.set_item("live_records", s.live_records)?;
+            d.set_item("dead_bytes", s.dead_bytes)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    #[pyo3(signature = (progress=None))]
+    fn verify<'py>(
+        &self,
+        py: Python<'py>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let cb = progress_fn(progress);
+        let r = py.detach(|| self.engine.verify(&cb)).py()?;
+        let d = PyDict::new(py);
+        d.set_item("records_checked", r.records_checked)?;
+        d.set_item("bytes_checked", r.bytes_checked)?;
+        let damaged = PyList::empty(py);
+        for x in r.damaged {
+            let e = PyDict::new(py);
+            e.set_item("block_id", x.block_id)?;
+            e.set_item("segment", x.segment)?;
+            e.set_item("offset", x.offset)?;
+            e.set_item("reason", x.reason)?;
+            damaged.append(e)?;
+        }
+        d.set_item("damaged", damaged)?;
+        d.set_item("problems", r.problems)?;
+        Ok(d)
+    }
+
+    #[pyo3(signature = (progress=None))]
+    fn compact<'py>(
+        &self,
+        py: Python<'py>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let cb = progress_fn(progress);
+        let r = py.detach(|| self.engine.compact(&cb)).py()?;
+        compact_dict(py, &r)
+    }
+
+    #[pyo3(signature = (max_bytes=None, older_than_s=None, progress=None))]
+    fn gc<'py>(
+        &self,
+        py: Python<'py>,
+        max_bytes: Option<u64>,
+        older_than_s: Option<f64>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let older = match older_than_s {
+            Some(s) if !(s.is_finite() && s >= 0.0) => {
+                return Err(to_pyerr(kvstore::Error::InvalidInput(format!(
+                    "older_than: expected a non-negative duration, got {s}s"
+                ))))
+            }
+            Some(s) => Some(Duration::from_secs_f64(s)),
+            None => None,
+        };
+        let cb = progress_fn(progress);
+        let r = py.detach(|| self.engine.gc(max_bytes, older, &cb)).py()?;
+        let d = PyDict::new(py);
+        d.set_item("blocks_evicted", r.blocks_evicted)?;
+        d.set_item("bytes_evicted", r.bytes_evicted)?;
+        d.set_item("compact", compact_dict(py, &r.compact)?)?;
+        Ok(d)
+    }
+}
+
+fn compact_dict<'py>(py: Python<'py>, r: &kvstore::CompactReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("segments_rewritten", r.segments_rewritten)?;
+    d.set_item("records_moved", r.records_moved)?;
+    d.set_item("records_dropped", r.records_dropped)?;
+    d.set_item("bytes_before", r.bytes_before)?;
+    d.set_item("bytes_after", r.bytes_after)?;
+    Ok(d)
+}
+
+#[pymodule]
+fn _lib(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Store>()?;
+    m.add("FORMAT_VERSION", kvstore::format::FORMAT_VERSION)?;
+    Ok(())
+}

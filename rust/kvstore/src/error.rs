@@ -1,0 +1,98 @@
+//! The one error type of the engine. The Python binding maps each variant to
+//! one exception class (`kvstore.errors`), so every variant here is a promise
+//! to users: add variants with care.
+
+use std::path::PathBuf;
+
+/// Result alias used throughout the engine.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything the engine can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The store exists but was created for another model fingerprint or layout.
+    #[error("layout mismatch: {0}")]
+    LayoutMismatch(String),
+
+    /// The caller passed something unusable (shape, dtype, token range, option).
+    /// Raised before anything is written.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+
+    /// A configured capacity (`disk_bytes`, the index map) would be exceeded.
+    #[error("store full: {0}")]
+    StoreFull(String),
+
+    /// The handle was closed, or is used in a process forked after it was opened.
+    #[error("store closed: {0}")]
+    StoreClosed(String),
+
+    /// Another process holds a lock this operation needs.
+    #[error("store locked: {0}")]
+    StoreLocked(String),
+
+    /// The store's own metadata (MANIFEST, index) is damaged or not a kvstore.
+    /// Never raised for a damaged block: that is a miss.
+    #[error("corrupt store at {path}: {reason}")]
+    CorruptStore { path: PathBuf, reason: String },
+
+    /// A session name that does not exist.
+    #[error("no session named {0:?}")]
+    SessionNotFound(String),
+
+    /// An fdatasync failed earlier on this handle. The kernel may have dropped
+    /// the dirty pages, so retrying and trusting a later success would lie
+    /// about durability: every later write on this handle fails.
+    #[error("writes disabled after a failed fdatasync ({0}); reopen the store")]
+    Poisoned(String),
+
+    /// An operating-system I/O error, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// An LMDB error not covered by a more specific variant.
+    #[error("index: {0}")]
+    Index(String),
+}
+
+impl Error {
+    pub(crate) fn corrupt(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Error::CorruptStore {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Attach context to an `io::Error`.
+pub(crate) trait IoContext<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| Error::Io {
+            context: context(),
+            source,
+        })
+    }
+}
+
+impl From<heed::Error> for Error {
+    fn from(e: heed::Error) -> Self {
+        match e {
+            heed::Error::Mdb(heed::MdbError::MapFull) => {
+                Error::StoreFull("the index map is full (LMDB MDB_MAP_FULL)".into())
+            }
+            heed::Error::Io(source) => Error::Io {
+                context: "index".into(),
+                source,
+            },
+            other => Error::Index(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Content-addressed block ids: a keyed BLAKE3 chain over token ids.
+//!
+//! `key = BLAKE3-derive_key(CONTEXT, fingerprint ‖ layout ‖ salt)` and
+//! `id_i = BLAKE3-keyed(key, id_{i-1} ‖ tokens_i as u32 LE ‖ extra)`, with
+//! `id_{-1}` = 32 zero bytes. Everything is length-prefixed, so no two inputs
+//! encode alike, and nothing depends on a per-process seed.
+
+use crate::layout::Layout;
+
+/// 32-byte block id.
+pub type BlockId = [u8; 32];
+
+/// Parent of the first block.
+pub const ROOT: BlockId = [0u8; 32];
+
+/// Domain separation for the key derivation. Changing it changes every id:
+/// it is part of the on-disk format.
+const CONTEXT: &str = "kvstore 2026-11 block-id key v1";
+
+/// The hashing key of one (fingerprint, layout, salt) triple.
+#[derive(Clone)]
+pub struct Keyer {
+    key: [u8; 32],
+}
+
+impl Keyer {
+    pub fn new(fingerprint: &str, layout: &Layout, salt: Option<&[u8]>) -> Self {
+        let mut material = Vec::new();
+        let fp = fingerprint.as_bytes();
+        material.extend_from_slice(&(fp.len() as u64).to_le_bytes());
+        material.extend_from_slice(fp);
+        let lb = layout.canonical_bytes();
+        material.extend_from_slice(&(lb.len() as u64).to_le_bytes());
+        material.extend_from_slice(&lb);
+        match salt {
+            None => material.push(0),
+            Some(s) => {
+                material.push(1);
+                material.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                material.extend_from_slice(s);
+            }
+        }
+        Keyer {
+            key: blake3::derive_key(CONTEXT, &material),
+        }
+    }
+
+    /// Id of one block given its parent.
+    pub fn block_id(&self, parent: &BlockId, tokens: &[u32], extra: &[u8]) -> BlockId {
+        let mut h = blake3::Hasher::new_keyed(&self.key);
+        h.update(parent);
+        h.update(&(tokens.len() as u32).to_le_bytes());
+        for t in tokens {
+            h.update(&t.to_le_bytes());
+        }
+        h.update(&(extra.len() as u64).to_le_bytes());
+        h.update(extra);
+        *h.finalize().as_bytes()
+    }
+
+    /// Ids of every full block of `tokens`.
+    pub fn chain(&self, tokens: &[u32], block_size: usize, extra: &[u8]) -> Vec<BlockId> {
+        let mut ids = Vec::with_capacity(tokens.len() / block_size);
+        let mut parent = ROOT;
+        for chunk in tokens.chunks_exact(block_size) {
+            parent = self.block_id(&parent, chunk, extra);
+            ids.push(parent);
+        }
+        ids
+    }
+
+    /// A tag that identifies the tenant (salt) without revealing it; used to
+    /// keep one tenant's session names out of another's listing.
+    pub fn tenant_tag(&self) -> [u8; 16] {
+        let h = blake3::keyed_hash(&self.key, b"kvstore tenant tag");
+        let mut tag = [0u8; 16];
+        tag.copy_from_slice(&h.as_bytes()[..16]);
+        tag
+    }
+}
+
+/// Lower-case hex of an id, as the CLI prints it.
+pub fn hex(id: &BlockId) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::DType;
+
+    fn layout() -> Layout {
+        Layout::new(2, 2, 8, DType::Float16, 4).unwrap()
+    }
+
+    #[test]
+    fn chain_is_prefix_stable_and_deterministic() {
+        let k = Keyer::new("m@1", &layout(), None);
+        let a = k.chain(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, b"");
+        let b = k.chain(&[1, 2, 3, 4, 5, 6, 7, 8], 4, b"");
+        assert_eq!(a.len(), 2);
+        assert_eq!(a, b);
+        let c = k.chain(&[1, 2, 3, 4, 9, 9, 9, 9], 4, b"");
+        assert_eq!(a[0], c[0]);
+        assert_ne!(a[1], c[1]);
+    }
+
+    #[test]
+    fn salt_fingerprint_layout_and_extra_change_ids() {
+        let t = [7u32; 4];
+        let base = Keyer::new("m@1", &layout(), None).chain(&t, 4, b"")[0];
+        let salted = Keyer::new("m@1", &layout(), Some(b"s")).chain(&t, 4, b"")[0];
+        let empty_salt = Keyer::new("m@1", &layout(), Some(b"")).chain(&t, 4, b"")[0];
+        let other_model = Keyer::new("m@2", &layout(), None).chain(&t, 4, b"")[0];
+        let other_layout = Keyer::new(
+            "m@1",
+            &Layout::new(2, 2, 8, DType::BFloat16, 4).unwrap(),
+            None,
+        )
+        .chain(&t, 4, b"")[0];
+        let extra = Keyer::new("m@1", &layout(), None).chain(&t, 4, b"lora")[0];
+        let all = [base, salted, empty_salt, other_model, other_layout, extra];
+        for i in 0..all.len() {
+            for j in i + 1..all.len() {
+                assert_ne!(all[i], all[j], "{i} vs {j}");
+            }
+        }
+    }
+
+    /// Golden value: ids are an on-disk contract and must never change silently.
+    #[test]
+    fn golden_id() {
+        let k = Keyer::new("golden", &layout(), None);
+        let id = k.chain(&[0, 1, 2, 3], 4, b"")[0];
+        assert_eq!(hex(&id), GOLDEN_ID);
+    }
+    const GOLDEN_ID: &str = "GOLDEN";
+}

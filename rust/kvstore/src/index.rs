@@ -1,0 +1,398 @@
+//! The LMDB index: block id → location, sessions, segment table, meta.
+//!
+//! Tables (named LMDB databases, all keys and values explicit little-endian
+//! except where a big-endian key keeps numeric order):
+//! - `blocks`:   block id (32 B) → [`Location`] (40 B)
+//! - `segments`: segment number (u64 **big-endian**, so iteration is in order) → [`SegmentInfo`] (32 B)
+//! - `sessions`: tenant tag (16 B) ‖ name (UTF-8) → token ids (u32 LE each)
+//! - `damaged`:  block id → [`Location`] ‖ reason (UTF-8): blocks found damaged on read
+//! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`)
+
+use crate::error::{Error, Result};
+use crate::id::BlockId;
+use crate::os;
+use heed::types::Bytes;
+use heed::{Database, Env, RoTxn, RwTxn, WithoutTls};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+type Db = Database<Bytes, Bytes>;
+
+/// Where a block's record lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub segment: u64,
+    pub offset: u64,
+    pub record_len: u64,
+    pub stored_len: u64,
+    pub created_ms: u64,
+}
+
+pub const LOCATION_LEN: usize = 40;
+
+impl Location {
+    pub fn encode(&self) -> [u8; LOCATION_LEN] {
+        let mut b = [0u8; LOCATION_LEN];
+        b[0..8].copy_from_slice(&self.segment.to_le_bytes());
+        b[8..16].copy_from_slice(&self.offset.to_le_bytes());
+        b[16..24].copy_from_slice(&self.record_len.to_le_bytes());
+        b[24..32].copy_from_slice(&self.stored_len.to_le_bytes());
+        b[32..40].copy_from_slice(&self.created_ms.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < LOCATION_LEN {
+            return None;
+        }
+        let u = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        Some(Location {
+            segment: u(0),
+            offset: u(8),
+            record_len: u(16),
+            stored_len: u(24),
+            created_ms: u(32),
+        })
+    }
+}
+
+/// State of a segment file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentState {
+    /// A writer may still append (it holds the file's lock while alive).
+    Active = 0,
+    /// Read-only from now on.
+    Sealed = 1,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentInfo {
+    pub state: SegmentState,
+    /// Bytes of the file covered by committed index entries (header included);
+    /// anything past it is a torn or uncommitted tail.
+    pub committed_len: u64,
+    pub live_bytes: u64,
+    pub live_records: u64,
+}
+
+impl Default for SegmentInfo {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SegmentInfo {
+    pub fn new() -> Self {
+        SegmentInfo {
+            state: SegmentState::Active,
+            committed_len: crate::format::SEGMENT_HEADER_LEN as u64,
+            live_bytes: 0,
+            live_records: 0,
+        }
+    }
+
+    fn encode(&self) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        b[0] = self.state as u8;
+        b[8..16].copy_from_slice(&self.committed_len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.live_bytes.to_le_bytes());
+        b[24..32].copy_from_slice(&self.live_records.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < 32 {
+            return None;
+        }
+        let u = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        Some(SegmentInfo {
+            state: if b[0] == 0 {
+                SegmentState::Active
+            } else {
+                SegmentState::Sealed
+            },
+            committed_len: u(8),
+            live_bytes: u(16),
+            live_records: u(24),
+        })
+    }
+}
+
+/// One LMDB environment and its tables, shared by every handle of this
+/// process on the same store (LMDB forbids opening an environment twice in
+/// one process).
+pub struct Index {
+    pub env: Env<WithoutTls>,
+    blocks: Db,
+    segments: Db,
+    sessions: Db,
+    damaged: Db,
+    meta: Db,
+    nosync: bool,
+    path: PathBuf,
+}
+
+/// Virtual size reserved for the index map. LMDB grows the file only as
+/// needed; 64 GiB covers ~500M blocks.
+const MAP_SIZE: usize = 64 << 30;
+
+fn registry() -> &'static Mutex<HashMap<PathBuf, Weak<Index>>> {
+    static R: OnceLock<Mutex<HashMap<PathBuf, Weak<Index>>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+impl Index {
+    /// Opens (creating tables if needed) or reuses this process's environment.
+    pub fn open(dir: &Path, nosync: bool) -> Result<Arc<Index>> {
+        let key = dir.canonicalize().map_err(|source| Error::Io {
+            context: format!("index directory {}", dir.display()),
+            source,
+        })?;
+        let mut reg = registry().lock().expect("index registry");
+        if let Some(idx) = reg.get(&key).and_then(Weak::upgrade) {
+            return Ok(idx);
+        }
+        let env = os::open_lmdb(&key, MAP_SIZE, nosync).map_err(|e| match e {
+            heed::Error::Mdb(heed::MdbError::Invalid)
+            | heed::Error::Mdb(heed::MdbError::Corrupted)
+            | heed::Error::Mdb(heed::MdbError::VersionMismatch) => {
+                Error::corrupt(&key, format!("index cannot be opened: {e}"))
+            }
+            other => other.into(),
+        })?;
+        // Reader slots of processes killed mid-read would pin old pages forever.
+        env.clear_stale_readers()?;
+        let mut wtxn = env.write_txn()?;
+        let mut create =
+            |name: &str| -> Result<Db> { Ok(env.create_database(&mut wtxn, Some(name))?) };
+        let blocks = create("blocks")?;
+        let segments = create("segments")?;
+        let sessions = create("sessions")?;
+        let damaged = create("damaged")?;
+        let meta = create("meta")?;
+        wtxn.commit()?;
+        let idx = Arc::new(Index {
+            env,
+            blocks,
+            segments,
+            sessions,
+            damaged,
+            meta,
+            nosync,
+            path: key.clone(),
+        });
+        reg.insert(key, Arc::downgrade(&idx));
+        Ok(idx)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn read(&self) -> Result<RoTxn<'_, WithoutTls>> {
+        Ok(self.env.read_txn()?)
+    }
+
+    pub fn write(&self) -> Result<RwTxn<'_>> {
+        Ok(self.env.write_txn()?)
+    }
+
+    /// Commits; when the environment was opened without sync (durability
+    /// "none" by the first handle of this process) but this commit must be
+    /// durable, forces the sync explicitly.
+    pub fn commit(&self, txn: RwTxn<'_>, durable: bool) -> Result<()> {
+        txn.commit()?;
+        if durable && self.nosync {
+            self.env.force_sync()?;
+        }
+        Ok(())
+    }
+
+    // ---- blocks ----
+
+    pub fn get_block(&self, txn: &RoTxn<'_>, id: &BlockId) -> Result<Option<Location>> {
+        Ok(self.blocks.get(txn, id)?.and_then(Location::decode))
+    }
+
+    pub fn get_block_rw(&self, txn: &RwTxn<'_>, id: &BlockId) -> Result<Option<Location>> {
+        Ok(self.blocks.get(txn, id)?.and_then(Location::decode))
+    }
+
+    pub fn put_block(&self, txn: &mut RwTxn<'_>, id: &BlockId, loc: &Location) -> Result<()> {
+        Ok(self.blocks.put(txn, id, &loc.encode())?)
+    }
+
+    pub fn delete_block(&self, txn: &mut RwTxn<'_>, id: &BlockId) -> Result<bool> {
+        Ok(self.blocks.delete(txn, id)?)
+    }
+
+    pub fn block_count(&self, txn: &RoTxn<'_>) -> Result<u64> {
+        Ok(self.blocks.len(txn)?)
+    }
+
+    /// Every block entry (for verify, compact, gc).
+    pub fn all_blocks(&self, txn: &RoTxn<'_>) -> Result<Vec<(BlockId, Location)>> {
+        let mut out = Vec::new();
+        for item in self.blocks.iter(txn)? {
+            let (k, v) = item?;
+            if let (Ok(id), Some(loc)) = (<[u8; 32]>::try_from(k), Location::decode(v)) {
+                out.push((id, loc));
+            }
+        }
+        Ok(out)
+    }
+
+    // ---- damaged ----
+
+    pub fn put_damaged(
+        &self,
+        txn: &mut RwTxn<'_>,
+        id: &BlockId,
+        loc: &Location,
+        reason: &str,
+    ) -> Result<()> {
+        let mut v = loc.encode().to_vec();
+        v.extend_from_slice(reason.as_bytes());
+        Ok(self.damaged.put(txn, id, &v)?)
+    }
+
+    pub fn all_damaged(&self, txn: &RoTxn<'_>) -> Result<Vec<(BlockId, Location, String)>> {
+        let mut out = Vec::new();
+        for item in self.damaged.iter(txn)? {
+            let (k, v) = item?;
+            if let (Ok(id), Some(loc)) = (<[u8; 32]>::try_from(k), Location::decode(v)) {
+                let reason = String::from_utf8_lossy(&v[LOCATION_LEN..]).into_owned();
+                out.push((id, loc, reason));
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn clear_damaged_in(&self, txn: &mut RwTxn<'_>, segment: u64) -> Result<()> {
+        let ids: Vec<BlockId> = {
+            let mut ids = Vec::new();
+            for item in self.damaged.iter(txn)? {
+                let (k, v) = item?;
+                if let (Ok(id), Some(loc)) = (<[u8; 32]>::try_from(k), Location::decode(v)) {
+                    if loc.segment == segment {
+                        ids.push(id);
+                    }
+                }
+            }
+            ids
+        };
+        for id in ids {
+            self.damaged.delete(txn, &id)?;
+        }
+        Ok(())
+    }
+
+    // ---- segments ----
+
+    pub fn get_segment(&self, txn: &RwTxn<'_>, seg: u64) -> Result<Option<SegmentInfo>> {
+        Ok(self
+            .segments
+            .get(txn, &seg.to_be_bytes())?
+            .and_then(SegmentInfo::decode))
+    }
+
+    pub fn put_segment(&self, txn: &mut RwTxn<'_>, seg: u64, info: &SegmentInfo) -> Result<()> {
+        Ok(self.segments.put(txn, &seg.to_be_bytes(), &info.encode())?)
+    }
+
+    pub fn delete_segment(&self, txn: &mut RwTxn<'_>, seg: u64) -> Result<()> {
+        self.segments.delete(txn, &seg.to_be_bytes())?;
+        Ok(())
+    }
+
+    pub fn all_segments(&self, txn: &RoTxn<'_>) -> Result<Vec<(u64, SegmentInfo)>> {
+        let mut out = Vec::new();
+        for item in self.segments.iter(txn)? {
+            let (k, v) = item?;
+            if let (Ok(k), Some(info)) = (<[u8; 8]>::try_from(k), SegmentInfo::decode(v)) {
+                out.push((u64::from_be_bytes(k), info));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Adjusts a segment's live accounting (after a block is added or dropped).
+    pub fn add_live(&self, txn: &mut RwTxn<'_>, seg: u64, bytes: i64, records: i64) -> Result<()> {
+        if let Some(mut info) = self.get_segment(txn, seg)? {
+            info.live_bytes = info.live_bytes.saturating_add_signed(bytes);
+            info.live_records = info.live_records.saturating_add_signed(records);
+            self.put_segment(txn, seg, &info)?;
+        }
+        Ok(())
+    }
+
+    // ---- meta ----
+
+    pub fn meta_u64(&self, txn: &RoTxn<'_>, name: &str) -> Result<u64> {
+        Ok(self
+            .meta
+            .get(txn, name.as_bytes())?
+            .and_then(|v| v.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0))
+    }
+
+    pub fn set_meta_u64(&self, txn: &mut RwTxn<'_>, name: &str, v: u64) -> Result<()> {
+        Ok(self.meta.put(txn, name.as_bytes(), &v.to_le_bytes())?)
+    }
+
+    // ---- sessions ----
+
+    fn session_key(tag: &[u8; 16], name: &str) -> Vec<u8> {
+        let mut k = tag.to_vec();
+        k.extend_from_slice(name.as_bytes());
+        k
+    }
+
+    pub fn put_session(
+        &self,
+        txn: &mut RwTxn<'_>,
+        tag: &[u8; 16],
+        name: &str,
+        tokens: &[u32],
+    ) -> Result<()> {
+        let v: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        Ok(self.sessions.put(txn, &Self::session_key(tag, name), &v)?)
+    }
+
+    pub fn get_session(
+        &self,
+        txn: &RoTxn<'_>,
+        tag: &[u8; 16],
+        name: &str,
+    ) -> Result<Option<Vec<u32>>> {
+        Ok(self
+            .sessions
+            .get(txn, &Self::session_key(tag, name))?
+            .map(|v| {
+                v.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect()
+            }))
+    }
+
+    pub fn delete_session(&self, txn: &mut RwTxn<'_>, tag: &[u8; 16], name: &str) -> Result<bool> {
+        Ok(self.sessions.delete(txn, &Self::session_key(tag, name))?)
+    }
+
+    /// Session names of one tenant, and their token counts.
+    pub fn sessions(&self, txn: &RoTxn<'_>, tag: &[u8; 16]) -> Result<Vec<(String, usize)>> {
+        let mut out = Vec::new();
+        for item in self.sessions.prefix_iter(txn, tag)? {
+            let (k, v) = item?;
+            out.push((String::from_utf8_lossy(&k[16..]).into_owned(), v.len() / 4));
+        }
+        Ok(out)
+    }
+
+    /// Number of sessions of every tenant (for the CLI, which has no salt).
+    pub fn session_count(&self, txn: &RoTxn<'_>) -> Result<u64> {
+        Ok(self.sessions.len(txn)?)
+    }
+}

@@ -1,0 +1,130 @@
+//! Positional vectored I/O and the file-system steps that make writes durable.
+
+use std::fs::{DirBuilder, File, OpenOptions};
+use std::io::{self, IoSlice, IoSliceMut, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::Path;
+
+/// Linux accepts at most this many iovecs per call.
+const IOV_MAX: usize = 1024;
+
+/// Writes every buffer, in order, starting at `offset`.
+pub fn write_all_at(file: &File, mut bufs: &mut [IoSlice<'_>], mut offset: u64) -> io::Result<()> {
+    while !bufs.is_empty() {
+        let n = bufs.len().min(IOV_MAX);
+        let written = rustix::io::pwritev(file, &bufs[..n], offset)?;
+        if written == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwritev wrote nothing",
+            ));
+        }
+        offset += written as u64;
+        IoSlice::advance_slices(&mut bufs, written);
+    }
+    Ok(())
+}
+
+/// Fills every buffer, in order, from `offset`; end of file is an error.
+pub fn read_exact_at(
+    file: &File,
+    mut bufs: &mut [IoSliceMut<'_>],
+    mut offset: u64,
+) -> io::Result<()> {
+    while !bufs.is_empty() {
+        let n = bufs.len().min(IOV_MAX);
+        let read = rustix::io::preadv(file, &mut bufs[..n], offset)?;
+        if read == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "record extends past end of file",
+            ));
+        }
+        offset += read as u64;
+        IoSliceMut::advance_slices(&mut bufs, read);
+    }
+    Ok(())
+}
+
+/// Creates a new file, 0600, refusing to follow a symlink or reuse a name.
+pub fn create_new(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)
+}
+
+/// Opens an existing file, refusing a symlink.
+pub fn open_existing(path: &Path, write: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)
+}
+
+/// Opens a lock file, creating it 0600 if missing; refuses a symlink.
+pub fn open_or_create(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)
+}
+
+/// Creates a directory 0700 if missing; refuses a symlink in its place.
+pub fn ensure_dir(path: &Path) -> io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is a symlink; refusing to follow it", path.display()),
+        )),
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} exists and is not a directory", path.display()),
+        )),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            match DirBuilder::new().mode(0o700).create(path) {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+                other => other,
+            }
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes a directory's entries (a created, renamed or removed file) durable.
+pub fn sync_dir(path: &Path) -> io::Result<()> {
+    File::open(path)?.sync_all()
+}
+
+/// Writes `bytes` to `path` atomically: temp file, fsync, rename, fsync dir.
+/// Never rewrites a file in place (another process may have it mapped or open).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&tmp);
+    let f = create_new(&tmp)?;
+    let res = (|| {
+        let mut f = f;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        sync_dir(dir)
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}

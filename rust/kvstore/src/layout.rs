@@ -1,0 +1,181 @@
+//! The shape of a block and the canonical bytes that bind ids to it.
+
+use crate::error::{Error, Result};
+
+/// Element type of the KV tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    Float16,
+    BFloat16,
+    Float32,
+    Float8E4M3,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::Float16 | DType::BFloat16 => 2,
+            DType::Float32 => 4,
+            DType::Float8E4M3 => 1,
+        }
+    }
+
+    /// The torch name (`torch.bfloat16` -> `"bfloat16"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Float16 => "float16",
+            DType::BFloat16 => "bfloat16",
+            DType::Float32 => "float32",
+            DType::Float8E4M3 => "float8_e4m3fn",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Self> {
+        Ok(match name {
+            "float16" | "half" | "fp16" => DType::Float16,
+            "bfloat16" | "bf16" => DType::BFloat16,
+            "float32" | "float" | "fp32" => DType::Float32,
+            "float8_e4m3fn" | "fp8" | "float8" => DType::Float8E4M3,
+            other => return Err(Error::InvalidInput(format!(
+                "dtype: expected one of float16, bfloat16, float32, float8_e4m3fn, got {other:?}"
+            ))),
+        })
+    }
+}
+
+/// `num_layers L`, `num_kv_heads H`, `head_dim D`, `dtype`, `block_size B`.
+/// A block is logically `[L, 2, B, H, D]`, K at index 0 and V at index 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: DType,
+    pub block_size: u32,
+}
+
+/// Upper bound on one block's payload. Keeps every size computation far from
+/// overflow and refuses layouts no accelerator could hold anyway.
+pub const MAX_BLOCK_BYTES: usize = 1 << 31;
+
+impl Layout {
+    /// Checks every field; the only way engine code builds a `Layout` from user input.
+    pub fn new(
+        num_layers: u32,
+        num_kv_heads: u32,
+        head_dim: u32,
+        dtype: DType,
+        block_size: u32,
+    ) -> Result<Self> {
+        let layout = Layout {
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            block_size,
+        };
+        for (name, v) in [
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("block_size", block_size),
+        ] {
+            if v == 0 {
+                return Err(Error::InvalidInput(format!(
+                    "{name}: expected a positive integer, got 0"
+                )));
+            }
+        }
+        let bytes = (num_layers as u128)
+            * 2
+            * (block_size as u128)
+            * (num_kv_heads as u128)
+            * (head_dim as u128)
+            * (dtype.size() as u128);
+        if bytes > MAX_BLOCK_BYTES as u128 {
+            return Err(Error::InvalidInput(format!(
+                "layout: a block would take {bytes} bytes, more than the limit of {MAX_BLOCK_BYTES}"
+            )));
+        }
+        Ok(layout)
+    }
+
+    /// Bytes of one token's K (or V) for one layer: `H * D * elem`.
+    pub fn token_bytes(&self) -> usize {
+        self.num_kv_heads as usize * self.head_dim as usize * self.dtype.size()
+    }
+
+    /// Bytes of one contiguous run `[B, H, D]` (one layer, K or V, one block).
+    pub fn chunk_bytes(&self) -> usize {
+        self.block_size as usize * self.token_bytes()
+    }
+
+    /// Bytes of one block `[L, 2, B, H, D]`.
+    pub fn block_bytes(&self) -> usize {
+        self.num_layers as usize * 2 * self.chunk_bytes()
+    }
+
+    /// Bytes of a contiguous `[L, 2, T, H, D]` tensor.
+    pub fn kv_bytes(&self, tokens: usize) -> Option<usize> {
+        (self.num_layers as usize * 2)
+            .checked_mul(tokens)?
+            .checked_mul(self.token_bytes())
+    }
+
+    /// Canonical encoding, part of the block-id key: explicit little-endian,
+    /// never depends on the platform.
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(32);
+        for x in [
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+        ] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        let name = self.dtype.name().as_bytes();
+        v.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        v.extend_from_slice(name);
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        let l = Layout::new(32, 8, 128, DType::BFloat16, 16).unwrap();
+        assert_eq!(l.chunk_bytes(), 16 * 8 * 128 * 2);
+        assert_eq!(l.block_bytes(), 32 * 2 * 16 * 8 * 128 * 2);
+        assert_eq!(l.kv_bytes(3), Some(32 * 2 * 3 * 8 * 128 * 2));
+    }
+
+    #[test]
+    fn rejects_zero_and_huge() {
+        assert!(matches!(
+            Layout::new(0, 8, 128, DType::Float16, 16),
+            Err(Error::InvalidInput(_))
+        ));
+        assert!(matches!(
+            Layout::new(1 << 20, 1 << 10, 1 << 10, DType::Float32, 16),
+            Err(Error::InvalidInput(_))
+        ));
+    }
+
+    #[test]
+    fn dtype_names_round_trip() {
+        for d in [
+            DType::Float16,
+            DType::BFloat16,
+            DType::Float32,
+            DType::Float8E4M3,
+        ] {
+            assert_eq!(DType::parse(d.name()).unwrap(), d);
+        }
+        assert!(DType::parse("int8").is_err());
+    }
+}

@@ -1,0 +1,1718 @@
+//! The store: put/get/lookup over segments and the index, sessions, flush,
+//! recovery, verify, compact and gc.
+//!
+//! Write order (the durability contract): a record is appended to this
+//! handle's own segment file, then `fdatasync` (per put with `Sync`, grouped
+//! with `Batch`, never with `None`), then the index entry commits, and only
+//! then is the block visible to other handles. A handle sees its own
+//! not-yet-committed blocks through its pending list.
+//!
+//! Many processes: LMDB serialises index writers; each writing handle appends
+//! to a segment file it created and holds an exclusive `flock` on, so records
+//! never interleave. A segment whose lock is free belongs to nobody alive:
+//! recovery truncates it to its committed length and seals it.
+//!
+//! Reads check every hit against the request: record header and token
+//! checksums, the block id, the token ids, the payload checksums. Anything
+//! off is a miss, the entry moves to the `damaged` table, and a later put of
+//! the same block stores it again.
+
+use crate::error::{Error, IoContext, Result};
+use crate::format::{self, Manifest, RecordHeader};
+use crate::id::{self, BlockId, Keyer};
+use crate::index::{Index, Location, SegmentInfo, SegmentState};
+use crate::io;
+use crate::layout::Layout;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{IoSlice, IoSliceMut};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// When a put is durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// `fdatasync` + index commit before each `put` returns.
+    Sync,
+    /// Group commit: records are written at once, synced and committed together
+    /// within `batch_window` (or sooner when `batch_bytes` pile up).
+    Batch,
+    /// Commit at once, never `fdatasync`: survives a process crash, not power loss.
+    None,
+}
+
+impl Durability {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "sync" => Ok(Durability::Sync),
+            "batch" => Ok(Durability::Batch),
+            "none" => Ok(Durability::None),
+            other => Err(Error::InvalidInput(format!(
+                "durability: expected \"sync\", \"batch\" or \"none\", got {other:?}"
+            ))),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Durability::Sync => "sync",
+            Durability::Batch => "batch",
+            Durability::None => "none",
+        }
+    }
+}
+
+/// How to open a store.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Model fingerprint. `None` with `layout: None` opens an existing store as
+    /// its MANIFEST says (the CLI does this).
+    pub fingerprint: Option<String>,
+    pub layout: Option<Layout>,
+    pub salt: Option<Vec<u8>>,
+    pub durability: Durability,
+    /// Bound on segment bytes on disk; `None` for unbounded.
+    pub disk_bytes: Option<u64>,
+    /// zstd level for payloads; 0 stores them raw.
+    pub compression_level: i32,
+    /// A segment file is sealed and a new one started past this size.
+    pub segment_bytes: u64,
+    pub batch_window: Duration,
+    pub batch_bytes: u64,
+    /// Create the store if it does not exist.
+    pub create: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            fingerprint: None,
+            layout: None,
+            salt: None,
+            durability: Durability::Batch,
+            disk_bytes: None,
+            compression_level: 0,
+            segment_bytes: 1 << 30,
+            batch_window: Duration::from_millis(20),
+            batch_bytes: 256 << 20,
+            create: true,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    hit_blocks: AtomicU64,
+    miss_blocks: AtomicU64,
+    blocks_written: AtomicU64,
+    blocks_deduped: AtomicU64,
+    bytes_written: AtomicU64,
+    bytes_read: AtomicU64,
+    damaged_found: AtomicU64,
+}
+
+/// Figures of `Store::stats`.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    pub blocks: u64,
+    pub sessions: u64,
+    pub segments: u64,
+    pub disk_bytes: u64,
+    pub live_bytes: u64,
+    pub dead_bytes: u64,
+    /// Raw (decoded) bytes of the live blocks; `/ live_bytes` is the compression ratio.
+    pub raw_live_bytes: u64,
+    pub damaged_blocks: u64,
+    pub pending_blocks: u64,
+    pub hit_blocks: u64,
+    pub miss_blocks: u64,
+    pub blocks_written: u64,
+    pub blocks_deduped: u64,
+    pub bytes_written: u64,
+    pub bytes_read: u64,
+    pub block_bytes: u64,
+}
+
+/// One segment, as `kvstore stats` lists it.
+#[derive(Clone, Debug)]
+pub struct SegmentReport {
+    pub segment: u64,
+    pub sealed: bool,
+    pub file_bytes: Option<u64>,
+    pub committed_bytes: u64,
+    pub live_bytes: u64,
+    pub live_records: u64,
+    pub dead_bytes: u64,
+}
+
+/// One damaged record found by `verify` (or by a read before it).
+#[derive(Clone, Debug)]
+pub struct Damage {
+    pub block_id: String,
+    pub segment: u64,
+    pub offset: u64,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct VerifyReport {
+    pub records_checked: u64,
+    pub bytes_checked: u64,
+    pub damaged: Vec<Damage>,
+    /// Problems that are not one block: missing or short segment files, orphans.
+    pub problems: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct CompactReport {
+    pub segments_rewritten: u64,
+    pub records_moved: u64,
+    pub records_dropped: u64,
+    pub bytes_before: u64,
+    pub bytes_after: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct GcReport {
+    pub blocks_evicted: u64,
+    pub bytes_evicted: u64,
+    pub compact: CompactReport,
+}
+
+/// Progress callback: (done, total).
+pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
+
+/// The segment this handle appends to.
+struct Active {
+    segment: u64,
+    file: File,
+    len: u64,
+}
+
+struct Pending {
+    id: BlockId,
+    loc: Location,
+}
+
+/// A writer: one active segment and the records not yet committed.
+struct Writer {
+    active: Option<Active>,
+    pending: Vec<Pending>,
+    pending_ids: HashMap<BlockId, Location>,
+    pending_bytes: u64,
+    oldest_pending: Option<Instant>,
+    poisoned: Option<String>,
+}
+
+impl Writer {
+    fn new() -> Self {
+        Writer {
+            active: None,
+            pending: Vec::new(),
+            pending_ids: HashMap::new(),
+            pending_bytes: 0,
+            oldest_pending: None,
+            poisoned: None,
+        }
+    }
+}
+
+struct Inner {
+    dir: PathBuf,
+    manifest: Manifest,
+    layout: Layout,
+    keyer: Keyer,
+    tag: [u8; 16],
+    opts: Options,
+    index: Arc<Index>,
+    writer: Mutex<Writer>,
+    wake: Condvar,
+    closing: AtomicBool,
+    readers: RwLock<ReaderCache>,
+    counters: Counters,
+}
+
+#[derive(Default)]
+struct ReaderCache {
+    generation: u64,
+    files: HashMap<u64, Arc<File>>,
+}
+
+/// A handle on a store directory. `Sync`: share it between threads.
+pub struct Store {
+    inner: RwLock<Option<Arc<Inner>>>,
+    flusher: Mutex<Option<JoinHandle<()>>>,
+    pid: u32,
+}
+
+/// Why a record could not be served.
+enum ReadFail {
+    /// The segment file is gone (compacted away): look the block up again.
+    Gone,
+    Damaged(String),
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn segment_path(dir: &Path, segment: u64) -> PathBuf {
+    dir.join("segments").join(format!("{segment:016x}.kvseg"))
+}
+
+/// Splits a contiguous `[L, 2, T, H, D]` byte buffer into the `2L` runs of block `i`.
+fn block_chunks<'a>(layout: &Layout, kv: &'a [u8], total_tokens: usize, i: usize) -> Vec<&'a [u8]> {
+    let tb = layout.token_bytes();
+    let cb = layout.chunk_bytes();
+    let b = layout.block_size as usize;
+    (0..layout.num_layers as usize * 2)
+        .map(|lk| {
+            let start = (lk * total_tokens + i * b) * tb;
+            &kv[start..start + cb]
+        })
+        .collect()
+}
+
+fn block_chunks_mut<'a>(
+    layout: &Layout,
+    kv: &'a mut [u8],
+    total_tokens: usize,
+    i: usize,
+) -> Vec<&'a mut [u8]> {
+    let tb = layout.token_bytes();
+    let cb = layout.chunk_bytes();
+    let b = layout.block_size as usize;
+    let stride = total_tokens * tb;
+    kv.chunks_mut(stride)
+        .take(layout.num_layers as usize * 2)
+        .map(|run| &mut run[i * b * tb..i * b * tb + cb])
+        .collect()
+}
+
+fn crc_of(chunks: &[&[u8]]) -> u32 {
+    chunks.iter().fold(0, |c, ch| crc32c::crc32c_append(c, ch))
+}
+
+impl Store {
+    /// Opens (or creates) the store at `dir`.
+    pub fn open(dir: &Path, opts: Options) -> Result<Store> {
+        if opts.compression_level < 0 || opts.compression_level > 22 {
+            return Err(Error::InvalidInput(format!(
+                "compression level: expected 0 (off) to 22, got {}",
+                opts.compression_level
+            )));
+        }
+        if opts.segment_bytes < 1 << 20 {
+            return Err(Error::InvalidInput(format!(
+                "segment_bytes: expected at least 1 MiB, got {}",
+                opts.segment_bytes
+            )));
+        }
+        let inner = Arc::new(Inner::open(dir, opts)?);
+        let flusher = (inner.opts.durability == Durability::Batch).then(|| {
+            let inner = inner.clone();
+            std::thread::Builder::new()
+                .name("kvstore-flush".into())
+                .spawn(move || inner.flush_loop())
+                .expect("spawn flusher thread")
+        });
+        Ok(Store {
+            inner: RwLock::new(Some(inner)),
+            flusher: Mutex::new(flusher),
+            pid: std::process::id(),
+        })
+    }
+
+    /// The open state, or `StoreClosed` (closed, or used across `fork()`).
+    fn live(&self) -> Result<Arc<Inner>> {
+        if std::process::id() != self.pid {
+            return Err(Error::StoreClosed(format!(
+                "this handle was opened in process {} and cannot be used after fork() (this is process {}); \
+                 open the store again in the child",
+                self.pid,
+                std::process::id()
+            )));
+        }
+        self.inner
+            .read()
+            .expect("store lock")
+            .clone()
+            .ok_or_else(|| Error::StoreClosed("the store handle is closed".into()))
+    }
+
+    pub fn layout(&self) -> Result<Layout> {
+        Ok(self.live()?.layout)
+    }
+    pub fn manifest(&self) -> Result<Manifest> {
+        Ok(self.live()?.manifest.clone())
+    }
+    pub fn durability(&self) -> Result<Durability> {
+        Ok(self.live()?.opts.durability)
+    }
+    pub fn is_closed(&self) -> bool {
+        self.inner.read().expect("store lock").is_none()
+    }
+
+    /// Stores every full block of `tokens` not stored yet. `kv` is a contiguous
+    /// `[L, 2, kv_tokens, H, D]` buffer. Returns the tokens covered (full blocks).
+    pub fn put(&self, tokens: &[u32], kv: &[u8], kv_tokens: usize, extra: &[u8]) -> Result<usize> {
+        self.live()?.put(tokens, kv, kv_tokens, extra)
+    }
+
+    /// Longest stored prefix of `tokens`, in tokens; counted as hits and misses.
+    pub fn lookup(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
+        let inner = self.live()?;
+        let n = inner.stored_blocks(tokens, extra)?;
+        inner.count_hits(n, tokens.len() / inner.layout.block_size as usize);
+        Ok(n * inner.layout.block_size as usize)
+    }
+
+    /// Like `lookup`, without counting (to size a buffer before `get_into`).
+    pub fn stored_prefix(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
+        let inner = self.live()?;
+        Ok(inner.stored_blocks(tokens, extra)? * inner.layout.block_size as usize)
+    }
+
+    /// Fills `out`, a contiguous `[L, 2, out_tokens, H, D]` buffer, with the KV of
+    /// the longest stored prefix (at most `out_tokens`). Returns its length in tokens.
+    pub fn get_into(
+        &self,
+        tokens: &[u32],
+        extra: &[u8],
+        out: &mut [u8],
+        out_tokens: usize,
+    ) -> Result<usize> {
+        self.live()?.get_into(tokens, extra, out, out_tokens)
+    }
+
+    pub fn save_session(
+        &self,
+        name: &str,
+        tokens: &[u32],
+        kv: &[u8],
+        kv_tokens: usize,
+    ) -> Result<usize> {
+        self.live()?.save_session(name, tokens, kv, kv_tokens)
+    }
+
+    /// Token ids of a session.
+    pub fn session_tokens(&self, name: &str) -> Result<Vec<u32>> {
+        let inner = self.live()?;
+        let txn = inner.index.read()?;
+        inner
+            .index
+            .get_session(&txn, &inner.tag, name)?
+            .ok_or_else(|| Error::SessionNotFound(name.to_string()))
+    }
+
+    /// This tenant's sessions: (name, token count).
+    pub fn sessions(&self) -> Result<Vec<(String, usize)>> {
+        let inner = self.live()?;
+        let txn = inner.index.read()?;
+        inner.index.sessions(&txn, &inner.tag)
+    }
+
+    pub fn delete_session(&self, name: &str) -> Result<bool> {
+        let inner = self.live()?;
+        let mut txn = inner.index.write()?;
+        let found = inner.index.delete_session(&mut txn, &inner.tag, name)?;
+        inner
+            .index
+            .commit(txn, inner.opts.durability != Durability::None)?;
+        Ok(found)
+    }
+
+    /// Everything put so far is durable (and visible to others) when this returns.
+    pub fn flush(&self) -> Result<()> {
+        let inner = self.live()?;
+        let mut w = inner.writer.lock().expect("writer lock");
+        inner.commit_pending(&mut w)
+    }
+
+    pub fn stats(&self) -> Result<Stats> {
+        self.live()?.stats()
+    }
+
+    pub fn segments(&self) -> Result<Vec<SegmentReport>> {
+        self.live()?.segment_reports()
+    }
+
+    pub fn verify(&self, progress: Progress<'_>) -> Result<VerifyReport> {
+        self.live()?.verify(progress)
+    }
+
+    pub fn compact(&self, progress: Progress<'_>) -> Result<CompactReport> {
+        self.live()?.compact(progress, false)
+    }
+
+    pub fn gc(
+        &self,
+        max_bytes: Option<u64>,
+        older_than: Option<Duration>,
+        progress: Progress<'_>,
+    ) -> Result<GcReport> {
+        self.live()?.gc(max_bytes, older_than, progress)
+    }
+
+    /// Commits what is pending, seals this handle's segment and releases it.
+    /// Later calls raise `StoreClosed`; closing twice is fine.
+    pub fn close(&self) -> Result<()> {
+        if std::process::id() != self.pid {
+            return Ok(());
+        }
+        // Taking the write lock waits for every call in flight on this handle.
+        let inner = self.inner.write().expect("store lock").take();
+        let Some(inner) = inner else { return Ok(()) };
+        inner.closing.store(true, Ordering::SeqCst);
+        inner.wake.notify_all();
+        if let Some(t) = self.flusher.lock().expect("flusher lock").take() {
+            let _ = t.join();
+        }
+        let mut w = inner.writer.lock().expect("writer lock");
+        let res = inner.commit_pending(&mut w);
+        let res = res.and_then(|_| inner.seal_active(&mut w));
+        w.active = None;
+        res
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child must not touch the parent's LMDB environment or
+            // segment: leak its copy of the state instead of tearing it down.
+            if let Some(inner) = self.inner.get_mut().ok().and_then(|i| i.take()) {
+                std::mem::forget(inner);
+            }
+            if let Some(t) = self.flusher.get_mut().ok().and_then(|f| f.take()) {
+                std::mem::forget(t);
+            }
+            return;
+        }
+        let _ = self.close();
+    }
+}
+
+impl Inner {
+    fn open(dir: &Path, opts: Options) -> Result<Inner> {
+        if opts.create {
+            io::ensure_dir(dir).ctx(|| format!("store directory {}", dir.display()))?;
+        } else if !dir.is_dir() {
+            return Err(Error::InvalidInput(format!(
+                "no store at {}",
+                dir.display()
+            )));
+        }
+        // Creation and recovery run under an exclusive lock so two processes
+        // opening a new store at once agree on one MANIFEST.
+        let lock = io::open_or_create(&dir.join("LOCK"))
+            .ctx(|| format!("lock file in {}", dir.display()))?;
+        lock_with_timeout(&lock, Duration::from_secs(30))?;
+        let manifest_path = dir.join("MANIFEST");
+        let manifest = match std::fs::read(&manifest_path) {
+            Ok(bytes) => Manifest::decode(&bytes).map_err(|r| Error::corrupt(&manifest_path, r))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let (Some(fp), Some(layout), true) = (&opts.fingerprint, &opts.layout, opts.create)
+                else {
+                    return Err(Error::InvalidInput(format!(
+                        "no kvstore at {} (no MANIFEST); create it by opening with a layout and a model",
+                        dir.display()
+                    )));
+                };
+                let mut rnd = [0u8; 16];
+                getrandom::fill(&mut rnd).map_err(|e| Error::Io {
+                    context: "store id".into(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+                let m = Manifest {
+                    format_version: format::FORMAT_VERSION,
+                    fingerprint: fp.clone(),
+                    num_layers: layout.num_layers,
+                    num_kv_heads: layout.num_kv_heads,
+                    head_dim: layout.head_dim,
+                    dtype: layout.dtype.name().to_string(),
+                    block_size: layout.block_size,
+                    created_unix: now_ms() / 1000,
+                    store_id: rnd.iter().map(|b| format!("{b:02x}")).collect(),
+                };
+                io::write_atomic(&manifest_path, &m.encode())
+                    .ctx(|| format!("writing {}", manifest_path.display()))?;
+                m
+            }
+            Err(e) => {
+                return Err(Error::Io {
+                    context: format!("reading {}", manifest_path.display()),
+                    source: e,
+                })
+            }
+        };
+        let layout = manifest
+            .layout()
+            .map_err(|e| Error::corrupt(&manifest_path, e.to_string()))?;
+        let fingerprint = opts
+            .fingerprint
+            .clone()
+            .unwrap_or_else(|| manifest.fingerprint.clone());
+        let asked_layout = opts.layout.unwrap_or(layout);
+        format::check_identity(&manifest, &fingerprint, &asked_layout)?;
+
+        for sub in ["index", "segments"] {
+            io::ensure_dir(&dir.join(sub)).ctx(|| format!("{} in {}", sub, dir.display()))?;
+        }
+        let index = Index::open(&dir.join("index"), opts.durability == Durability::None)?;
+        let keyer = Keyer::new(&fingerprint, &layout, opts.salt.as_deref());
+        let inner = Inner {
+            dir: dir.to_path_buf(),
+            tag: keyer.tenant_tag(),
+            keyer,
+            manifest,
+            layout,
+            opts,
+            index,
+            writer: Mutex::new(Writer::new()),
+            wake: Condvar::new(),
+            closing: AtomicBool::new(false),
+            readers: RwLock::new(ReaderCache::default()),
+            counters: Counters::default(),
+        };
+        inner.recover()?;
+        drop(lock);
+        Ok(inner)
+    }
+
+    fn durable(&self) -> bool {
+        self.opts.durability != Durability::None
+    }
+
+    /// Seals every active segment whose writer is gone, truncating what lies
+    /// past its committed length (a torn or never-committed tail).
+    fn recover(&self) -> Result<()> {
+        let segments = {
+            let txn = self.index.read()?;
+            self.index.all_segments(&txn)?
+        };
+        for (seg, info) in segments {
+            if info.state != SegmentState::Active {
+                continue;
+            }
+            let path = segment_path(&self.dir, seg);
+            let file = match io::open_existing(&path, true) {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    // Registered but never created: nothing was committed in it.
+                    if info.committed_len <= format::SEGMENT_HEADER_LEN as u64 {
+                        let mut txn = self.index.write()?;
+                        self.index.delete_segment(&mut txn, seg)?;
+                        self.index.commit(txn, self.durable())?;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    return Err(Error::Io {
+                        context: format!("opening {}", path.display()),
+                        source: e,
+                    })
+                }
+            };
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(std::fs::TryLockError::WouldBlock) => continue, // its writer is alive
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(Error::Io {
+                        context: format!("locking {}", path.display()),
+                        source: e,
+                    })
+                }
+            }
+            let len = file
+                .metadata()
+                .ctx(|| format!("stat {}", path.display()))?
+                .len();
+            if len > info.committed_len {
+                file.set_len(info.committed_len)
+                    .ctx(|| format!("truncating {}", path.display()))?;
+                file.sync_all()
+                    .ctx(|| format!("fsync {}", path.display()))?;
+            }
+            let mut txn = self.index.write()?;
+            if let Some(mut now) = self.index.get_segment(&txn, seg)? {
+                now.state = SegmentState::Sealed;
+                self.index.put_segment(&mut txn, seg, &now)?;
+            }
+            self.index.commit(txn, self.durable())?;
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- writes
+
+    fn check_kv(&self, tokens: &[u32], kv: &[u8], kv_tokens: usize) -> Result<usize> {
+        let b = self.layout.block_size as usize;
+        let full = tokens.len() / b * b;
+        if kv_tokens < full {
+            return Err(Error::InvalidInput(format!(
+                "kv: expected at least {full} tokens (the full blocks of {} token ids), got {kv_tokens}",
+                tokens.len()
+            )));
+        }
+        let want = self
+            .layout
+            .kv_bytes(kv_tokens)
+            .ok_or_else(|| Error::InvalidInput(format!("kv: {kv_tokens} tokens overflow")))?;
+        if kv.len() != want {
+            return Err(Error::InvalidInput(format!(
+                "kv: expected {want} bytes for [L={}, 2, T={kv_tokens}, H={}, D={}] of {}, got {}",
+                self.layout.num_layers,
+                self.layout.num_kv_heads,
+                self.layout.head_dim,
+                self.layout.dtype.name(),
+                kv.len()
+            )));
+        }
+        Ok(full)
+    }
+
+    fn put(&self, tokens: &[u32], kv: &[u8], kv_tokens: usize, extra: &[u8]) -> Result<usize> {
+        let full = self.check_kv(tokens, kv, kv_tokens)?;
+        let b = self.layout.block_size as usize;
+        let ids = self.keyer.chain(&tokens[..full], b, extra);
+        let present: Vec<bool> = {
+            let txn = self.index.read()?;
+            ids.iter()
+                .map(|id| self.index.get_block(&txn, id).map(|l| l.is_some()))
+                .collect::<Result<_>>()?
+        };
+        let mut w = self.writer.lock().expect("writer lock");
+        if let Some(p) = &w.poisoned {
+            return Err(Error::Poisoned(p.clone()));
+        }
+        let mut scratch = Vec::new();
+        let mut shuffled = Vec::new();
+        let mut wrote = 0u64;
+        for (i, id) in ids.iter().enumerate() {
+            if present[i] || w.pending_ids.contains_key(id) {
+                self.counters.blocks_deduped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
+            let loc = self.append(
+                &mut w,
+                id,
+                &tokens[i * b..(i + 1) * b],
+                &chunks,
+                &mut scratch,
+                &mut shuffled,
+            )?;
+            wrote += 1;
+            w.pending_bytes += loc.record_len;
+            w.oldest_pending.get_or_insert_with(Instant::now);
+            w.pending_ids.insert(*id, loc);
+            w.pending.push(Pending { id: *id, loc });
+        }
+        self.counters
+            .blocks_written
+            .fetch_add(wrote, Ordering::Relaxed);
+        match self.opts.durability {
+            Durability::Sync | Durability::None => self.commit_pending(&mut w)?,
+            Durability::Batch => {
+                if w.pending_bytes >= self.opts.batch_bytes {
+                    self.commit_pending(&mut w)?;
+                }
+            }
+        }
+        Ok(full)
+    }
+
+    /// Appends one record to the active segment (rolling it when full).
+    fn append(
+        &self,
+        w: &mut Writer,
+        id: &BlockId,
+        tokens: &[u32],
+        chunks: &[&[u8]],
+        scratch: &mut Vec<u8>,
+        shuffled: &mut Vec<u8>,
+    ) -> Result<Location> {
+        let raw_len = self.layout.block_bytes() as u64;
+        let raw_crc = crc_of(chunks);
+        let mut flags = 0u16;
+        let mut compressed: Option<Vec<u8>> = None;
+        if self.opts.compression_level > 0 {
+            scratch.clear();
+            for c in chunks {
+                scratch.extend_from_slice(c);
+            }
+            let elem = self.layout.dtype.size();
+            let src: &[u8] = if elem > 1 {
+                format::shuffle(scratch, elem, shuffled);
+                flags |= format::FLAG_SHUFFLE;
+                shuffled
+            } else {
+                scratch
+            };
+            let z =
+                zstd::bulk::compress(src, self.opts.compression_level).map_err(|e| Error::Io {
+                    context: "zstd compress".into(),
+                    source: e,
+                })?;
+            // Keep the raw bytes when compression does not pay: stored length
+            // equal to the raw length then always means "raw" in the index.
+            if (z.len() as u64) < raw_len {
+                flags |= format::FLAG_ZSTD;
+                compressed = Some(z);
+            } else {
+                flags = 0;
+            }
+        }
+        let (stored_len, stored_crc) = match &compressed {
+            Some(z) => (z.len() as u64, crc32c::crc32c(z)),
+            None => (raw_len, raw_crc),
+        };
+        let meta =
+            format::encode_record_meta(flags, id, tokens, stored_len, raw_len, stored_crc, raw_crc);
+        let record_len = meta.len() as u64 + stored_len;
+        self.ensure_room(w, record_len)?;
+        let active = w.active.as_mut().expect("active segment");
+        let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(chunks.len() + 1);
+        bufs.push(IoSlice::new(&meta));
+        match &compressed {
+            Some(z) => bufs.push(IoSlice::new(z)),
+            None => bufs.extend(chunks.iter().map(|c| IoSlice::new(c))),
+        }
+        let offset = active.len;
+        if let Err(e) = io::write_all_at(&active.file, &mut bufs, offset) {
+            // Whatever reached the file past `len` is garbage the next record
+            // overwrites, and recovery truncates: nothing was published.
+            if e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
+                return Err(Error::StoreFull(format!(
+                    "no space left on the device for segment {}",
+                    active.segment
+                )));
+            }
+            return Err(Error::Io {
+                context: format!("writing segment {}", active.segment),
+                source: e,
+            });
+        }
+        active.len += record_len;
+        self.counters
+            .bytes_written
+            .fetch_add(record_len, Ordering::Relaxed);
+        Ok(Location {
+            segment: active.segment,
+            offset,
+            record_len,
+            stored_len,
+            created_ms: now_ms(),
+        })
+    }
+
+    /// Makes sure the active segment can take `record_len` more bytes, and that
+    /// the store stays within `disk_bytes`.
+    fn ensure_room(&self, w: &mut Writer, record_len: u64) -> Result<()> {
+        if let Some(limit) = self.opts.disk_bytes {
+            let used = self.disk_used(w)?;
+            if used + record_len > limit {
+                return Err(Error::StoreFull(format!(
+                    "disk_bytes limit of {limit} bytes reached ({used} in use); run `kvstore gc` or raise disk_bytes"
+                )));
+            }
+        }
+        let roll = match &w.active {
+            Some(a) => {
+                a.len + record_len > self.opts.segment_bytes
+                    && a.len > format::SEGMENT_HEADER_LEN as u64
+            }
+            None => true,
+        };
+        if roll {
+            self.commit_pending(w)?;
+            self.seal_active(w)?;
+            w.active = Some(self.new_segment()?);
+        }
+        Ok(())
+    }
+
+    /// Bytes of segment files: committed lengths in the index plus this
+    /// handle's uncommitted tail.
+    fn disk_used(&self, w: &Writer) -> Result<u64> {
+        let txn = self.index.read()?;
+        let committed: u64 = self
+            .index
+            .all_segments(&txn)?
+            .iter()
+            .map(|(_, i)| i.committed_len)
+            .sum();
+        Ok(committed + w.pending_bytes)
+    }
+
+    fn new_segment(&self) -> Result<Active> {
+        let mut txn = self.index.write()?;
+        let segment = self.index.meta_u64(&txn, "next_segment")?.max(1);
+        self.index
+            .set_meta_u64(&mut txn, "next_segment", segment + 1)?;
+        self.index
+            .put_segment(&mut txn, segment, &SegmentInfo::new())?;
+        // Registered before the file exists: a file not in the table is always
+        // an orphan that compaction may delete.
+        self.index.commit(txn, self.durable())?;
+        let path = segment_path(&self.dir, segment);
+        let file = io::create_new(&path).ctx(|| format!("creating {}", path.display()))?;
+        file.try_lock().map_err(|e| {
+            Error::StoreLocked(format!("segment {} is locked: {e}", path.display()))
+        })?;
+        let header = format::encode_segment_header(segment);
+        io::write_all_at(&file, &mut [IoSlice::new(&header)], 0)
+            .ctx(|| format!("writing {}", path.display()))?;
+        if self.durable() {
+            file.sync_data()
+                .ctx(|| format!("fdatasync {}", path.display()))?;
+            io::sync_dir(&self.dir.join("segments"))
+                .ctx(|| "fsync segments directory".to_string())?;
+        }
+        Ok(Active {
+            segment,
+            file,
+            len: format::SEGMENT_HEADER_LEN as u64,
+        })
+    }
+
+    fn seal_active(&self, w: &mut Writer) -> Result<()> {
+        let Some(active) = w.active.take() else {
+            return Ok(());
+        };
+        let mut txn = self.index.write()?;
+        if let Some(mut info) = self.index.get_segment(&txn, active.segment)? {
+            info.state = SegmentState::Sealed;
+            self.index.put_segment(&mut txn, active.segment, &info)?;
+        }
+        self.index.commit(txn, self.durable())?;
+        Ok(())
+    }
+
+    /// Syncs the active segment (unless durability is "none") and commits every
+    /// pending entry in one index transaction.
+    fn commit_pending(&self, w: &mut Writer) -> Result<()> {
+        if let Some(p) = &w.poisoned {
+            return Err(Error::Poisoned(p.clone()));
+        }
+        if w.pending.is_empty() {
+            return Ok(());
+        }
+        let active = w
+            .active
+            .as_ref()
+            .expect("pending records live in the active segment");
+        if self.durable() {
+            if let Err(e) = active.file.sync_data() {
+                let msg = format!("fdatasync of segment {} failed: {e}", active.segment);
+                w.poisoned = Some(msg.clone());
+                return Err(Error::Poisoned(msg));
+            }
+        }
+        let (segment, committed_len) = (active.segment, active.len);
+        let mut txn = self.index.write()?;
+        let mut live_bytes = 0i64;
+        let mut live_records = 0i64;
+        for p in &w.pending {
+            // Another process may have committed the same block meanwhile; the
+            // first one wins and this copy is dead bytes.
+            if self.index.get_block_rw(&txn, &p.id)?.is_none() {
+                self.index.put_block(&mut txn, &p.id, &p.loc)?;
+                live_bytes += p.loc.record_len as i64;
+                live_records += 1;
+            }
+        }
+        let mut info = self
+            .index
+            .get_segment(&txn, segment)?
+            .unwrap_or_else(SegmentInfo::new);
+        info.committed_len = committed_len;
+        info.live_bytes = info.live_bytes.saturating_add_signed(live_bytes);
+        info.live_records = info.live_records.saturating_add_signed(live_records);
+        self.index.put_segment(&mut txn, segment, &info)?;
+        self.index.commit(txn, self.durable())?;
+        w.pending.clear();
+        w.pending_ids.clear();
+        w.pending_bytes = 0;
+        w.oldest_pending = None;
+        Ok(())
+    }
+
+    /// Group commit for `Batch`: commits whatever is older than the window.
+    fn flush_loop(&self) {
+        let window = self.opts.batch_window;
+        let mut w = self.writer.lock().expect("writer lock");
+        while !self.closing.load(Ordering::SeqCst) {
+            let wait = match w.oldest_pending {
+                Some(t) => window.saturating_sub(t.elapsed()),
+                None => window,
+            };
+            w = self.wake.wait_timeout(w, wait).expect("writer lock").0;
+            if w.oldest_pending.is_some_and(|t| t.elapsed() >= window) {
+                // A failure poisons the writer; the next put reports it.
+                let _ = self.commit_pending(&mut w);
+            }
+        }
+    }
+
+    fn save_session(
+        &self,
+        name: &str,
+        tokens: &[u32],
+        kv: &[u8],
+        kv_tokens: usize,
+    ) -> Result<usize> {
+        if name.is_empty() || name.len() > 400 {
+            return Err(Error::InvalidInput(format!(
+                "session name: expected 1 to 400 bytes of UTF-8, got {} bytes",
+                name.len()
+            )));
+        }
+        let n = self.put(tokens, kv, kv_tokens, b"")?;
+        let mut w = self.writer.lock().expect("writer lock");
+        self.commit_pending(&mut w)?;
+        let mut txn = self.index.write()?;
+        self.index.put_session(&mut txn, &self.tag, name, tokens)?;
+        self.index.commit(txn, self.durable())?;
+        Ok(n)
+    }
+
+    // ----------------------------------------------------------------- reads
+
+    /// Number of leading full blocks of `tokens` that are stored.
+    fn stored_blocks(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
+        let ids = self
+            .keyer
+            .chain(tokens, self.layout.block_size as usize, extra);
+        let txn = self.index.read()?;
+        let mut n = 0;
+        for id in &ids {
+            if self.index.get_block(&txn, id)?.is_some() || self.pending_loc(id).is_some() {
+                n += 1;
+            } else {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    fn count_hits(&self, hit: usize, asked: usize) {
+        self.counters
+            .hit_blocks
+            .fetch_add(hit as u64, Ordering::Relaxed);
+        self.counters
+            .miss_blocks
+            .fetch_add((asked - hit) as u64, Ordering::Relaxed);
+    }
+
+    fn pending_loc(&self, id: &BlockId) -> Option<Location> {
+        if self.opts.durability != Durability::Batch {
+            return None;
+        }
+        self.writer
+            .lock()
+            .expect("writer lock")
+            .pending_ids
+            .get(id)
+            .copied()
+    }
+
+    fn get_into(
+        &self,
+        tokens: &[u32],
+        extra: &[u8],
+        out: &mut [u8],
+        out_tokens: usize,
+    ) -> Result<usize> {
+        let b = self.layout.block_size as usize;
+        let want = self
+            .layout
+            .kv_bytes(out_tokens)
+            .ok_or_else(|| Error::InvalidInput(format!("out: {out_tokens} tokens overflow")))?;
+        if out.len() != want {
+            return Err(Error::InvalidInput(format!(
+                "out: expected {want} bytes for {out_tokens} tokens, got {}",
+                out.len()
+            )));
+        }
+        let usable = tokens.len().min(out_tokens) / b;
+        let ids = self.keyer.chain(&tokens[..usable * b], b, extra);
+        let mut scratch = Vec::new();
+        let mut served = 0;
+        let mut txn = Some(self.index.read()?);
+        self.refresh_readers(txn.as_ref().expect("txn"))?;
+        'blocks: for (i, id) in ids.iter().enumerate() {
+            for attempt in 0..2 {
+                if txn.is_none() {
+                    txn = Some(self.index.read()?);
+                }
+                let t = txn.as_ref().expect("read txn");
+                let loc = match self
+                    .index
+                    .get_block(t, id)?
+                    .or_else(|| self.pending_loc(id))
+                {
+                    Some(l) => l,
+                    None => break 'blocks,
+                };
+                let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i);
+                match self.read_record(
+                    &loc,
+                    id,
+                    Some(&tokens[i * b..(i + 1) * b]),
+                    &mut chunks,
+                    &mut scratch,
+                )? {
+                    Ok(()) => {
+                        self.counters
+                            .bytes_read
+                            .fetch_add(loc.record_len, Ordering::Relaxed);
+                        served += 1;
+                        continue 'blocks;
+                    }
+                    Err(ReadFail::Gone) if attempt == 0 => {
+                        // Compacted away since our snapshot: look it up afresh.
+                        txn = None;
+                        self.readers
+                            .write()
+                            .expect("reader cache")
+                            .files
+                            .remove(&loc.segment);
+                    }
+                    Err(ReadFail::Gone) => break 'blocks,
+                    Err(ReadFail::Damaged(reason)) => {
+                        drop(txn.take());
+                        self.quarantine(id, &loc, &reason)?;
+                        break 'blocks;
+                    }
+                }
+            }
+        }
+        self.count_hits(served, tokens.len() / b);
+        Ok(served * b)
+    }
+
+    /// Drops cached segment files once compaction or gc removed segments, so
+    /// their disk space is really freed.
+    fn refresh_readers(&self, txn: &heed::RoTxn<'_>) -> Result<()> {
+        let generation = self.index.meta_u64(txn, "generation")?;
+        if self.readers.read().expect("reader cache").generation != generation {
+            let mut r = self.readers.write().expect("reader cache");
+            r.files.clear();
+            r.generation = generation;
+        }
+        Ok(())
+    }
+
+    fn reader(&self, segment: u64) -> std::io::Result<Arc<File>> {
+        if let Some(f) = self
+            .readers
+            .read()
+            .expect("reader cache")
+            .files
+            .get(&segment)
+        {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(io::open_existing(&segment_path(&self.dir, segment), false)?);
+        self.readers
+            .write()
+            .expect("reader cache")
+            .files
+            .insert(segment, f.clone());
+        Ok(f)
+    }
+
+    /// Reads the record at `loc` into `out` (the block's `2L` runs) and checks
+    /// it against `id` and, when given, the requested `tokens`.
+    /// The outer `Result` is an I/O failure of the store itself; the inner one
+    /// says whether this block can be served.
+    fn read_record(
+        &self,
+        loc: &Location,
+        id: &BlockId,
+        tokens: Option<&[u32]>,
+        out: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+    ) -> Result<Result<(), ReadFail>> {
+        let b = self.layout.block_size;
+        let raw_len = self.layout.block_bytes() as u64;
+        let meta_len = format::RECORD_HEADER_LEN + 4 * b as usize;
+        if loc.stored_len > raw_len || loc.record_len != meta_len as u64 + loc.stored_len {
+            return Ok(Err(ReadFail::Damaged(
+                "index entry has impossible lengths".into(),
+            )));
+        }
+        let file = match self.reader(loc.segment) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Err(ReadFail::Gone)),
+            Err(e) => {
+                return Ok(Err(ReadFail::Damaged(format!(
+                    "segment {} unreadable: {e}",
+                    loc.segment
+                ))))
+            }
+        };
+        let mut meta = vec![0u8; meta_len];
+        let raw = loc.stored_len == raw_len;
+        let read = if raw {
+            let mut bufs: Vec<IoSliceMut<'_>> = Vec::with_capacity(out.len() + 1);
+            bufs.push(IoSliceMut::new(&mut meta));
+            bufs.extend(out.iter_mut().map(|c| IoSliceMut::new(c)));
+            io::read_exact_at(&file, &mut bufs, loc.offset)
+        } else {
+            scratch.resize(loc.stored_len as usize, 0);
+            io::read_exact_at(
+                &file,
+                &mut [IoSliceMut::new(&mut meta), IoSliceMut::new(scratch)],
+                loc.offset,
+            )
+        };
+        if let Err(e) = read {
+            return Ok(Err(ReadFail::Damaged(format!("read failed: {e}"))));
+        }
+        let header = match format::decode_record_header(&meta, b, raw_len)
+            .and_then(|h| format::check_meta(&h, &meta).map(|_| h))
+        {
+            Ok(h) => h,
+            Err(r) => return Ok(Err(ReadFail::Damaged(r))),
+        };
+        if let Err(r) = self.check_header(&header, loc, id, tokens, &meta) {
+            return Ok(Err(ReadFail::Damaged(r)));
+        }
+        if raw {
+            let crc = out.iter().fold(0, |c, ch| crc32c::crc32c_append(c, ch));
+            if crc != header.raw_crc || crc != header.stored_crc {
+                return Ok(Err(ReadFail::Damaged("payload checksum mismatch".into())));
+            }
+            return Ok(Ok(()));
+        }
+        if crc32c::crc32c(scratch) != header.stored_crc {
+            return Ok(Err(ReadFail::Damaged(
+                "stored payload checksum mismatch".into(),
+            )));
+        }
+        let mut decoded = vec![0u8; raw_len as usize];
+        match zstd::bulk::decompress_to_buffer(scratch, &mut decoded[..]) {
+            Ok(n) if n as u64 == raw_len => {}
+            Ok(n) => {
+                return Ok(Err(ReadFail::Damaged(format!(
+                    "zstd frame decodes to {n} bytes, expected {raw_len}"
+                ))))
+            }
+            Err(e) => return Ok(Err(ReadFail::Damaged(format!("zstd: {e}")))),
+        }
+        let elem = self.layout.dtype.size();
+        let plain: &[u8] = if header.flags & format::FLAG_SHUFFLE != 0 {
+            scratch.resize(decoded.len(), 0);
+            format::unshuffle(&decoded, elem, scratch);
+            scratch
+        } else {
+            &decoded
+        };
+        if crc32c::crc32c(plain) != header.raw_crc {
+            return Ok(Err(ReadFail::Damaged(
+                "decoded payload checksum mismatch".into(),
+            )));
+        }
+        for (dst, src) in out.iter_mut().zip(plain.chunks(self.layout.chunk_bytes())) {
+            dst.copy_from_slice(src);
+        }
+        Ok(Ok(()))
+    }
+
+    fn check_header(
+        &self,
+        h: &RecordHeader,
+        loc: &Location,
+        id: &BlockId,
+        tokens: Option<&[u32]>,
+        meta: &[u8],
+    ) -> Result<(), String> {
+        if &h.block_id != id {
+            return Err("record holds another block (misplaced or colliding record)".into());
+        }
+        if h.n_tokens != self.layout.block_size {
+            return Err(format!(
+                "record has {} tokens, the layout {}",
+                h.n_tokens, self.layout.block_size
+            ));
+        }
+        if h.raw_len != self.layout.block_bytes() as u64 || h.stored_len != loc.stored_len {
+            return Err("record lengths disagree with the layout or the index".into());
+        }
+        let compressed = h.flags & format::FLAG_ZSTD != 0;
+        if compressed == (h.stored_len == h.raw_len) {
+            return Err("record compression flag disagrees with its lengths".into());
+        }
+        if let Some(t) = tokens {
+            if !format::record_tokens(meta).eq(t.iter().copied()) {
+                return Err(
+                    "record token ids differ from the request (hash collision or misplaced record)"
+                        .into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves a damaged block's entry out of `blocks` (if it still points at the
+    /// damaged record), so it is a miss and a later put stores it again.
+    fn quarantine(&self, id: &BlockId, loc: &Location, reason: &str) -> Result<()> {
+        self.counters.damaged_found.fetch_add(1, Ordering::Relaxed);
+        let mut txn = self.index.write()?;
+        if self.index.get_block_rw(&txn, id)? == Some(*loc) {
+            self.index.delete_block(&mut txn, id)?;
+            self.index
+                .add_live(&mut txn, loc.segment, -(loc.record_len as i64), -1)?;
+            self.index.put_damaged(&mut txn, id, loc, reason)?;
+        }
+        self.index.commit(txn, self.durable())
+    }
+
+    // ------------------------------------------------------------ inspection
+
+    fn stats(&self) -> Result<Stats> {
+        let txn = self.index.read()?;
+        let segs = self.index.all_segments(&txn)?;
+        let blocks = self.index.block_count(&txn)?;
+        let live_bytes: u64 = segs.iter().map(|(_, i)| i.live_bytes).sum();
+        let committed: u64 = segs.iter().map(|(_, i)| i.committed_len).sum();
+        let disk_bytes: u64 = segs
+            .iter()
+            .filter_map(|(s, _)| std::fs::metadata(segment_path(&self.dir, *s)).ok())
+            .map(|m| m.len())
+            .sum();
+        let headers = segs.len() as u64 * format::SEGMENT_HEADER_LEN as u64;
+        let c = &self.counters;
+        let pending = self.writer.lock().expect("writer lock").pending.len() as u64;
+        Ok(Stats {
+            blocks,
+            sessions: self.index.sessions(&txn, &self.tag)?.len() as u64,
+            segments: segs.len() as u64,
+            disk_bytes,
+            live_bytes,
+            dead_bytes: committed.saturating_sub(live_bytes + headers),
+            raw_live_bytes: blocks * self.layout.block_bytes() as u64,
+            damaged_blocks: self.index.all_damaged(&txn)?.len() as u64,
+            pending_blocks: pending,
+            hit_blocks: c.hit_blocks.load(Ordering::Relaxed),
+            miss_blocks: c.miss_blocks.load(Ordering::Relaxed),
+            blocks_written: c.blocks_written.load(Ordering::Relaxed),
+            blocks_deduped: c.blocks_deduped.load(Ordering::Relaxed),
+            bytes_written: c.bytes_written.load(Ordering::Relaxed),
+            bytes_read: c.bytes_read.load(Ordering::Relaxed),
+            block_bytes: self.layout.block_bytes() as u64,
+        })
+    }
+
+    fn segment_reports(&self) -> Result<Vec<SegmentReport>> {
+        let txn = self.index.read()?;
+        Ok(self
+            .index
+            .all_segments(&txn)?
+            .into_iter()
+            .map(|(s, i)| SegmentReport {
+                segment: s,
+                sealed: i.state == SegmentState::Sealed,
+                file_bytes: std::fs::metadata(segment_path(&self.dir, s))
+                    .ok()
+                    .map(|m| m.len()),
+                committed_bytes: i.committed_len,
+                live_bytes: i.live_bytes,
+                live_records: i.live_records,
+                dead_bytes: i
+                    .committed_len
+                    .saturating_sub(i.live_bytes + format::SEGMENT_HEADER_LEN as u64),
+            })
+            .collect())
+    }
+
+    /// Re-reads every indexed record and checks it; lists what is damaged.
+    /// Read-only: moves nothing.
+    fn verify(&self, progress: Progress<'_>) -> Result<VerifyReport> {
+        let mut report = VerifyReport::default();
+        let (blocks, segments, damaged) = {
+            let txn = self.index.read()?;
+            (
+                self.index.all_blocks(&txn)?,
+                self.index.all_segments(&txn)?,
+                self.index.all_damaged(&txn)?,
+            )
+        };
+        for (id, loc, reason) in damaged {
+            report.damaged.push(Damage {
+                block_id: id::hex(&id),
+                segment: loc.segment,
+                offset: loc.offset,
+                reason: format!("{reason} (found on an earlier read)"),
+            });
+        }
+        let mut known = std::collections::HashSet::new();
+        for (seg, info) in &segments {
+            known.insert(*seg);
+            let path = segment_path(&self.dir, *seg);
+            match std::fs::symlink_metadata(&path) {
+                Ok(m) if m.file_type().is_symlink() => report
+                    .problems
+                    .push(format!("segment {seg:016x} is a symlink; not followed")),
+                Ok(m) if m.len() < info.committed_len => report.problems.push(format!(
+                    "segment {seg:016x} is {} bytes, shorter than its committed {} bytes",
+                    m.len(),
+                    info.committed_len
+                )),
+                Ok(_) => {
+                    let header = io::open_existing(&path, false).and_then(|f| {
+                        let mut h = [0u8; format::SEGMENT_HEADER_LEN];
+                        io::read_exact_at(&f, &mut [IoSliceMut::new(&mut h)], 0).map(|_| h)
+                    });
+                    match header.map(|h| format::decode_segment_header(&h)) {
+                        Ok(Ok(n)) if n == *seg => {}
+                        Ok(Ok(n)) => report
+                            .problems
+                            .push(format!("segment {seg:016x} says it is segment {n:016x}")),
+                        Ok(Err(r)) => report.problems.push(format!("segment {seg:016x}: {r}")),
+                        Err(e) => report.problems.push(format!("segment {seg:016x}: {e}")),
+                    }
+                }
+                Err(_) if info.live_records > 0 => report
+                    .problems
+                    .push(format!("segment {seg:016x} is missing")),
+                Err(_) => {}
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(self.dir.join("segments")) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let parsed = name
+                    .strip_suffix(".kvseg")
+                    .and_then(|s| u64::from_str_radix(s, 16).ok());
+                match parsed {
+                    Some(n) if known.contains(&n) => {}
+                    _ => report
+                        .problems
+                        .push(format!("segments/{name} is not in the index (orphan)")),
+                }
+            }
+        }
+        let total = blocks.len() as u64;
+        let mut buf = vec![0u8; self.layout.block_bytes()];
+        let mut scratch = Vec::new();
+        for (n, (id, loc)) in blocks.iter().enumerate() {
+            let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
+            match self.read_record(loc, id, None, &mut chunks, &mut scratch)? {
+                Ok(()) => {}
+                Err(fail) => report.damaged.push(Damage {
+                    block_id: id::hex(id),
+                    segment: loc.segment,
+                    offset: loc.offset,
+                    reason: match fail {
+                        ReadFail::Gone => "segment file is missing".into(),
+                        ReadFail::Damaged(r) => r,
+                    },
+                }),
+            }
+            report.records_checked += 1;
+            report.bytes_checked += loc.record_len;
+            progress(n as u64 + 1, total);
+        }
+        Ok(report)
+    }
+
+    /// Rewrites the live records of sealed segments that hold dead bytes into
+    /// new segments, then deletes the old files. Deleting is safe while others
+    /// read: a reader that has a segment open keeps reading it (POSIX unlink),
+    /// and one that has not finds it gone and looks the block up again.
+    fn compact(&self, progress: Progress<'_>, all: bool) -> Result<CompactReport> {
+        let lock = io::open_or_create(&self.dir.join("COMPACT.lock"))
+            .ctx(|| "compaction lock".to_string())?;
+        lock.try_lock().map_err(|_| {
+            Error::StoreLocked("another compaction or gc is running on this store".into())
+        })?;
+        {
+            let mut w = self.writer.lock().expect("writer lock");
+            self.commit_pending(&mut w)?;
+        }
+        let mut report = CompactReport::default();
+        let (blocks, segments) = {
+            let txn = self.index.read()?;
+            (self.index.all_blocks(&txn)?, self.index.all_segments(&txn)?)
+        };
+        let victims: Vec<u64> = segments
+            .iter()
+            .filter(|(_, i)| i.state == SegmentState::Sealed)
+            .filter(|(_, i)| {
+                all || i.committed_len > i.live_bytes + format::SEGMENT_HEADER_LEN as u64
+            })
+            .map(|(s, _)| *s)
+            .collect();
+        report.bytes_before = segments.iter().map(|(_, i)| i.committed_len).sum();
+        let victim_set: std::collections::HashSet<u64> = victims.iter().copied().collect();
+        let moving: Vec<(BlockId, Location)> = blocks
+            .into_iter()
+            .filter(|(_, l)| victim_set.contains(&l.segment))
+            .collect();
+        let total = moving.len() as u64;
+        let mut out = Writer::new();
+        let mut buf = vec![0u8; self.layout.block_bytes()];
+        let mut scratch = Vec::new();
+        let mut shuffled = Vec::new();
+        let mut moved: Vec<(BlockId, Location, Location)> = Vec::new();
+        let mut dropped: Vec<(BlockId, Location, String)> = Vec::new();
+        for (n, (id, loc)) in moving.iter().enumerate() {
+            let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
+            let res = self.read_record(loc, id, None, &mut chunks, &mut scratch)?;
+            match res {
+                Ok(()) => {
+                    let tokens = self.record_tokens_at(loc)?;
+                    let chunks: Vec<&[u8]> = buf.chunks(self.layout.chunk_bytes()).collect();
+                    let new = self.append(
+                        &mut out,
+                        id,
+                        &tokens,
+                        &chunks,
+                        &mut Vec::new(),
+                        &mut shuffled,
+                    )?;
+                    out.pending_bytes += new.record_len;
+                    moved.push((*id, *loc, new));
+                }
+                Err(ReadFail::Gone) => dropped.push((*id, *loc, "segment file is missing".into())),
+                Err(ReadFail::Damaged(r)) => dropped.push((*id, *loc, r)),
+            }
+            if out.pending_bytes >= 64 << 20 {
+                self.publish_moves(&mut out, &mut moved)?;
+            }
+            progress(n as u64 + 1, total);
+        }
+        self.publish_moves(&mut out, &mut moved)?;
+        if !dropped.is_empty() {
+            let mut txn = self.index.write()?;
+            for (id, loc, reason) in &dropped {
+                if self.index.get_block_rw(&txn, id)? == Some(*loc) {
+                    self.index.delete_block(&mut txn, id)?;
+                    self.index.put_damaged(&mut txn, id, loc, reason)?;
+                }
+            }
+            self.index.commit(txn, self.durable())?;
+        }
+        self.seal_active(&mut out)?;
+        report.records_moved = total - dropped.len() as u64;
+        report.records_dropped = dropped.len() as u64;
+        // Retire the victims no committed entry points into any more (dedupe
+        // never adds an entry into a sealed segment, so none can reappear).
+        let mut txn = self.index.write()?;
+        let used: std::collections::HashSet<u64> = self
+            .index
+            .all_blocks(&txn)?
+            .iter()
+            .map(|(_, l)| l.segment)
+            .collect();
+        let retired: Vec<u64> = victims
+            .iter()
+            .copied()
+            .filter(|s| !used.contains(s))
+            .collect();
+        for seg in &retired {
+            self.index.delete_segment(&mut txn, *seg)?;
+            self.index.clear_damaged_in(&mut txn, *seg)?;
+        }
+        let generation = self.index.meta_u64(&txn, "generation")?;
+        self.index
+            .set_meta_u64(&mut txn, "generation", generation + 1)?;
+        self.index.commit(txn, self.durable())?;
+        for seg in &retired {
+            let path = segment_path(&self.dir, *seg);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(Error::Io {
+                        context: format!("removing {}", path.display()),
+                        source: e,
+                    })
+                }
+            }
+            report.segments_rewritten += 1;
+        }
+        self.remove_orphans()?;
+        io::sync_dir(&self.dir.join("segments")).ctx(|| "fsync segments directory".to_string())?;
+        let txn = self.index.read()?;
+        report.bytes_after = self
+            .index
+            .all_segments(&txn)?
+            .iter()
+            .map(|(_, i)| i.committed_len)
+            .sum();
+        drop(lock);
+        Ok(report)
+    }
+
+    fn record_tokens_at(&self, loc: &Location) -> Result<Vec<u32>> {
+        let f = self
+            .reader(loc.segment)
+            .ctx(|| format!("segment {}", loc.segment))?;
+        let mut meta = vec![0u8; format::RECORD_HEADER_LEN + 4 * self.layout.block_size as usize];
+        io::read_exact_at(&f, &mut [IoSliceMut::new(&mut meta)], loc.offset)
+            .ctx(|| "reading record".into())?;
+        Ok(format::record_tokens(&meta).collect())
+    }
+
+    /// Syncs the compaction output and repoints each moved block whose entry
+    /// still points at the old copy; a block evicted or rewritten meanwhile
+    /// leaves its new copy dead.
+    fn publish_moves(
+        &self,
+        out: &mut Writer,
+        moved: &mut Vec<(BlockId, Location, Location)>,
+    ) -> Result<()> {
+        if moved.is_empty() {
+            return Ok(());
+        }
+        let active = out.active.as_ref().expect("compaction segment");
+        if self.durable() {
+            active
+                .file
+                .sync_data()
+                .ctx(|| format!("fdatasync segment {}", active.segment))?;
+        }
+        let mut txn = self.index.write()?;
+        for (id, old, new) in moved.iter() {
+            if self.index.get_block_rw(&txn, id)? == Some(*old) {
+                self.index.put_block(
+                    &mut txn,
+                    id,
+                    &Location {
+                        created_ms: old.created_ms,
+                        ..*new
+                    },
+                )?;
+                self.index
+                    .add_live(&mut txn, old.segment, -(old.record_len as i64), -1)?;
+                self.index
+                    .add_live(&mut txn, new.segment, new.record_len as i64, 1)?;
+            }
+        }
+        if let Some(mut info) = self.index.get_segment(&txn, active.segment)? {
+            info.committed_len = active.len;
+            self.index.put_segment(&mut txn, active.segment, &info)?;
+        }
+        self.index.commit(txn, self.durable())?;
+        moved.clear();
+        out.pending_bytes = 0;
+        Ok(())
+    }
+
+    /// Deletes segment files the index does not know and nobody holds: left by
+    /// a crash between retiring a segment and unlinking it.
+    fn remove_orphans(&self) -> Result<()> {
+        let known: std::collections::HashSet<u64> = {
+            let txn = self.index.read()?;
+            self.index
+                .all_segments(&txn)?
+                .into_iter()
+                .map(|(s, _)| s)
+                .collect()
+        };
+        let Ok(entries) = std::fs::read_dir(self.dir.join("segments")) else {
+            return Ok(());
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(n) = name
+                .strip_suffix(".kvseg")
+                .and_then(|s| u64::from_str_radix(s, 16).ok())
+            else {
+                continue;
+            };
+            if known.contains(&n) || e.file_type().map(|t| !t.is_file()).unwrap_or(true) {
+                continue;
+            }
+            if let Ok(f) = io::open_existing(&e.path(), false) {
+                if f.try_lock().is_ok() {
+                    // Re-check under the lock: the segment may have been
+                    // registered after our snapshot of the table.
+                    let txn = self.index.read()?;
+                    if !self.index.all_segments(&txn)?.iter().any(|(s, _)| *s == n) {
+                        let _ = std::fs::remove_file(e.path());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Evicts blocks (oldest first) older than `older_than` and until the live
+    /// bytes fit `max_bytes`, then compacts to give the space back.
+    fn gc(
+        &self,
+        max_bytes: Option<u64>,
+        older_than: Option<Duration>,
+        progress: Progress<'_>,
+    ) -> Result<GcReport> {
+        let mut report = GcReport::default();
+        let mut blocks = {
+            let txn = self.index.read()?;
+            self.index.all_blocks(&txn)?
+        };
+        blocks.sort_by_key(|(_, l)| l.created_ms);
+        let mut live: u64 = blocks.iter().map(|(_, l)| l.record_len).sum();
+        let cutoff = older_than.map(|d| now_ms().saturating_sub(d.as_millis() as u64));
+        let mut evict = Vec::new();
+        for (id, loc) in &blocks {
+            let too_old = cutoff.is_some_and(|c| loc.created_ms < c);
+            let too_big = max_bytes.is_some_and(|m| live > m);
+            if !(too_old || too_big) {
+                break;
+            }
+            live -= loc.record_len;
+            evict.push((*id, *loc));
+        }
+        for batch in evict.chunks(4096) {
+            let mut txn = self.index.write()?;
+            for (id, loc) in batch {
+                if self.index.get_block_rw(&txn, id)? == Some(*loc) {
+                    self.index.delete_block(&mut txn, id)?;
+                    self.index
+                        .add_live(&mut txn, loc.segment, -(loc.record_len as i64), -1)?;
+                    report.blocks_evicted += 1;
+                    report.bytes_evicted += loc.record_len;
+                }
+            }
+            self.index.commit(txn, self.durable())?;
+        }
+        report.compact = self.compact(progress, false)?;
+        Ok(report)
+    }
+}
+
+/// Waits for the store's LOCK (held only while a process creates or recovers).
+fn lock_with_timeout(f: &File, timeout: Duration) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        match f.try_lock() {
+            Ok(()) => return Ok(()),
+            Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < timeout => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(Error::StoreLocked(format!(
+                    "another process has held the store's LOCK for over {}s",
+                    timeout.as_secs()
+                )))
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(Error::Io {
+                    context: "locking the store".into(),
+                    source: e,
+                })
+            }
+        }
+    }
+}

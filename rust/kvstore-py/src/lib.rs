@@ -229,6 +229,8 @@ impl Store {
         d.set_item("pending_blocks", s.pending_blocks)?;
         d.set_item("hit_blocks", s.hit_blocks)?;
         d.set_item("miss_blocks", s.miss_blocks)?;
+        d.set_item("total_hit_blocks", s.total_hit_blocks)?;
+        d.set_item("total_miss_blocks", s.total_miss_blocks)?;
         d.set_item("blocks_written", s.blocks_written)?;
         d.set_item("blocks_deduped", s.blocks_deduped)?;
         d.set_item("bytes_written", s.bytes_written)?;

@@ -176,6 +176,10 @@ pub fn decode_record_header(
     if flags & !KNOWN_FLAGS != 0 {
         return Err(format!("record header: unknown flags {flags:#x}"));
     }
+    if u32_at(h, 76) != 0 {
+        // Not covered by the header checksum, so it must hold its one valid value.
+        return Err("record header: reserved bytes are not zero".into());
+    }
     let n_tokens = u32_at(h, 8);
     if n_tokens > max_tokens {
         return Err(format!(

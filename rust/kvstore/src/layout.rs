@@ -37,9 +37,11 @@ impl DType {
             "bfloat16" | "bf16" => DType::BFloat16,
             "float32" | "float" | "fp32" => DType::Float32,
             "float8_e4m3fn" | "fp8" | "float8" => DType::Float8E4M3,
-            other => return Err(Error::InvalidInput(format!(
+            other => {
+                return Err(Error::InvalidInput(format!(
                 "dtype: expected one of float16, bfloat16, float32, float8_e4m3fn, got {other:?}"
-            ))),
+            )))
+            }
         })
     }
 }

@@ -106,6 +106,9 @@ impl Default for Options {
 struct Counters {
     hit_blocks: AtomicU64,
     miss_blocks: AtomicU64,
+    /// Hits and misses already added to the store-wide totals in `meta`.
+    saved_hits: AtomicU64,
+    saved_misses: AtomicU64,
     blocks_written: AtomicU64,
     blocks_deduped: AtomicU64,
     bytes_written: AtomicU64,
@@ -128,6 +131,10 @@ pub struct Stats {
     pub pending_blocks: u64,
     pub hit_blocks: u64,
     pub miss_blocks: u64,
+    /// Hits and misses of every handle since the store was created, as of each
+    /// handle's last flush or close.
+    pub total_hit_blocks: u64,
+    pub total_miss_blocks: u64,
     pub blocks_written: u64,
     pub blocks_deduped: u64,
     pub bytes_written: u64,
@@ -431,7 +438,9 @@ impl Store {
     pub fn flush(&self) -> Result<()> {
         let inner = self.live()?;
         let mut w = inner.writer.lock().expect("writer lock");
-        inner.commit_pending(&mut w)
+        inner.commit_pending(&mut w)?;
+        drop(w);
+        inner.save_counters()
     }
 
     pub fn stats(&self) -> Result<Stats> {
@@ -477,7 +486,8 @@ impl Store {
         let res = inner.commit_pending(&mut w);
         let res = res.and_then(|_| inner.seal_active(&mut w));
         w.active = None;
-        res
+        drop(w);
+        res.and_then(|_| inner.save_counters())
     }
 }
 
@@ -681,16 +691,19 @@ impl Inner {
         let full = self.check_kv(tokens, kv, kv_tokens)?;
         let b = self.layout.block_size as usize;
         let ids = self.keyer.chain(&tokens[..full], b, extra);
+        let mut w = self.writer.lock().expect("writer lock");
+        if let Some(p) = &w.poisoned {
+            return Err(Error::Poisoned(p.clone()));
+        }
+        // Under the writer lock: a group commit between this check and the
+        // writes would otherwise move blocks from `pending` to the index
+        // unseen, and they would be written twice.
         let present: Vec<bool> = {
             let txn = self.index.read()?;
             ids.iter()
                 .map(|id| self.index.get_block(&txn, id).map(|l| l.is_some()))
                 .collect::<Result<_>>()?
         };
-        let mut w = self.writer.lock().expect("writer lock");
-        if let Some(p) = &w.poisoned {
-            return Err(Error::Poisoned(p.clone()));
-        }
         let mut scratch = Vec::new();
         let mut shuffled = Vec::new();
         let mut wrote = 0u64;
@@ -990,16 +1003,60 @@ impl Inner {
         let ids = self
             .keyer
             .chain(tokens, self.layout.block_size as usize, extra);
-        let txn = self.index.read()?;
+        let mut txn = Some(self.index.read()?);
         let mut n = 0;
         for id in &ids {
-            if self.index.get_block(&txn, id)?.is_some() || self.pending_loc(id).is_some() {
-                n += 1;
-            } else {
+            if self.find(&mut txn, id)?.is_none() {
                 break;
             }
+            n += 1;
         }
         Ok(n)
+    }
+
+    /// Where block `id` is: in the index (as of `txn`), or pending in this
+    /// handle. A group commit may move a block from pending to the index after
+    /// `txn` was taken; so on a miss in both, look again in a snapshot taken
+    /// after the pending check (kept in `txn` for the next blocks).
+    fn find<'s>(
+        &'s self,
+        txn: &mut Option<heed::RoTxn<'s, heed::WithoutTls>>,
+        id: &BlockId,
+    ) -> Result<Option<Location>> {
+        if let Some(t) = txn.as_ref() {
+            if let Some(loc) = self.index.get_block(t, id)? {
+                return Ok(Some(loc));
+            }
+            if self.opts.durability != Durability::Batch {
+                return Ok(None);
+            }
+        }
+        if let Some(loc) = self.pending_loc(id) {
+            return Ok(Some(loc));
+        }
+        let fresh = txn.insert(self.index.read()?);
+        self.index.get_block(fresh, id)
+    }
+
+    /// Adds this handle's hits and misses since the last call to the store-wide
+    /// totals (one small index write, at flush and close only).
+    fn save_counters(&self) -> Result<()> {
+        let c = &self.counters;
+        let hits = c.hit_blocks.load(Ordering::Relaxed);
+        let misses = c.miss_blocks.load(Ordering::Relaxed);
+        let (dh, dm) = (
+            hits - c.saved_hits.swap(hits, Ordering::Relaxed),
+            misses - c.saved_misses.swap(misses, Ordering::Relaxed),
+        );
+        if dh == 0 && dm == 0 {
+            return Ok(());
+        }
+        let mut txn = self.index.write()?;
+        for (name, d) in [("hit_blocks", dh), ("miss_blocks", dm)] {
+            let v = self.index.meta_u64(&txn, name)?;
+            self.index.set_meta_u64(&mut txn, name, v + d)?;
+        }
+        self.index.commit(txn, false)
     }
 
     fn count_hits(&self, hit: usize, asked: usize) {
@@ -1012,9 +1069,6 @@ impl Inner {
     }
 
     fn pending_loc(&self, id: &BlockId) -> Option<Location> {
-        if self.opts.durability != Durability::Batch {
-            return None;
-        }
         self.writer
             .lock()
             .expect("writer lock")
@@ -1049,15 +1103,7 @@ impl Inner {
         self.refresh_readers(txn.as_ref().expect("txn"))?;
         'blocks: for (i, id) in ids.iter().enumerate() {
             for attempt in 0..2 {
-                if txn.is_none() {
-                    txn = Some(self.index.read()?);
-                }
-                let t = txn.as_ref().expect("read txn");
-                let loc = match self
-                    .index
-                    .get_block(t, id)?
-                    .or_else(|| self.pending_loc(id))
-                {
+                let loc = match self.find(&mut txn, id)? {
                     Some(l) => l,
                     None => break 'blocks,
                 };
@@ -1304,6 +1350,8 @@ impl Inner {
             pending_blocks: pending,
             hit_blocks: c.hit_blocks.load(Ordering::Relaxed),
             miss_blocks: c.miss_blocks.load(Ordering::Relaxed),
+            total_hit_blocks: self.index.meta_u64(&txn, "hit_blocks")?,
+            total_miss_blocks: self.index.meta_u64(&txn, "miss_blocks")?,
             blocks_written: c.blocks_written.load(Ordering::Relaxed),
             blocks_deduped: c.blocks_deduped.load(Ordering::Relaxed),
             bytes_written: c.bytes_written.load(Ordering::Relaxed),

@@ -1,0 +1,332 @@
+"""The `kvstore` command: inspect, verify, compact and garbage-collect stores.
+
+Every command works while other processes use the store. Human output by
+default, `--json` for scripts; an error prints one line and exits 2;
+`verify` exits 1 when it finds damage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any
+
+from .errors import KVStoreError
+from .store import Store
+from .store import open as open_store
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_bytes(text: str) -> int:
+    """'1048576', '512M', '1.5GiB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512M or 2G, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '12h', '7d', '2w' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhdw]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 30m, 12h or 7d, got {text!r}")
+    return float(m.group(1)) * _DURATION[m.group(2) or "s"]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def _open(path: str, salt: str | None = None) -> Store:
+    # "sync": compact and gc commit only what is on disk before deleting old segments.
+    return open_store(path, salt=salt, create=False, durability="sync")
+
+
+@contextmanager
+def _progress(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar for long work; None (no bar) for --json or a non-terminal."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        console=Console(stderr=True),
+    ) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _emit(args: argparse.Namespace, data: Any, human: Callable[[], None]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        human()
+
+
+def _table(title: str, rows: list[tuple[str, Any]]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, str(v))
+    return t
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with _open(args.path) as s:
+        m, st = s.manifest(), s.stats()
+        data = {
+            "path": str(s.path),
+            "manifest": m,
+            "blocks": st["blocks"],
+            "segments": st["segments"],
+            "disk_bytes": st["disk_bytes"],
+            "live_bytes": st["live_bytes"],
+            "hot_bytes": st["hot_bytes"],
+            "page_kind": st["page_kind"],
+        }
+
+        def human() -> None:
+            created = datetime.fromtimestamp(m["created_unix"], tz=timezone.utc)
+            _console().print(
+                _table(
+                    f"kvstore {s.path}",
+                    [
+                        ("model", m["fingerprint"]),
+                        (
+                            "layout",
+                            f"L={m['num_layers']} H={m['num_kv_heads']} D={m['head_dim']} "
+                            f"{m['dtype']} block_size={m['block_size']}",
+                        ),
+                        ("block bytes", human_bytes(s.layout.block_bytes)),
+                        ("format version", m["format_version"]),
+                        ("created", created.isoformat(timespec="seconds")),
+                        ("store id", m["store_id"]),
+                        ("blocks", st["blocks"]),
+                        ("segments", st["segments"]),
+                        ("disk tier", human_bytes(st["disk_bytes"])),
+                        ("hot tier", f"{human_bytes(st['hot_bytes'])} ({st['page_kind']})"),
+                    ],
+                )
+            )
+
+        _emit(args, data, human)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _open(args.path, args.salt) as s:
+        if args.sessions:
+            sessions = [{"name": n, "tokens": t} for n, t in s._raw.sessions()]
+
+            def human_sessions() -> None:
+                from rich.table import Table
+
+                t = Table("session", "tokens", title=f"sessions in {s.path}", title_justify="left")
+                for x in sessions:
+                    t.add_row(x["name"], str(x["tokens"]))
+                _console().print(t)
+
+            _emit(args, sessions, human_sessions)
+            return 0
+        segs = s.segments()
+
+        def human_segments() -> None:
+            from rich.table import Table
+
+            t = Table("segment", "state", "file", "live", "dead", "records", title_justify="left")
+            t.title = f"segments in {s.path}"
+            for x in segs:
+                t.add_row(
+                    f"{x['segment']:016x}",
+                    "sealed" if x["sealed"] else "active",
+                    human_bytes(x["file_bytes"] or 0) if x["file_bytes"] is not None else "missing",
+                    human_bytes(x["live_bytes"]),
+                    human_bytes(x["dead_bytes"]),
+                    str(x["live_records"]),
+                )
+            _console().print(t)
+
+        _emit(args, segs, human_segments)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _open(args.path) as s:
+        st, segs = s.stats(), s.segments()
+        data = {"store": st, "segments": segs}
+
+        def human() -> None:
+            from rich.table import Table
+
+            c = _console()
+            c.print(
+                _table(
+                    f"stats of {s.path}",
+                    [
+                        ("blocks", st["blocks"]),
+                        ("live bytes", human_bytes(st["live_bytes"])),
+                        ("dead bytes", human_bytes(st["dead_bytes"])),
+                        ("disk bytes", human_bytes(st["disk_bytes"])),
+                        ("compression ratio", f"{st['compression_ratio']:.3f}"),
+                        ("damaged blocks (found on read)", st["damaged_blocks"]),
+                        ("hot tier", f"{human_bytes(st['hot_bytes'])} ({st['page_kind']})"),
+                        (
+                            "hits / misses (blocks, all processes)",
+                            f"{st['total_hit_blocks']} / {st['total_miss_blocks']}",
+                        ),
+                    ],
+                )
+            )
+            t = Table("segment", "live", "dead", "dead %", title="dead bytes per segment")
+            for x in segs:
+                total = x["live_bytes"] + x["dead_bytes"]
+                pct = 100.0 * x["dead_bytes"] / total if total else 0.0
+                t.add_row(
+                    f"{x['segment']:016x}",
+                    human_bytes(x["live_bytes"]),
+                    human_bytes(x["dead_bytes"]),
+                    f"{pct:.1f}",
+                )
+            c.print(t)
+
+        _emit(args, data, human)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    with _open(args.path) as s, _progress(not args.json, "verifying") as progress:
+        report = s.verify(progress)
+    ok = not report["damaged"] and not report["problems"]
+    report["ok"] = ok
+
+    def human() -> None:
+        for d in report["damaged"]:
+            print(
+                f"damaged block {d['block_id']} segment {d['segment']:016x} "
+                f"offset {d['offset']}: {d['reason']}"
+            )
+        for p in report["problems"]:
+            print(f"problem: {p}")
+        verdict = "ok" if ok else f"{len(report['damaged'])} damaged block(s)"
+        print(
+            f"verified {report['records_checked']} records "
+            f"({human_bytes(report['bytes_checked'])}): {verdict}"
+        )
+
+    _emit(args, report, human)
+    return 0 if ok else 1
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    with _open(args.path) as s, _progress(not args.json, "compacting") as progress:
+        r = s.compact(progress)
+
+    def human() -> None:
+        print(
+            f"rewrote {r['segments_rewritten']} segment(s), moved {r['records_moved']} records, "
+            f"dropped {r['records_dropped']} damaged; "
+            f"{human_bytes(r['bytes_before'])} -> {human_bytes(r['bytes_after'])}"
+        )
+
+    _emit(args, r, human)
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if args.max_bytes is None and args.older_than is None:
+        raise KVStoreError("gc needs --max-bytes and/or --older-than")
+    with _open(args.path) as s, _progress(not args.json, "compacting") as progress:
+        r = s.gc(args.max_bytes, args.older_than, progress)
+
+    def human() -> None:
+        c = r["compact"]
+        print(
+            f"evicted {r['blocks_evicted']} blocks ({human_bytes(r['bytes_evicted'])}); "
+            f"segments {human_bytes(c['bytes_before'])} -> {human_bytes(c['bytes_after'])}"
+        )
+
+    _emit(args, r, human)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(args.path, quick=args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvstore", description="Inspect and maintain kvstore KV-cache stores."
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        if name != "demo":
+            sp.add_argument("path", help="store directory")
+            sp.add_argument("--json", action="store_true", help="machine-readable output")
+        return sp
+
+    add("info", cmd_info, "manifest, layout, blocks, bytes per tier, segments, page kind")
+    ls = add("ls", cmd_ls, "list segments, or sessions with --sessions")
+    ls.add_argument("--sessions", action="store_true", help="list sessions instead of segments")
+    ls.add_argument("--salt", help="tenant salt whose sessions to list (default: no salt)")
+    add("stats", cmd_stats, "live and dead bytes per segment, compression ratio")
+    add("verify", cmd_verify, "re-read and check every record; exit 1 if anything is damaged")
+    add("compact", cmd_compact, "rewrite live records, drop dead ones, delete old segments")
+    gc = add("gc", cmd_gc, "evict the oldest blocks, then compact")
+    gc.add_argument("--max-bytes", type=parse_bytes, help="keep at most this many live bytes")
+    gc.add_argument("--older-than", type=parse_duration, help="evict blocks older than this")
+    demo = add("demo", cmd_demo, "the main job end to end: put, restart, lookup, get, timings")
+    demo.add_argument("path", nargs="?", help="store directory (default: a temporary one)")
+    demo.add_argument("--quick", action="store_true", help="small sizes (for CI)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except KVStoreError as e:
+        print(f"kvstore: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvstore: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

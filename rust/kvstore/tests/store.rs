@@ -1,0 +1,384 @@
+//! Engine tests against a model of the expected state: every block's bytes
+//! are recomputed from its token ids, so any wrong byte shows.
+
+use kvstore::{DType, Durability, Error, Layout, Options, Store};
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+const NO_PROGRESS: &(dyn Fn(u64, u64) + Sync) = &|_, _| {};
+
+fn layout() -> Layout {
+    Layout::new(2, 2, 4, DType::Float16, 4).unwrap()
+}
+
+fn opts(durability: Durability) -> Options {
+    Options {
+        fingerprint: Some("test-model@1".into()),
+        layout: Some(layout()),
+        durability,
+        ..Options::default()
+    }
+}
+
+/// KV bytes that depend only on (position, token), like a model's.
+fn kv_for(l: &Layout, tokens: &[u32]) -> Vec<u8> {
+    let t = tokens.len();
+    let tb = l.token_bytes();
+    let mut out = vec![0u8; l.kv_bytes(t).unwrap()];
+    for lk in 0..(l.num_layers as usize * 2) {
+        for (pos, tok) in tokens.iter().enumerate() {
+            let start = (lk * t + pos) * tb;
+            for (j, b) in out[start..start + tb].iter_mut().enumerate() {
+                let x =
+                    (*tok as u64) * 2654435761 ^ (pos as u64) << 20 ^ (lk as u64) << 40 ^ j as u64;
+                *b = (x.wrapping_mul(0x9E3779B97F4A7C15) >> 56) as u8;
+            }
+        }
+    }
+    out
+}
+
+fn get(store: &Store, tokens: &[u32]) -> (usize, Vec<u8>) {
+    let l = store.layout().unwrap();
+    let mut out = vec![0u8; l.kv_bytes(tokens.len()).unwrap()];
+    let m = store.get_into(tokens, b"", &mut out, tokens.len()).unwrap();
+    (m, out)
+}
+
+/// The first `m` tokens of a `[L, 2, T, H, D]` buffer must equal the reference.
+fn assert_prefix_eq(l: &Layout, got: &[u8], t: usize, tokens: &[u32], m: usize) {
+    let expect = kv_for(l, &tokens[..m]);
+    let tb = l.token_bytes();
+    for lk in 0..(l.num_layers as usize * 2) {
+        let g = &got[lk * t * tb..lk * t * tb + m * tb];
+        let e = &expect[lk * m * tb..(lk + 1) * m * tb];
+        assert!(g == e, "wrong bytes in layer/kv run {lk}");
+    }
+}
+
+fn seq(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 50_000)
+        .collect()
+}
+
+#[test]
+fn round_trip_dedupe_and_partial_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    let l = layout();
+    let a = seq(1, 10); // 2 full blocks + 2 tokens
+    assert_eq!(s.put(&a, &kv_for(&l, &a), a.len(), b"").unwrap(), 8);
+    let mut b = a[..8].to_vec();
+    b.extend(seq(2, 8)); // shares 2 blocks with a
+    assert_eq!(s.put(&b, &kv_for(&l, &b), b.len(), b"").unwrap(), 16);
+    let st = s.stats().unwrap();
+    assert_eq!((st.blocks, st.blocks_written, st.blocks_deduped), (4, 4, 2));
+    assert_eq!(s.lookup(&a, b"").unwrap(), 8);
+    let (m, out) = get(&s, &b);
+    assert_eq!(m, 16);
+    assert_prefix_eq(&l, &out, b.len(), &b, m);
+    // A different `extra` key is another block chain.
+    assert_eq!(s.lookup(&a, b"adapter").unwrap(), 0);
+}
+
+#[test]
+fn compressed_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(Durability::None);
+    o.compression_level = 3;
+    let s = Store::open(dir.path(), o).unwrap();
+    let l = layout();
+    let t = seq(3, 16);
+    // Low-entropy KV so zstd really stores a compressed frame.
+    let kv = vec![0x3cu8; l.kv_bytes(16).unwrap()];
+    s.put(&t, &kv, 16, b"").unwrap();
+    let st = s.stats().unwrap();
+    assert!(
+        st.live_bytes < st.raw_live_bytes,
+        "payloads were not compressed"
+    );
+    let (m, out) = get(&s, &t);
+    assert_eq!(m, 16);
+    assert_eq!(out, kv);
+}
+
+#[test]
+fn restart_finds_flushed_blocks_and_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let t = seq(4, 40);
+    {
+        let s = Store::open(dir.path(), opts(Durability::Batch)).unwrap();
+        s.save_session("agent", &t, &kv_for(&l, &t), t.len())
+            .unwrap();
+        s.flush().unwrap();
+    }
+    let s = Store::open(dir.path(), opts(Durability::Batch)).unwrap();
+    assert_eq!(s.session_tokens("agent").unwrap(), t);
+    let (m, out) = get(&s, &t);
+    assert_eq!(m, 40);
+    assert_prefix_eq(&l, &out, t.len(), &t, m);
+    assert!(matches!(
+        s.session_tokens("nobody"),
+        Err(Error::SessionNotFound(_))
+    ));
+}
+
+#[test]
+fn identity_mismatch_and_salts() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let t = seq(5, 8);
+    let mut salted = opts(Durability::None);
+    salted.salt = Some(b"tenant-a".to_vec());
+    {
+        let s = Store::open(dir.path(), salted.clone()).unwrap();
+        s.put(&t, &kv_for(&l, &t), 8, b"").unwrap();
+        s.save_session("mine", &t, &kv_for(&l, &t), 8).unwrap();
+    }
+    let mut other = salted.clone();
+    other.salt = Some(b"tenant-b".to_vec());
+    let s = Store::open(dir.path(), other).unwrap();
+    assert_eq!(s.lookup(&t, b"").unwrap(), 0);
+    assert!(s.sessions().unwrap().is_empty());
+    drop(s);
+    let s = Store::open(dir.path(), salted.clone()).unwrap();
+    assert_eq!(s.lookup(&t, b"").unwrap(), 8);
+    drop(s);
+    let mut wrong_model = salted.clone();
+    wrong_model.fingerprint = Some("other-model".into());
+    assert!(matches!(
+        Store::open(dir.path(), wrong_model),
+        Err(Error::LayoutMismatch(_))
+    ));
+    let mut wrong_layout = salted;
+    wrong_layout.layout = Some(Layout::new(2, 2, 4, DType::BFloat16, 4).unwrap());
+    assert!(matches!(
+        Store::open(dir.path(), wrong_layout),
+        Err(Error::LayoutMismatch(_))
+    ));
+}
+
+fn segment_file(dir: &Path) -> std::path::PathBuf {
+    let mut files: Vec<_> = std::fs::read_dir(dir.join("segments"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    files.pop().unwrap()
+}
+
+#[test]
+fn damaged_payload_is_a_miss_and_is_stored_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let t = seq(6, 12); // 3 blocks
+    let kv = kv_for(&l, &t);
+    {
+        let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+        s.put(&t, &kv, 12, b"").unwrap();
+    }
+    // Records are back to back after the 32-byte segment header; damage the
+    // second block's payload.
+    let record = 80 + 4 * 4 + l.block_bytes() as u64;
+    let f = OpenOptions::new()
+        .write(true)
+        .open(segment_file(dir.path()))
+        .unwrap();
+    f.write_all_at(&[0xff], 32 + record + 80 + 16 + 5).unwrap();
+    drop(f);
+    let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    let report = s.verify(NO_PROGRESS).unwrap();
+    assert_eq!(report.damaged.len(), 1, "{report:?}");
+    let (m, out) = get(&s, &t);
+    assert_eq!(m, 4, "reads stop at the damaged block");
+    assert_prefix_eq(&l, &out, 12, &t, m);
+    assert_eq!(s.stats().unwrap().damaged_blocks, 1);
+    // The damaged entry left the index, so a put stores the block again.
+    s.put(&t, &kv, 12, b"").unwrap();
+    let (m, out) = get(&s, &t);
+    assert_eq!(m, 12);
+    assert_prefix_eq(&l, &out, 12, &t, m);
+}
+
+#[test]
+fn segment_of_a_live_writer_is_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let t = seq(7, 8);
+    let seg;
+    {
+        let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+        s.put(&t, &kv_for(&l, &t), 8, b"").unwrap();
+        seg = segment_file(dir.path());
+        // Garbage after the committed records, as a crash mid-append leaves.
+        std::mem::forget(s); // no close: the segment stays "active"
+    }
+    let committed = std::fs::metadata(&seg).unwrap().len();
+    let f = OpenOptions::new().append(true).open(&seg).unwrap();
+    f.write_all_at(&[0xab; 1000], committed).unwrap();
+    drop(f);
+    // The forgotten handle still holds the segment lock in this process, so
+    // recovery must leave the segment alone...
+    let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    assert_eq!(std::fs::metadata(&seg).unwrap().len(), committed + 1000);
+    assert_eq!(s.lookup(&t, b"").unwrap(), 8);
+    drop(s);
+}
+
+/// Child-process entry point for the test below (does nothing unless that
+/// test runs this binary with the variable set): puts, leaves a torn record
+/// after the committed ones, and dies without closing anything.
+#[test]
+fn child_put_tear_and_abort() {
+    let Ok(dir) = std::env::var("KVSTORE_TEST_CHILD_DIR") else {
+        return;
+    };
+    let dir = Path::new(&dir);
+    let l = layout();
+    let t = seq(8, 8);
+    let s = Store::open(dir, opts(Durability::Sync)).unwrap();
+    s.put(&t, &kv_for(&l, &t), 8, b"").unwrap();
+    let seg = segment_file(dir);
+    let committed = std::fs::metadata(&seg).unwrap().len();
+    let f = OpenOptions::new().write(true).open(&seg).unwrap();
+    f.write_all_at(b"KVRC\x01\x00 torn record", committed)
+        .unwrap();
+    std::process::abort();
+}
+
+#[test]
+fn torn_tail_of_dead_writer_is_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_put_tear_and_abort", "--test-threads=1"])
+        .env("KVSTORE_TEST_CHILD_DIR", dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success(), "the child must die by abort");
+    let seg = segment_file(dir.path());
+    let torn_len = std::fs::metadata(&seg).unwrap().len();
+    let l = layout();
+    let t = seq(8, 8);
+    let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    let after = std::fs::metadata(&seg).unwrap().len();
+    assert!(
+        after < torn_len,
+        "recovery truncated the torn tail ({torn_len} -> {after})"
+    );
+    assert_eq!(after, 32 + 2 * (80 + 16 + l.block_bytes() as u64));
+    let (m, out) = get(&s, &t);
+    assert_eq!(m, 8);
+    assert_prefix_eq(&l, &out, 8, &t, m);
+    assert!(s.verify(NO_PROGRESS).unwrap().damaged.is_empty());
+    // The dead writer's segment is sealed; new puts go to a new one.
+    let u = seq(12, 8);
+    s.put(&u, &kv_for(&l, &u), 8, b"").unwrap();
+    assert_eq!(s.segments().unwrap().len(), 2);
+}
+
+#[test]
+fn compact_and_gc_keep_every_live_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let mut o = opts(Durability::Sync);
+    o.segment_bytes = 1 << 20;
+    let s = Store::open(dir.path(), o).unwrap();
+    let seqs: Vec<Vec<u32>> = (0..60).map(|i| seq(100 + i, 256)).collect();
+    for t in &seqs {
+        s.put(t, &kv_for(&l, t), t.len(), b"").unwrap();
+    }
+    let before = s.stats().unwrap();
+    assert!(before.segments > 1);
+    // Evict about half the bytes, then check the rest is intact.
+    let r = s
+        .gc(Some(before.live_bytes / 2), None, NO_PROGRESS)
+        .unwrap();
+    assert!(r.blocks_evicted > 0);
+    let after = s.stats().unwrap();
+    assert!(after.live_bytes <= before.live_bytes / 2);
+    assert_eq!(after.dead_bytes, 0, "gc compacts what it evicted");
+    let mut kept = 0;
+    for t in &seqs {
+        let (m, out) = get(&s, t);
+        assert_prefix_eq(&l, &out, t.len(), t, m);
+        kept += m;
+    }
+    assert!(kept > 0);
+    assert!(s.verify(NO_PROGRESS).unwrap().damaged.is_empty());
+    // Oldest first: the last sequence put survives whole.
+    assert_eq!(s.lookup(seqs.last().unwrap(), b"").unwrap(), 256);
+}
+
+#[test]
+fn threads_share_one_handle() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(Store::open(dir.path(), opts(Durability::Batch)).unwrap());
+    let l = layout();
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                for j in 0..50 {
+                    let mut t = seq(9, 16); // shared prefix
+                    t.extend(seq(1000 + i * 100 + j, 16));
+                    s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap();
+                    let (m, out) = get(&s, &t);
+                    assert_eq!(m, 32);
+                    assert_prefix_eq(&l, &out, t.len(), &t, m);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let st = s.stats().unwrap();
+    assert_eq!(st.blocks + st.pending_blocks, 4 + 4 * 50 * 4);
+    s.close().unwrap();
+    assert!(matches!(
+        s.lookup(&seq(9, 16), b""),
+        Err(Error::StoreClosed(_))
+    ));
+}
+
+#[test]
+fn disk_bytes_bound_raises_store_full_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let mut o = opts(Durability::Sync);
+    o.disk_bytes = Some(4096);
+    let s = Store::open(dir.path(), o).unwrap();
+    let t = seq(10, 4 * 64);
+    let err = s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap_err();
+    assert!(matches!(err, Error::StoreFull(_)), "{err}");
+    let st = s.stats().unwrap();
+    assert!(st.disk_bytes <= 4096, "{} bytes on disk", st.disk_bytes);
+    // What fitted is whole and readable.
+    let (m, out) = get(&s, &t);
+    assert_prefix_eq(&l, &out, t.len(), &t, m);
+}
+
+#[test]
+fn bad_input_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    let l = layout();
+    let t = seq(11, 8);
+    let kv = kv_for(&l, &t);
+    assert!(matches!(
+        s.put(&t, &kv[1..], 8, b""),
+        Err(Error::InvalidInput(_))
+    ));
+    assert!(matches!(
+        s.put(&t, &kv_for(&l, &t[..4]), 4, b""),
+        Err(Error::InvalidInput(_))
+    ));
+    assert_eq!(s.stats().unwrap().blocks_written, 0);
+    assert_eq!(s.stats().unwrap().segments, 0);
+}

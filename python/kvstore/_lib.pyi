@@ -1,13 +1,16 @@
 """Type stubs of the compiled engine binding (rust/kvstore-py)."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = ["FORMAT_VERSION", "Store"]
+
 FORMAT_VERSION: int
 
+@final
 class Store:
     @staticmethod
     def open(

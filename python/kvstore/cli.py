@@ -36,7 +36,9 @@ def parse_duration(text: str) -> float:
     """'90s', '30m', '12h', '7d', '2w' -> seconds."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhdw]?)\s*", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"expected a duration such as 30m, 12h or 7d, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a duration such as 30m, 12h or 7d, got {text!r}"
+        )
     return float(m.group(1)) * _DURATION[m.group(2) or "s"]
 
 
@@ -147,14 +149,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     with _open(args.path, args.salt) as s:
         if args.sessions:
-            sessions = [{"name": n, "tokens": t} for n, t in s._raw.sessions()]
+            sessions = [{"name": n, "tokens": t} for n, t in s.session_sizes().items()]
 
             def human_sessions() -> None:
                 from rich.table import Table
 
                 t = Table("session", "tokens", title=f"sessions in {s.path}", title_justify="left")
                 for x in sessions:
-                    t.add_row(x["name"], str(x["tokens"]))
+                    t.add_row(str(x["name"]), str(x["tokens"]))
                 _console().print(t)
 
             _emit(args, sessions, human_sessions)
@@ -292,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help: str
+    ) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
         sp.set_defaults(fn=fn)
         if name != "demo":

@@ -62,7 +62,7 @@ def _child(path: str, quick: bool) -> int:
         t0 = time.perf_counter()
         got = [store.get(c) for c in convs]
         t_get = time.perf_counter() - t0
-        for c, m, kv in zip(convs, found, got):
+        for c, m, kv in zip(convs, found, got, strict=True):
             expect = synthetic_kv(layout, c[:m])
             ok &= m == len(c) // layout.block_size * layout.block_size
             ok &= kv.shape[2] == m and np.array_equal(kv, expect)
@@ -96,7 +96,7 @@ def run(path: str | None, quick: bool = False) -> int:
     t_compute = time.perf_counter() - t0
     with open_store(path, layout=layout, model=MODEL, durability="batch") as store:
         t0 = time.perf_counter()
-        for c, kv in zip(convs, kvs):
+        for c, kv in zip(convs, kvs, strict=True):
             store.put(c, kv)
         store.flush()
         t_put = time.perf_counter() - t0

@@ -51,7 +51,12 @@ class Layout:
     def block_bytes(self) -> int:
         """Bytes of one block, `L * 2 * B * H * D * itemsize`."""
         return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+            self.num_layers
+            * 2
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * self.itemsize
         )
 
     def kv_shape(self, tokens: int) -> tuple[int, int, int, int, int]:

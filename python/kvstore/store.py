@@ -65,7 +65,7 @@ def _extra(extra: bytes | str | None) -> bytes:
 
 def _check_shape(shape: tuple[int, ...], layout: Layout, what: str) -> int:
     want = (layout.num_layers, 2, "T", layout.num_kv_heads, layout.head_dim)
-    ok = len(shape) == 5 and all(w == "T" or s == w for s, w in zip(shape, want))
+    ok = len(shape) == 5 and all(w == "T" or s == w for s, w in zip(shape, want, strict=False))
     if not ok:
         expected = "[{}, 2, T, {}, {}]".format(*[want[0], want[3], want[4]])
         raise InvalidInput(f"{what}: expected shape {expected} (L, 2, T, H, D), got {list(shape)}")
@@ -98,9 +98,8 @@ def _out_bytes(out: Any, layout: Layout) -> tuple[np.ndarray, int]:
             raise InvalidInput(f"out: expected a CPU tensor, got device {out.device}")
         if not out.is_contiguous():
             raise InvalidInput("out: expected a contiguous tensor")
-    elif isinstance(out, np.ndarray):
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            raise InvalidInput("out: expected a writable C-contiguous array")
+    elif isinstance(out, np.ndarray) and not (out.flags.c_contiguous and out.flags.writeable):
+        raise InvalidInput("out: expected a writable C-contiguous array")
     flat, t = kv_bytes(out, layout, "out")
     return flat, t
 
@@ -179,7 +178,11 @@ class Store:
         flat, _ = kv_bytes(result, self.layout, "out")
         n = self._raw.get_into(toks, ex, flat, m)
         if n < m:  # a block turned out damaged (or was compacted away) after lookup
-            result = result[:, :, :n].copy() if isinstance(result, np.ndarray) else result[:, :, :n].clone()
+            result = (
+                result[:, :, :n].copy()
+                if isinstance(result, np.ndarray)
+                else result[:, :, :n].clone()
+            )
         return result
 
     def _empty(self, tokens: int, like: Any) -> Any:
@@ -223,6 +226,10 @@ class Store:
         """Names of this tenant's sessions."""
         return [name for name, _ in self._raw.sessions()]
 
+    def session_sizes(self) -> dict[str, int]:
+        """This tenant's sessions and their lengths in tokens."""
+        return dict(self._raw.sessions())
+
     def delete_session(self, name: str) -> bool:
         """Forgets a session (its blocks stay until gc); False if it did not exist."""
         return self._raw.delete_session(name)
@@ -235,7 +242,7 @@ class Store:
 
     def stats(self) -> dict[str, Any]:
         """Blocks, bytes per tier, hits and misses (of this handle), dedupe, page kind."""
-        s = dict(self._raw.stats())
+        s: dict[str, Any] = dict(self._raw.stats())
         live = s["live_bytes"]
         s["compression_ratio"] = (s["raw_live_bytes"] / live) if live else 1.0
         s["durability"] = self.durability

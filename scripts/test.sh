@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs everything the tests need, then runs every check and test.
+# This is the README's test command; .ci/run calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+step() { printf '\n==> %s\n' "$*"; }
+
+step "install kvstore with its test dependencies (torch, lmdb, zstandard, pytest, ruff, mypy)"
+python3 -m pip install --quiet --editable '.[test]'
+
+step "rust: format, lints, tests"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test -p kvstore --locked
+
+step "python: lints, types, stubs"
+ruff check python tests benches
+ruff format --check python tests benches
+python3 -m mypy python/kvstore
+python3 -m mypy.stubtest kvstore._lib
+
+step "python: tests"
+python3 -m pytest -q tests benches/test_bench_smoke.py "$@"

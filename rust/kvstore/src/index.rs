@@ -219,12 +219,34 @@ impl Index {
         Ok(self.blocks.get(txn, id)?.and_then(Location::decode))
     }
 
+    /// Adds the entry of a block that has none.
     pub fn put_block(&self, txn: &mut RwTxn<'_>, id: &BlockId, loc: &Location) -> Result<()> {
         Ok(self.blocks.put(txn, id, &loc.encode())?)
     }
 
+    /// Points an existing entry at a new copy of its record (compaction).
+    /// Bumps the generation: cached locations are stale from now on.
+    pub fn move_block(&self, txn: &mut RwTxn<'_>, id: &BlockId, loc: &Location) -> Result<()> {
+        self.blocks.put(txn, id, &loc.encode())?;
+        self.bump_generation(txn)
+    }
+
+    /// Removes an entry. Bumps the generation: cached locations are stale.
     pub fn delete_block(&self, txn: &mut RwTxn<'_>, id: &BlockId) -> Result<bool> {
-        Ok(self.blocks.delete(txn, id)?)
+        let found = self.blocks.delete(txn, id)?;
+        self.bump_generation(txn)?;
+        Ok(found)
+    }
+
+    /// Counts changes that remove or move block entries, or delete segment
+    /// files; see `known.rs` for why readers rely on it.
+    pub fn generation(&self, txn: &RoTxn<'_>) -> Result<u64> {
+        self.meta_u64(txn, "generation")
+    }
+
+    pub fn bump_generation(&self, txn: &mut RwTxn<'_>) -> Result<()> {
+        let g = self.meta_u64(txn, "generation")?;
+        self.set_meta_u64(txn, "generation", g + 1)
     }
 
     pub fn block_count(&self, txn: &RoTxn<'_>) -> Result<u64> {

@@ -13,6 +13,7 @@ pub mod format;
 pub mod id;
 pub mod index;
 mod io;
+mod known;
 pub mod layout;
 mod os;
 pub mod store;

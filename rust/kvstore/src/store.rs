@@ -22,6 +22,7 @@ use crate::format::{self, Manifest, RecordHeader};
 use crate::id::{self, BlockId, Keyer};
 use crate::index::{Index, Location, SegmentInfo, SegmentState};
 use crate::io;
+use crate::known::Known;
 use crate::layout::Layout;
 use std::collections::HashMap;
 use std::fs::File;
@@ -237,14 +238,17 @@ struct Inner {
     writer: Mutex<Writer>,
     wake: Condvar,
     closing: AtomicBool,
-    readers: RwLock<ReaderCache>,
+    /// Open segment files for reads, dropped when the generation advances
+    /// (a compaction may have deleted some: their space must be freed).
+    readers: RwLock<HashMap<u64, Arc<File>>>,
+    known: Known,
     counters: Counters,
 }
 
-#[derive(Default)]
-struct ReaderCache {
+/// A read snapshot of the index and the generation it saw.
+struct Snap<'s> {
+    txn: heed::RoTxn<'s, heed::WithoutTls>,
     generation: u64,
-    files: HashMap<u64, Arc<File>>,
 }
 
 /// A handle on a store directory. `Sync`: share it between threads.
@@ -587,7 +591,8 @@ impl Inner {
             writer: Mutex::new(Writer::new()),
             wake: Condvar::new(),
             closing: AtomicBool::new(false),
-            readers: RwLock::new(ReaderCache::default()),
+            readers: RwLock::new(HashMap::new()),
+            known: Known::default(),
             counters: Counters::default(),
         };
         inner.recover()?;
@@ -699,9 +704,10 @@ impl Inner {
         // writes would otherwise move blocks from `pending` to the index
         // unseen, and they would be written twice.
         let present: Vec<bool> = {
-            let txn = self.index.read()?;
+            // One snapshot per call, so the cache notices a newer generation.
+            let mut snap = Some(self.snapshot()?);
             ids.iter()
-                .map(|id| self.index.get_block(&txn, id).map(|l| l.is_some()))
+                .map(|id| self.committed(&mut snap, id).map(|l| l.is_some()))
                 .collect::<Result<_>>()?
         };
         let mut scratch = Vec::new();
@@ -1003,10 +1009,11 @@ impl Inner {
         let ids = self
             .keyer
             .chain(tokens, self.layout.block_size as usize, extra);
-        let mut txn = Some(self.index.read()?);
+        // One snapshot per call, so the cache notices a newer generation.
+        let mut snap = Some(self.snapshot()?);
         let mut n = 0;
         for id in &ids {
-            if self.find(&mut txn, id)?.is_none() {
+            if self.find(&mut snap, id)?.is_none() {
                 break;
             }
             n += 1;
@@ -1014,28 +1021,53 @@ impl Inner {
         Ok(n)
     }
 
-    /// Where block `id` is: in the index (as of `txn`), or pending in this
-    /// handle. A group commit may move a block from pending to the index after
-    /// `txn` was taken; so on a miss in both, look again in a snapshot taken
-    /// after the pending check (kept in `txn` for the next blocks).
-    fn find<'s>(
+    /// A fresh index snapshot; advances the location cache (and drops open
+    /// segment files) when the index generation moved on.
+    fn snapshot(&self) -> Result<Snap<'_>> {
+        let txn = self.index.read()?;
+        let generation = self.index.generation(&txn)?;
+        if self.known.advance(generation) {
+            self.readers.write().expect("reader cache").clear();
+        }
+        Ok(Snap { txn, generation })
+    }
+
+    /// Where block `id`'s committed record is (cache, then index).
+    fn committed<'s>(
         &'s self,
-        txn: &mut Option<heed::RoTxn<'s, heed::WithoutTls>>,
+        snap: &mut Option<Snap<'s>>,
         id: &BlockId,
     ) -> Result<Option<Location>> {
-        if let Some(t) = txn.as_ref() {
-            if let Some(loc) = self.index.get_block(t, id)? {
-                return Ok(Some(loc));
-            }
-            if self.opts.durability != Durability::Batch {
-                return Ok(None);
-            }
+        if let Some(loc) = self.known.get(id) {
+            return Ok(Some(loc));
+        }
+        if snap.is_none() {
+            *snap = Some(self.snapshot()?);
+        }
+        let s = snap.as_ref().expect("snapshot");
+        let loc = self.index.get_block(&s.txn, id)?;
+        if let Some(loc) = loc {
+            self.known.insert(s.generation, id, loc);
+        }
+        Ok(loc)
+    }
+
+    /// Where block `id` is: committed, or pending in this handle. A group
+    /// commit may move a block from pending to the index after `snap` was
+    /// taken; so on a miss in both, look again in a snapshot taken after the
+    /// pending check (kept in `snap` for the next blocks).
+    fn find<'s>(&'s self, snap: &mut Option<Snap<'s>>, id: &BlockId) -> Result<Option<Location>> {
+        if let Some(loc) = self.committed(snap, id)? {
+            return Ok(Some(loc));
         }
         if let Some(loc) = self.pending_loc(id) {
             return Ok(Some(loc));
         }
-        let fresh = txn.insert(self.index.read()?);
-        self.index.get_block(fresh, id)
+        if self.opts.durability != Durability::Batch {
+            return Ok(None);
+        }
+        *snap = None;
+        self.committed(snap, id)
     }
 
     /// Adds this handle's hits and misses since the last call to the store-wide
@@ -1099,11 +1131,11 @@ impl Inner {
         let ids = self.keyer.chain(&tokens[..usable * b], b, extra);
         let mut scratch = Vec::new();
         let mut served = 0;
-        let mut txn = Some(self.index.read()?);
-        self.refresh_readers(txn.as_ref().expect("txn"))?;
+        // One snapshot per call, so the cache notices a newer generation.
+        let mut snap = Some(self.snapshot()?);
         'blocks: for (i, id) in ids.iter().enumerate() {
             for attempt in 0..2 {
-                let loc = match self.find(&mut txn, id)? {
+                let loc = match self.find(&mut snap, id)? {
                     Some(l) => l,
                     None => break 'blocks,
                 };
@@ -1124,16 +1156,17 @@ impl Inner {
                     }
                     Err(ReadFail::Gone) if attempt == 0 => {
                         // Compacted away since our snapshot: look it up afresh.
-                        txn = None;
+                        snap = None;
+                        self.known.forget(id);
                         self.readers
                             .write()
                             .expect("reader cache")
-                            .files
                             .remove(&loc.segment);
                     }
                     Err(ReadFail::Gone) => break 'blocks,
                     Err(ReadFail::Damaged(reason)) => {
-                        drop(txn.take());
+                        drop(snap.take());
+                        self.known.forget(id);
                         self.quarantine(id, &loc, &reason)?;
                         break 'blocks;
                     }
@@ -1144,33 +1177,14 @@ impl Inner {
         Ok(served * b)
     }
 
-    /// Drops cached segment files once compaction or gc removed segments, so
-    /// their disk space is really freed.
-    fn refresh_readers(&self, txn: &heed::RoTxn<'_>) -> Result<()> {
-        let generation = self.index.meta_u64(txn, "generation")?;
-        if self.readers.read().expect("reader cache").generation != generation {
-            let mut r = self.readers.write().expect("reader cache");
-            r.files.clear();
-            r.generation = generation;
-        }
-        Ok(())
-    }
-
     fn reader(&self, segment: u64) -> std::io::Result<Arc<File>> {
-        if let Some(f) = self
-            .readers
-            .read()
-            .expect("reader cache")
-            .files
-            .get(&segment)
-        {
+        if let Some(f) = self.readers.read().expect("reader cache").get(&segment) {
             return Ok(f.clone());
         }
         let f = Arc::new(io::open_existing(&segment_path(&self.dir, segment), false)?);
         self.readers
             .write()
             .expect("reader cache")
-            .files
             .insert(segment, f.clone());
         Ok(f)
     }
@@ -1571,9 +1585,8 @@ impl Inner {
             self.index.delete_segment(&mut txn, *seg)?;
             self.index.clear_damaged_in(&mut txn, *seg)?;
         }
-        let generation = self.index.meta_u64(&txn, "generation")?;
-        self.index
-            .set_meta_u64(&mut txn, "generation", generation + 1)?;
+        // Readers must drop their open files of retired segments.
+        self.index.bump_generation(&mut txn)?;
         self.index.commit(txn, self.durable())?;
         for seg in &retired {
             let path = segment_path(&self.dir, *seg);
@@ -1633,7 +1646,7 @@ impl Inner {
         let mut txn = self.index.write()?;
         for (id, old, new) in moved.iter() {
             if self.index.get_block_rw(&txn, id)? == Some(*old) {
-                self.index.put_block(
+                self.index.move_block(
                     &mut txn,
                     id,
                     &Location {

@@ -384,3 +384,93 @@ fn bad_input_writes_nothing() {
     assert_eq!(s.stats().unwrap().blocks_written, 0);
     assert_eq!(s.stats().unwrap().segments, 0);
 }
+
+#[test]
+fn cached_locations_follow_another_handles_gc_and_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let reader = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    let writer = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    let t = seq(13, 64);
+    writer.put(&t, &kv_for(&l, &t), 64, b"").unwrap();
+    writer.close().unwrap(); // seals the segment, so compaction may rewrite it
+    assert_eq!(reader.lookup(&t, b"").unwrap(), 64); // now cached in `reader`
+    let maint = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    // Evict the oldest half: the other handle's cache must not keep them.
+    maint
+        .gc(
+            Some(maint.stats().unwrap().live_bytes / 2),
+            None,
+            NO_PROGRESS,
+        )
+        .unwrap();
+    // Half the chain's blocks are gone (which half depends on equal
+    // timestamps), so the stored prefix is shorter, whatever the cache held.
+    let m = reader.lookup(&t, b"").unwrap();
+    assert!(m < 64, "lookup still reports {m} tokens after gc");
+    let (m2, out) = get(&reader, &t);
+    assert_eq!(m2, m);
+    assert_prefix_eq(&l, &out, 64, &t, m2);
+    // Put again, then compact: locations move, cached ones must not be used.
+    maint.put(&t, &kv_for(&l, &t), 64, b"").unwrap();
+    maint.close().unwrap();
+    let (m, out) = get(&reader, &t);
+    assert_eq!(m, 64);
+    assert_prefix_eq(&l, &out, 64, &t, m);
+    let maint = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    maint.compact(NO_PROGRESS).unwrap();
+    let (m, out) = get(&reader, &t);
+    assert_eq!(m, 64);
+    assert_prefix_eq(&l, &out, 64, &t, m);
+}
+
+#[test]
+fn reads_racing_compaction_are_exact_or_misses() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let mut o = opts(Durability::Sync);
+    o.segment_bytes = 1 << 20;
+    let seqs: Vec<Vec<u32>> = (0..40).map(|i| seq(300 + i, 256)).collect();
+    {
+        let w = Store::open(dir.path(), o.clone()).unwrap();
+        for t in &seqs {
+            w.put(t, &kv_for(&l, t), t.len(), b"").unwrap();
+        }
+    }
+    let reader = Arc::new(Store::open(dir.path(), o.clone()).unwrap());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r = {
+        let (reader, stop, seqs) = (reader.clone(), stop.clone(), seqs.clone());
+        std::thread::spawn(move || {
+            let mut reads = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for t in &seqs {
+                    let (m, out) = get(&reader, t);
+                    assert_prefix_eq(&l, &out, t.len(), t, m);
+                    reads += 1;
+                }
+            }
+            reads
+        })
+    };
+    let maint = Store::open(dir.path(), o).unwrap();
+    for round in 0..6 {
+        // Alternate evicting a little and compacting everything.
+        let live = maint.stats().unwrap().live_bytes;
+        maint.gc(Some(live - live / 20), None, NO_PROGRESS).unwrap();
+        if round % 2 == 0 {
+            maint.compact(NO_PROGRESS).unwrap();
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(r.join().unwrap() > 0);
+    assert!(maint.verify(NO_PROGRESS).unwrap().damaged.is_empty());
+    // Whatever survived is still whole.
+    let mut kept = 0;
+    for t in &seqs {
+        let (m, out) = get(&reader, t);
+        assert_prefix_eq(&l, &out, t.len(), t, m);
+        kept += m;
+    }
+    assert!(kept > 0);
+}

@@ -648,13 +648,21 @@ impl Inner {
                 .metadata()
                 .ctx(|| format!("stat {}", path.display()))?
                 .len();
+            let mut txn = self.index.write()?;
+            if info.live_records == 0 && len <= format::SEGMENT_HEADER_LEN as u64 {
+                // Its writer died before committing anything, maybe before
+                // the header was even written: nothing to keep.
+                self.index.delete_segment(&mut txn, seg)?;
+                self.index.commit(txn, self.durable())?;
+                std::fs::remove_file(&path).ctx(|| format!("removing {}", path.display()))?;
+                continue;
+            }
             if len > info.committed_len {
                 file.set_len(info.committed_len)
                     .ctx(|| format!("truncating {}", path.display()))?;
                 file.sync_all()
                     .ctx(|| format!("fsync {}", path.display()))?;
             }
-            let mut txn = self.index.write()?;
             if let Some(mut now) = self.index.get_segment(&txn, seg)? {
                 now.state = SegmentState::Sealed;
                 self.index.put_segment(&mut txn, seg, &now)?;
@@ -699,6 +707,10 @@ impl Inner {
         let mut w = self.writer.lock().expect("writer lock");
         if let Some(p) = &w.poisoned {
             return Err(Error::Poisoned(p.clone()));
+        }
+        if self.closing.load(Ordering::SeqCst) {
+            // `close` ran while this call waited for the lock.
+            return Err(Error::StoreClosed("the store handle is closed".into()));
         }
         // Under the writer lock: a group commit between this check and the
         // writes would otherwise move blocks from `pending` to the index

@@ -474,3 +474,37 @@ fn reads_racing_compaction_are_exact_or_misses() {
     }
     assert!(kept > 0);
 }
+
+#[test]
+fn segment_created_by_a_writer_that_died_before_its_header_is_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let t = seq(14, 8);
+    {
+        let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+        s.put(&t, &kv_for(&l, &t), 8, b"").unwrap();
+    }
+    // What a kill between registering segment 9 and writing its header leaves.
+    {
+        let index = kvstore::index::Index::open(&dir.path().join("index"), false).unwrap();
+        let mut txn = index.write().unwrap();
+        index
+            .put_segment(&mut txn, 9, &kvstore::index::SegmentInfo::new())
+            .unwrap();
+        index.commit(txn, true).unwrap();
+    }
+    let empty = dir
+        .path()
+        .join("segments")
+        .join(format!("{:016x}.kvseg", 9));
+    std::fs::File::create(&empty).unwrap();
+    let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    assert!(!empty.exists(), "recovery removes the empty segment");
+    assert_eq!(s.segments().unwrap().len(), 1);
+    let report = s.verify(NO_PROGRESS).unwrap();
+    assert!(
+        report.damaged.is_empty() && report.problems.is_empty(),
+        "{report:?}"
+    );
+    assert_eq!(s.lookup(&t, b"").unwrap(), 8);
+}

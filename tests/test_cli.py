@@ -1,0 +1,195 @@
+"""The `kvstore` command: human and --json output, exit codes, and compact/gc
+run while another process reads the store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvstore
+
+LAYOUT = kvstore.Layout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
+MODEL = "cli-test@1"
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if check and r.returncode != 0:
+        raise AssertionError(f"kvstore {args} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def kv_of(tokens: np.ndarray) -> np.ndarray:
+    """KV that is a pure function of (position, token id)."""
+    pos = np.arange(len(tokens), dtype=np.float32)
+    base = (tokens.astype(np.float32) * 0.001 + pos * 0.01)[None, None, :, None, None]
+    grid = np.arange(LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.head_dim)
+    grid = grid.reshape(LAYOUT.num_layers, 2, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return (base + grid.astype(np.float32) * 0.5).astype(np.float16)
+
+
+def fill(path: Path, n_seqs: int = 20, length: int = 64) -> list[np.ndarray]:
+    seqs = [np.arange(length) + 1000 * i for i in range(n_seqs)]
+    with kvstore.open(path, layout=LAYOUT, model=MODEL, durability="sync") as s:
+        for t in seqs:
+            s.put(t, kv_of(t))
+        s.save_session("agent-1", seqs[0], kv_of(seqs[0]))
+    return seqs
+
+
+def test_info_ls_stats_human_and_json(tmp_path: Path) -> None:
+    fill(tmp_path)
+    info = json.loads(cli("info", tmp_path, "--json").stdout)
+    assert info["manifest"]["fingerprint"] == MODEL
+    assert info["manifest"]["dtype"] == "float16"
+    assert info["blocks"] == 20 * 16
+    assert info["page_kind"] == "none"
+    human = cli("info", tmp_path).stdout
+    assert MODEL in human and "block_size=4" in human
+
+    segs = json.loads(cli("ls", tmp_path, "--json").stdout)
+    assert sum(s["live_records"] for s in segs) == 20 * 16
+    sessions = json.loads(cli("ls", tmp_path, "--sessions", "--json").stdout)
+    assert sessions == [{"name": "agent-1", "tokens": 64}]
+    # Another tenant's salt sees none of them.
+    assert json.loads(cli("ls", tmp_path, "--sessions", "--salt", "x", "--json").stdout) == []
+    assert "agent-1" in cli("ls", tmp_path, "--sessions").stdout
+
+    stats = json.loads(cli("stats", tmp_path, "--json").stdout)
+    assert stats["store"]["blocks"] == 20 * 16
+    assert stats["store"]["dead_bytes"] == 0
+    assert "dead bytes per segment" in cli("stats", tmp_path).stdout
+
+
+def test_hits_and_misses_add_up_across_processes(tmp_path: Path) -> None:
+    seqs = fill(tmp_path, n_seqs=2)
+    with kvstore.open(tmp_path, layout=LAYOUT, model=MODEL) as s:
+        s.get(seqs[0])
+        s.lookup(np.arange(8) + 777_777)  # 2 blocks, both misses
+    stats = json.loads(cli("stats", tmp_path, "--json").stdout)["store"]
+    assert stats["total_hit_blocks"] >= 16
+    assert stats["total_miss_blocks"] >= 2
+
+
+def test_verify_clean_then_damaged(tmp_path: Path) -> None:
+    fill(tmp_path, n_seqs=2)
+    r = cli("verify", tmp_path)
+    assert "ok" in r.stdout
+    report = json.loads(cli("verify", tmp_path, "--json").stdout)
+    assert report["ok"] and report["records_checked"] == 32
+    seg = sorted((tmp_path / "segments").iterdir())[0]
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    seg.write_bytes(bytes(data))
+    r = cli("verify", tmp_path, check=False)
+    assert r.returncode == 1
+    assert "damaged block" in r.stdout
+    report = json.loads(cli("verify", tmp_path, "--json", check=False).stdout)
+    assert not report["ok"] and len(report["damaged"]) == 1
+    assert report["damaged"][0]["block_id"] in r.stdout
+
+
+def test_errors_are_one_line_with_exit_2(tmp_path: Path) -> None:
+    r = cli("info", tmp_path / "missing", check=False)
+    assert r.returncode == 2
+    assert r.stderr.startswith("kvstore: error:") and r.stderr.count("\n") == 1
+    (tmp_path / "notastore").mkdir()
+    r = cli("verify", tmp_path / "notastore", check=False)
+    assert r.returncode == 2 and "no kvstore" in r.stderr
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "MANIFEST").write_text("{}\n")
+    r = cli("info", tmp_path / "broken", check=False)
+    assert r.returncode == 2 and "corrupt" in r.stderr.lower()
+    fill(tmp_path / "s", n_seqs=1)
+    r = cli("gc", tmp_path / "s", check=False)
+    assert r.returncode == 2 and "--max-bytes" in r.stderr
+    r = cli("gc", tmp_path / "s", "--older-than", "soon", check=False)
+    assert r.returncode == 2
+
+
+def test_gc_and_compact_reclaim_space(tmp_path: Path) -> None:
+    seqs = fill(tmp_path)
+    before = json.loads(cli("stats", tmp_path, "--json").stdout)["store"]
+    r = json.loads(
+        cli("gc", tmp_path, "--max-bytes", str(before["live_bytes"] // 2), "--json").stdout
+    )
+    assert r["blocks_evicted"] > 0
+    after = json.loads(cli("stats", tmp_path, "--json").stdout)["store"]
+    assert after["live_bytes"] <= before["live_bytes"] // 2
+    assert after["dead_bytes"] == 0
+    assert after["disk_bytes"] < before["disk_bytes"]
+    with kvstore.open(tmp_path, layout=LAYOUT, model=MODEL) as s:
+        for t in seqs:
+            got = s.get(t)
+            m = got.shape[2]
+            np.testing.assert_array_equal(got, kv_of(t)[:, :, :m])
+    assert "rewrote" in cli("compact", tmp_path).stdout
+    r = json.loads(cli("gc", tmp_path, "--older-than", "0s", "--json").stdout)
+    assert json.loads(cli("stats", tmp_path, "--json").stdout)["store"]["blocks"] == 0
+    assert r["blocks_evicted"] > 0
+
+
+READER = textwrap.dedent(
+    """
+    import sys, time, numpy as np, kvstore
+    sys.path.insert(0, {test_dir!r})
+    from test_cli import LAYOUT, MODEL, kv_of
+    seqs = [np.arange(64) + 1000 * i for i in range(20)]
+    reads = 0
+    with kvstore.open({path!r}, layout=LAYOUT, model=MODEL, durability="none") as s:
+        end = time.monotonic() + {seconds}
+        while time.monotonic() < end:
+            for t in seqs:
+                got = s.get(t)
+                m = got.shape[2]
+                if not np.array_equal(got, kv_of(t)[:, :, :m]):
+                    print("WRONG", flush=True)
+                    sys.exit(3)
+                reads += 1
+    print("READS", reads, flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_compact_and_gc_while_another_process_reads(tmp_path: Path) -> None:
+    fill(tmp_path)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            READER.format(test_dir=str(Path(__file__).parent), path=str(tmp_path), seconds=4),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    live = json.loads(cli("stats", tmp_path, "--json").stdout)["store"]["live_bytes"]
+    for i in range(4):
+        cli("gc", tmp_path, "--max-bytes", str(live * (9 - i) // 10))
+        cli("compact", tmp_path)
+    out, err = reader.communicate(timeout=60)
+    assert reader.returncode == 0, f"reader failed: {out}\n{err}"
+    assert "READS" in out and "WRONG" not in out
+    report = json.loads(cli("verify", tmp_path, "--json").stdout)
+    assert report["ok"], report
+    # The reader's open files of deleted segments are gone with it: disk use
+    # is what the live records need.
+    st = json.loads(cli("stats", tmp_path, "--json").stdout)["store"]
+    assert st["dead_bytes"] == 0
+
+
+def test_demo_quick_runs_and_checks_equality(tmp_path: Path) -> None:
+    r = cli("demo", tmp_path / "demo", "--quick")
+    assert "restored KV == recomputed KV" in r.stdout and "yes" in r.stdout

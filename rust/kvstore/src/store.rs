@@ -265,6 +265,9 @@ enum ReadFail {
     Damaged(String),
 }
 
+/// Segment files a handle keeps open for reads.
+const MAX_OPEN_SEGMENTS: usize = 256;
+
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -1194,10 +1197,12 @@ impl Inner {
             return Ok(f.clone());
         }
         let f = Arc::new(io::open_existing(&segment_path(&self.dir, segment), false)?);
-        self.readers
-            .write()
-            .expect("reader cache")
-            .insert(segment, f.clone());
+        let mut readers = self.readers.write().expect("reader cache");
+        if readers.len() >= MAX_OPEN_SEGMENTS {
+            // Bounded: reads in flight keep their own `Arc`.
+            readers.clear();
+        }
+        readers.insert(segment, f.clone());
         Ok(f)
     }
 

@@ -22,7 +22,7 @@ from .errors import (
     StoreLocked,
 )
 from .layout import Layout
-from .store import Store, open
+from .store import Store, open, remove_arena
 
 __version__ = "0.1.0"
 
@@ -40,4 +40,5 @@ __all__ = [
     "StoreIOError",
     "StoreLocked",
     "open",
+    "remove_arena",
 ]

@@ -116,6 +116,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             "live_bytes": st["live_bytes"],
             "hot_bytes": st["hot_bytes"],
             "page_kind": st["page_kind"],
+            "hot_path": st["hot_path"],
         }
 
         def human() -> None:

@@ -11,6 +11,7 @@ layouts and "torch" for bfloat16/float8 layouts (numpy has no such dtypes).
 
 from __future__ import annotations
 
+import builtins
 import os
 import sys
 from collections.abc import Callable
@@ -200,6 +201,33 @@ class Store:
             )
         return np.empty(shape, dtype=_NUMPY_DTYPES[self.layout.dtype])
 
+    def pin(
+        self,
+        tokens: Any,
+        priority: int = 100,
+        ttl: float | None = None,
+        *,
+        extra: bytes | str | None = None,
+    ) -> int:
+        """Keeps the longest stored prefix of `tokens` warm: in the hot tier ahead of
+        blocks pinned lower or not at all, and kept by `gc`, for `ttl` seconds (None:
+        until `unpin`). Returns the tokens pinned. StoreFull if the hot tier is full of
+        blocks pinned at `priority` or higher."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or priority <= 0:
+            raise InvalidInput(f"priority: expected a positive int, got {priority!r}")
+        if ttl is not None and (not isinstance(ttl, (int, float)) or not ttl > 0):
+            raise InvalidInput(f"ttl: expected a positive number of seconds or None, got {ttl!r}")
+        return self._raw.pin(tokens_array(tokens), _extra(extra), priority, ttl)
+
+    def unpin(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
+        """Makes the blocks of `tokens` evictable again."""
+        return self._raw.unpin(tokens_array(tokens), _extra(extra))
+
+    def arena_region(self) -> tuple[int, int] | None:
+        """`(address, length)` of the shared hot-tier mapping (None without a hot tier),
+        e.g. to register it with CUDA as pinned memory (see kvstore.torch)."""
+        return self._raw.arena_region()
+
     # -- sessions ---------------------------------------------------------------------------
 
     def save_session(self, name: str, tokens: Any, kv: Any) -> int:
@@ -241,13 +269,16 @@ class Store:
         self._raw.flush()
 
     def stats(self) -> dict[str, Any]:
-        """Blocks, bytes per tier, hits and misses (of this handle), dedupe, page kind."""
+        """Blocks, bytes per tier, hits and misses (of this handle), dedupe, page kind.
+
+        Hot tier: `hot_hit_blocks` / `disk_hit_blocks` (blocks this handle served from
+        memory / from the segments), `hot_bytes`, `hot_slots`, `hot_slots_used`,
+        `hot_slots_pinned`, `hot_evictions`, `page_kind` ("hugetlb", "thp", "normal", or
+        "none" without a hot tier), `hot_path`."""
         s: dict[str, Any] = dict(self._raw.stats())
         live = s["live_bytes"]
         s["compression_ratio"] = (s["raw_live_bytes"] / live) if live else 1.0
         s["durability"] = self.durability
-        s["hot_bytes"] = 0
-        s["page_kind"] = "none"  # no shared-memory hot tier yet: every read goes to segments
         return s
 
     def segments(self) -> list[dict[str, Any]]:
@@ -298,6 +329,7 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     segment_bytes: int = 1 << 30,
     batch_window_ms: int = 20,
     create: bool = True,
+    hot_dir: str | os.PathLike[str] | None = None,
 ) -> Store:
     """Opens (creating if needed) the store at `path`, bound to `model` + `layout`.
 
@@ -309,8 +341,11 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     - `compression`: None (raw payloads) or "zstd" (with byte-plane shuffle for 16-bit
       dtypes) at `compression_level`.
     - `array`: "numpy" or "torch", the family `get` returns (see the module doc).
-    - `hot_bytes`: capacity of the shared-memory tier, reserved for it; accepted and
-      unused until that tier exists.
+    - `hot_bytes`: capacity of the shared-memory hot tier (None: no hot tier). Every
+      process opening the store with a hot tier maps the same arena; the first one
+      sizes it. It lives in `hot_dir`, else $KVSTORE_HOT_DIR, else a hugetlbfs mount
+      with room, else /dev/shm, as `kvstore-<store id>.arena`, and outlives the
+      processes (that is the point); `kvstore.remove_arena(path)` deletes it.
     - With `layout` and `model` both None, opens an existing store as its MANIFEST says.
     """
     if (layout is None) != (model is None):
@@ -344,6 +379,8 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         segment_bytes,
         batch_window_ms,
         create,
+        hot_bytes,
+        os.fspath(hot_dir) if hot_dir is not None else None,
     )
     num_layers, num_kv_heads, head_dim, dtype, block_size = raw.layout()
     actual = Layout(num_layers, num_kv_heads, head_dim, dtype, block_size)
@@ -351,3 +388,36 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     if array is None:
         array = "numpy" if actual.dtype in _NUMPY_DTYPES else "torch"
     return Store(raw, actual, fingerprint, array)
+
+
+def _arena_dirs(hot_dir: str | os.PathLike[str] | None) -> list[Path]:
+    dirs = [Path(hot_dir)] if hot_dir is not None else []
+    if os.environ.get("KVSTORE_HOT_DIR"):
+        dirs.append(Path(os.environ["KVSTORE_HOT_DIR"]))
+    try:
+        with builtins.open("/proc/mounts") as f:
+            dirs += [Path(line.split()[1]) for line in f if line.split()[2:3] == ["hugetlbfs"]]
+    except OSError:
+        pass
+    dirs.append(Path("/dev/shm"))
+    return dirs
+
+
+def remove_arena(
+    path: str | os.PathLike[str], hot_dir: str | os.PathLike[str] | None = None
+) -> int:
+    """Deletes the shared-memory arena of the store at `path` (wherever the store's
+    processes would look for it); returns how many files were removed. Processes that
+    have it mapped keep using their mapping; the next open creates a fresh arena."""
+    raw = _lib.Store.open(
+        os.fspath(path), None, None, None, "none", None, 0, 1 << 30, 20, False, None, None
+    )
+    store_id = raw.manifest()["store_id"]
+    raw.close()
+    removed = 0
+    for d in dict.fromkeys(_arena_dirs(hot_dir)):
+        arena = d / f"kvstore-{store_id}.arena"
+        if arena.is_file() and not arena.is_symlink():
+            arena.unlink()
+            removed += 1
+    return removed

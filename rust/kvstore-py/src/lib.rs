@@ -49,7 +49,7 @@ impl Store {
     /// head_dim, dtype, block_size)`; with `layout` and `fingerprint` both
     /// `None` an existing store opens as its MANIFEST says.
     #[staticmethod]
-    #[pyo3(signature = (path, fingerprint, layout, salt, durability, disk_bytes, compression_level, segment_bytes, batch_window_ms, create))]
+    #[pyo3(signature = (path, fingerprint, layout, salt, durability, disk_bytes, compression_level, segment_bytes, batch_window_ms, create, hot_bytes, hot_dir))]
     #[allow(clippy::too_many_arguments)]
     fn open(
         py: Python<'_>,
@@ -63,6 +63,8 @@ impl Store {
         segment_bytes: u64,
         batch_window_ms: u64,
         create: bool,
+        hot_bytes: Option<u64>,
+        hot_dir: Option<PathBuf>,
     ) -> PyResult<Store> {
         let layout = match layout {
             Some((l, h, d, dtype, b)) => {
@@ -80,6 +82,8 @@ impl Store {
             segment_bytes,
             batch_window: Duration::from_millis(batch_window_ms),
             create,
+            hot_bytes,
+            hot_dir,
             ..Options::default()
         };
         let p = path.clone();
@@ -177,6 +181,43 @@ impl Store {
             .py()
     }
 
+    #[pyo3(signature = (tokens, extra, priority, ttl_s=None))]
+    fn pin(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        extra: &[u8],
+        priority: u64,
+        ttl_s: Option<f64>,
+    ) -> PyResult<usize> {
+        let t = slice(&tokens, "tokens")?;
+        let ttl = match ttl_s {
+            Some(s) if !(s.is_finite() && s > 0.0) => {
+                return Err(to_pyerr(kvstore::Error::InvalidInput(format!(
+                    "ttl: expected a positive number of seconds or None, got {s}"
+                ))))
+            }
+            Some(s) => Some(Duration::from_secs_f64(s)),
+            None => None,
+        };
+        py.detach(|| self.engine.pin(t, extra, priority, ttl)).py()
+    }
+
+    fn unpin(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        extra: &[u8],
+    ) -> PyResult<usize> {
+        let t = slice(&tokens, "tokens")?;
+        py.detach(|| self.engine.unpin(t, extra)).py()
+    }
+
+    /// `(address, length)` of the hot-tier mapping, or None without one.
+    fn arena_region(&self) -> PyResult<Option<(usize, usize)>> {
+        self.engine.arena_region().py()
+    }
+
     fn save_session(
         &self,
         py: Python<'_>,
@@ -236,6 +277,34 @@ impl Store {
         d.set_item("bytes_written", s.bytes_written)?;
         d.set_item("bytes_read", s.bytes_read)?;
         d.set_item("block_bytes", s.block_bytes)?;
+        d.set_item("hot_hit_blocks", s.hot_hit_blocks)?;
+        d.set_item("disk_hit_blocks", s.disk_hit_blocks)?;
+        match s.arena {
+            Some(a) => {
+                d.set_item("hot_path", a.path)?;
+                d.set_item("hot_bytes", a.bytes)?;
+                d.set_item("hot_slots", a.slots)?;
+                d.set_item("hot_slots_used", a.slots_used)?;
+                d.set_item("hot_slots_pinned", a.slots_pinned)?;
+                d.set_item("hot_blocks", a.slots_used)?;
+                d.set_item("hot_evictions", a.evictions)?;
+                d.set_item("hot_inserts", a.inserts)?;
+                d.set_item("hot_slots_torn", a.slots_torn)?;
+                d.set_item("page_kind", a.page_kind)?;
+            }
+            None => {
+                d.set_item("hot_path", py.None())?;
+                d.set_item("hot_bytes", 0)?;
+                d.set_item("hot_slots", 0)?;
+                d.set_item("hot_slots_used", 0)?;
+                d.set_item("hot_slots_pinned", 0)?;
+                d.set_item("hot_blocks", 0)?;
+                d.set_item("hot_evictions", 0)?;
+                d.set_item("hot_inserts", 0)?;
+                d.set_item("hot_slots_torn", 0)?;
+                d.set_item("page_kind", "none")?;
+            }
+        }
         Ok(d)
     }
 

@@ -6,7 +6,8 @@
 //! - `segments`: segment number (u64 **big-endian**, so iteration is in order) → [`SegmentInfo`] (32 B)
 //! - `sessions`: tenant tag (16 B) ‖ name (UTF-8) → token ids (u32 LE each)
 //! - `damaged`:  block id → [`Location`] ‖ reason (UTF-8): blocks found damaged on read
-//! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`)
+//! - `pins`:     block id → priority (u64 LE) ‖ expiry in ms since the epoch (u64 LE, 0 = never)
+//! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`, hit/miss totals)
 
 use crate::error::{Error, Result};
 use crate::id::BlockId;
@@ -128,6 +129,7 @@ pub struct Index {
     segments: Db,
     sessions: Db,
     damaged: Db,
+    pins: Db,
     meta: Db,
     nosync: bool,
     path: PathBuf,
@@ -170,6 +172,7 @@ impl Index {
         let segments = create("segments")?;
         let sessions = create("sessions")?;
         let damaged = create("damaged")?;
+        let pins = create("pins")?;
         let meta = create("meta")?;
         wtxn.commit()?;
         let idx = Arc::new(Index {
@@ -178,6 +181,7 @@ impl Index {
             segments,
             sessions,
             damaged,
+            pins,
             meta,
             nosync,
             path: key.clone(),
@@ -362,6 +366,46 @@ impl Index {
 
     pub fn set_meta_u64(&self, txn: &mut RwTxn<'_>, name: &str, v: u64) -> Result<()> {
         Ok(self.meta.put(txn, name.as_bytes(), &v.to_le_bytes())?)
+    }
+
+    // ---- pins ----
+
+    pub fn put_pin(
+        &self,
+        txn: &mut RwTxn<'_>,
+        id: &BlockId,
+        priority: u64,
+        expires_ms: u64,
+    ) -> Result<()> {
+        let mut v = [0u8; 16];
+        v[..8].copy_from_slice(&priority.to_le_bytes());
+        v[8..].copy_from_slice(&expires_ms.to_le_bytes());
+        Ok(self.pins.put(txn, id, &v)?)
+    }
+
+    pub fn delete_pin(&self, txn: &mut RwTxn<'_>, id: &BlockId) -> Result<()> {
+        self.pins.delete(txn, id)?;
+        Ok(())
+    }
+
+    /// Blocks pinned and not expired at `now_ms`.
+    pub fn live_pins(
+        &self,
+        txn: &RoTxn<'_>,
+        now_ms: u64,
+    ) -> Result<std::collections::HashSet<BlockId>> {
+        let mut out = std::collections::HashSet::new();
+        for item in self.pins.iter(txn)? {
+            let (k, v) = item?;
+            let (Ok(id), Ok(v)) = (<[u8; 32]>::try_from(k), <[u8; 16]>::try_from(v)) else {
+                continue;
+            };
+            let expires = u64::from_le_bytes(v[8..].try_into().expect("8 bytes"));
+            if expires == 0 || expires > now_ms {
+                out.insert(id);
+            }
+        }
+        Ok(out)
     }
 
     // ---- sessions ----

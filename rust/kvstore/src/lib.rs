@@ -8,6 +8,7 @@
 //! ([`format`]) and indexed in LMDB ([`index`]); [`store::Store`] ties it
 //! together. This crate knows nothing of Python: `kvstore-py` binds it.
 
+pub mod arena;
 pub mod error;
 pub mod format;
 pub mod id;

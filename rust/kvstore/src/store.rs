@@ -17,6 +17,7 @@
 //! off is a miss, the entry moves to the `damaged` table, and a later put of
 //! the same block stores it again.
 
+use crate::arena::{self, Arena, ArenaStats, Inserted};
 use crate::error::{Error, IoContext, Result};
 use crate::format::{self, Manifest, RecordHeader};
 use crate::id::{self, BlockId, Keyer};
@@ -84,6 +85,12 @@ pub struct Options {
     pub batch_bytes: u64,
     /// Create the store if it does not exist.
     pub create: bool,
+    /// Capacity of the shared-memory hot tier; `None`: no hot tier.
+    pub hot_bytes: Option<u64>,
+    /// Directory of the arena file (a hugetlbfs mount, or tmpfs); `None`: the
+    /// `KVSTORE_HOT_DIR` environment variable, else a hugetlbfs mount with
+    /// room, else `/dev/shm`.
+    pub hot_dir: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -99,6 +106,8 @@ impl Default for Options {
             batch_window: Duration::from_millis(20),
             batch_bytes: 256 << 20,
             create: true,
+            hot_bytes: None,
+            hot_dir: None,
         }
     }
 }
@@ -115,6 +124,8 @@ struct Counters {
     bytes_written: AtomicU64,
     bytes_read: AtomicU64,
     damaged_found: AtomicU64,
+    hot_hit_blocks: AtomicU64,
+    disk_hit_blocks: AtomicU64,
 }
 
 /// Figures of `Store::stats`.
@@ -141,6 +152,11 @@ pub struct Stats {
     pub bytes_written: u64,
     pub bytes_read: u64,
     pub block_bytes: u64,
+    /// Blocks this handle served from the hot tier, and from the segments.
+    pub hot_hit_blocks: u64,
+    pub disk_hit_blocks: u64,
+    /// The hot tier, if this handle has one.
+    pub arena: Option<ArenaStats>,
 }
 
 /// One segment, as `kvstore stats` lists it.
@@ -242,6 +258,7 @@ struct Inner {
     /// (a compaction may have deleted some: their space must be freed).
     readers: RwLock<HashMap<u64, Arc<File>>>,
     known: Known,
+    arena: Option<Arena>,
     counters: Counters,
 }
 
@@ -402,6 +419,31 @@ impl Store {
         out_tokens: usize,
     ) -> Result<usize> {
         self.live()?.get_into(tokens, extra, out, out_tokens)
+    }
+
+    /// Keeps the longest stored prefix of `tokens` warm: held in the hot tier
+    /// ahead of blocks pinned lower or not at all, and kept by `gc`, until
+    /// `ttl` passes (`None`: until unpinned). Returns the tokens pinned.
+    /// `StoreFull` if the hot tier cannot hold them at this priority.
+    pub fn pin(
+        &self,
+        tokens: &[u32],
+        extra: &[u8],
+        priority: u64,
+        ttl: Option<Duration>,
+    ) -> Result<usize> {
+        self.live()?.pin(tokens, extra, priority, ttl)
+    }
+
+    /// Undoes `pin` for the blocks of `tokens`. Returns the tokens unpinned.
+    pub fn unpin(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
+        self.live()?.unpin(tokens, extra)
+    }
+
+    /// Start address and length of the hot-tier mapping, if any (for
+    /// registering it with CUDA as pinned host memory).
+    pub fn arena_region(&self) -> Result<Option<(usize, usize)>> {
+        Ok(self.live()?.arena.as_ref().map(|a| a.region()))
     }
 
     pub fn save_session(
@@ -583,6 +625,25 @@ impl Inner {
         }
         let index = Index::open(&dir.join("index"), opts.durability == Durability::None)?;
         let keyer = Keyer::new(&fingerprint, &layout, opts.salt.as_deref());
+        let arena = match opts.hot_bytes {
+            None => None,
+            Some(bytes) => {
+                let dir = opts
+                    .hot_dir
+                    .clone()
+                    .or_else(|| std::env::var_os("KVSTORE_HOT_DIR").map(PathBuf::from))
+                    .unwrap_or_else(|| arena::default_dir(bytes));
+                let path = dir.join(format!("kvstore-{}.arena", manifest.store_id));
+                let mut tag_input = manifest.store_id.as_bytes().to_vec();
+                tag_input.extend_from_slice(&layout.canonical_bytes());
+                Some(Arena::open(
+                    &path,
+                    &layout,
+                    blake3::hash(&tag_input).as_bytes(),
+                    bytes,
+                )?)
+            }
+        };
         let inner = Inner {
             dir: dir.to_path_buf(),
             tag: keyer.tenant_tag(),
@@ -596,6 +657,7 @@ impl Inner {
             closing: AtomicBool::new(false),
             readers: RwLock::new(HashMap::new()),
             known: Known::default(),
+            arena,
             counters: Counters::default(),
         };
         inner.recover()?;
@@ -734,6 +796,9 @@ impl Inner {
                 continue;
             }
             let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
+            if let Some(arena) = &self.arena {
+                arena.insert(id, &tokens[i * b..(i + 1) * b], &chunks, 0, 0, now_ms())?;
+            }
             let loc = self.append(
                 &mut w,
                 id,
@@ -1017,6 +1082,87 @@ impl Inner {
         Ok(n)
     }
 
+    fn pin(
+        &self,
+        tokens: &[u32],
+        extra: &[u8],
+        priority: u64,
+        ttl: Option<Duration>,
+    ) -> Result<usize> {
+        if priority == 0 {
+            return Err(Error::InvalidInput(
+                "priority: expected a positive integer (0 means unpinned), got 0".into(),
+            ));
+        }
+        let b = self.layout.block_size as usize;
+        let expires = match ttl {
+            Some(t) => now_ms()
+                .saturating_add(t.as_millis().try_into().unwrap_or(u64::MAX))
+                .max(1),
+            None => 0,
+        };
+        let ids = self.keyer.chain(tokens, b, extra);
+        let mut snap = Some(self.snapshot()?);
+        let mut locs = Vec::new();
+        for id in &ids {
+            match self.find(&mut snap, id)? {
+                Some(loc) => locs.push(loc),
+                None => break,
+            }
+        }
+        drop(snap);
+        let mut txn = self.index.write()?;
+        for id in &ids[..locs.len()] {
+            self.index.put_pin(&mut txn, id, priority, expires)?;
+        }
+        self.index.commit(txn, self.durable())?;
+        if let Some(arena) = &self.arena {
+            let mut buf = vec![0u8; self.layout.block_bytes()];
+            let mut scratch = Vec::new();
+            for (i, (id, loc)) in ids.iter().zip(&locs).enumerate() {
+                if arena.pin(id, priority, expires)? {
+                    continue;
+                }
+                let block_tokens = &tokens[i * b..(i + 1) * b];
+                let mut chunks: Vec<&mut [u8]> =
+                    buf.chunks_mut(self.layout.chunk_bytes()).collect();
+                if self
+                    .read_record(loc, id, Some(block_tokens), &mut chunks, &mut scratch)?
+                    .is_err()
+                {
+                    return Ok(i * b); // damaged or compacted away: the pinned prefix ends here
+                }
+                let chunks: Vec<&[u8]> = buf.chunks(self.layout.chunk_bytes()).collect();
+                if arena.insert(id, block_tokens, &chunks, priority, expires, now_ms())?
+                    == Inserted::Full
+                {
+                    return Err(Error::StoreFull(format!(
+                        "the hot tier has no room for block {i} of this sequence: its slots hold \
+                         blocks pinned at priority {priority} or higher"
+                    )));
+                }
+            }
+        }
+        Ok(locs.len() * b)
+    }
+
+    fn unpin(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
+        let ids = self
+            .keyer
+            .chain(tokens, self.layout.block_size as usize, extra);
+        let mut txn = self.index.write()?;
+        for id in &ids {
+            self.index.delete_pin(&mut txn, id)?;
+        }
+        self.index.commit(txn, self.durable())?;
+        if let Some(arena) = &self.arena {
+            for id in &ids {
+                arena.unpin(id)?;
+            }
+        }
+        Ok(ids.len() * self.layout.block_size as usize)
+    }
+
     // ----------------------------------------------------------------- reads
 
     /// Number of leading full blocks of `tokens` that are stored.
@@ -1028,7 +1174,8 @@ impl Inner {
         let mut snap = Some(self.snapshot()?);
         let mut n = 0;
         for id in &ids {
-            if self.find(&mut snap, id)?.is_none() {
+            let hot = self.arena.as_ref().is_some_and(|a| a.contains(id));
+            if !hot && self.find(&mut snap, id)?.is_none() {
                 break;
             }
             n += 1;
@@ -1149,23 +1296,34 @@ impl Inner {
         // One snapshot per call, so the cache notices a newer generation.
         let mut snap = Some(self.snapshot()?);
         'blocks: for (i, id) in ids.iter().enumerate() {
+            let block_tokens = &tokens[i * b..(i + 1) * b];
+            if let Some(arena) = &self.arena {
+                let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i);
+                if arena.get(id, block_tokens, &mut chunks) {
+                    self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
+                    served += 1;
+                    continue 'blocks;
+                }
+            }
             for attempt in 0..2 {
                 let loc = match self.find(&mut snap, id)? {
                     Some(l) => l,
                     None => break 'blocks,
                 };
                 let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i);
-                match self.read_record(
-                    &loc,
-                    id,
-                    Some(&tokens[i * b..(i + 1) * b]),
-                    &mut chunks,
-                    &mut scratch,
-                )? {
+                match self.read_record(&loc, id, Some(block_tokens), &mut chunks, &mut scratch)? {
                     Ok(()) => {
                         self.counters
                             .bytes_read
                             .fetch_add(loc.record_len, Ordering::Relaxed);
+                        self.counters
+                            .disk_hit_blocks
+                            .fetch_add(1, Ordering::Relaxed);
+                        if let Some(arena) = &self.arena {
+                            // Promote: the next reader, in any process, gets it from memory.
+                            let chunks: Vec<&[u8]> = chunks.iter().map(|c| &**c).collect();
+                            arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
+                        }
                         served += 1;
                         continue 'blocks;
                     }
@@ -1388,6 +1546,9 @@ impl Inner {
             bytes_written: c.bytes_written.load(Ordering::Relaxed),
             bytes_read: c.bytes_read.load(Ordering::Relaxed),
             block_bytes: self.layout.block_bytes() as u64,
+            hot_hit_blocks: c.hot_hit_blocks.load(Ordering::Relaxed),
+            disk_hit_blocks: c.disk_hit_blocks.load(Ordering::Relaxed),
+            arena: self.arena.as_ref().map(|a| a.stats(now_ms())),
         })
     }
 
@@ -1739,6 +1900,11 @@ impl Inner {
             let txn = self.index.read()?;
             self.index.all_blocks(&txn)?
         };
+        let pinned = {
+            let txn = self.index.read()?;
+            self.index.live_pins(&txn, now_ms())?
+        };
+        blocks.retain(|(id, _)| !pinned.contains(id));
         blocks.sort_by_key(|(_, l)| l.created_ms);
         let mut live: u64 = blocks.iter().map(|(_, l)| l.record_len).sum();
         let cutoff = older_than.map(|d| now_ms().saturating_sub(d.as_millis() as u64));

@@ -10,8 +10,9 @@
 //! ```
 //!
 //! A slot holds one block. Slots form sets of `ways` slots; a block can only
-//! live in the set its id hashes to, so finding it needs no shared hash table
-//! (nothing to rebuild, nothing a crash can leave half-updated).
+//! live in one of the two sets its id hashes to (two choices: a set full of
+//! pinned blocks rarely blocks a newcomer), so finding it needs no shared hash
+//! table (nothing to rebuild, nothing a crash can leave half-updated).
 //!
 //! # Protocol (why a reader never sees a torn or reused slot)
 //!
@@ -452,10 +453,20 @@ impl Arena {
         self.data_off + slot * self.slot_size
     }
 
-    fn set_of(&self, id: &BlockId) -> std::ops::Range<usize> {
-        let h = u64::from_le_bytes(id[8..16].try_into().expect("8 bytes"));
-        let set = (h % (self.nslots / self.ways) as u64) as usize;
-        set * self.ways..(set + 1) * self.ways
+    /// The slots a block may occupy: the ways of its two candidate sets.
+    fn set_of(&self, id: &BlockId) -> impl Iterator<Item = usize> {
+        let nsets = (self.nslots / self.ways) as u64;
+        let pick = |at: usize| {
+            (u64::from_le_bytes(id[at..at + 8].try_into().expect("8 bytes")) % nsets) as usize
+        };
+        let (a, b) = (pick(8), pick(16));
+        let ways = self.ways;
+        let second = if b == a {
+            0..0
+        } else {
+            b * ways..(b + 1) * ways
+        };
+        (a * ways..(a + 1) * ways).chain(second)
     }
 
     fn id_matches(&self, slot: usize, id: &BlockId) -> bool {

@@ -1,0 +1,330 @@
+"""The shared-memory hot tier across processes: sharing, eviction under load,
+pins, SIGKILL at any moment, page kinds, hostile arena files, restart.
+
+Every test keeps its arena in its own temporary directory (`hot_dir`)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvstore
+
+# 8 KiB blocks: a 4 MiB arena holds about 250 of them.
+LAYOUT = kvstore.Layout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_size=16)
+MODEL = "hot-tier-test@1"
+HELPERS = textwrap.dedent(
+    """
+    import os, sys, time, random, numpy as np, kvstore
+    LAYOUT = kvstore.Layout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
+                            block_size=16)
+    MODEL = "hot-tier-test@1"
+
+    def seq(i, n=64):
+        return np.arange(n, dtype=np.int64) + 100_003 * i
+
+    def kv_of(tokens):
+        # A pure function of (position, token): any process recomputes it.
+        pos = np.arange(len(tokens), dtype=np.float32)
+        base = (tokens % 997).astype(np.float32) * 0.01 + pos * 0.001
+        grid = np.arange(2 * 2 * 2 * 32, dtype=np.float32).reshape(2, 2, 1, 2, 32) * 0.25
+        return (base[None, None, :, None, None] + grid).astype(np.float16)
+
+    def check(store, tokens):
+        got = store.get(tokens)
+        m = got.shape[2]
+        if not np.array_equal(got, kv_of(tokens)[:, :, :m]):
+            print("WRONG", flush=True)
+            sys.exit(3)
+        return m
+    """
+)
+exec(HELPERS)  # the same helpers in this process  # noqa: S102
+
+
+def open_store(path: Path, hot: Path, hot_bytes: int = 4 << 20, **kw: object) -> kvstore.Store:
+    return kvstore.open(path, layout=LAYOUT, model=MODEL, hot_bytes=hot_bytes, hot_dir=hot, **kw)  # type: ignore[arg-type]
+
+
+def run_child(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", HELPERS + textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_process_b_reads_what_process_a_put_from_the_arena(tmp_path: Path) -> None:
+    store, hot = tmp_path / "s", tmp_path / "hot"
+    hot.mkdir()
+    r = run_child(
+        """
+        with kvstore.open(sys.argv[1], layout=LAYOUT, model=MODEL, hot_bytes=4 << 20,
+                          hot_dir=sys.argv[2]) as s:
+            for i in range(5):
+                s.put(seq(i), kv_of(seq(i)))
+        """,
+        str(store),
+        str(hot),
+    )
+    assert r.returncode == 0, r.stderr
+    r = run_child(
+        """
+        with kvstore.open(sys.argv[1], layout=LAYOUT, model=MODEL, hot_bytes=4 << 20,
+                          hot_dir=sys.argv[2]) as s:
+            n = sum(check(s, seq(i)) for i in range(5))
+            st = s.stats()
+            print(n, st["hot_hit_blocks"], st["disk_hit_blocks"], st["bytes_read"])
+        """,
+        str(store),
+        str(hot),
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["320", "20", "0", "0"], "every block from memory, none from disk"
+
+
+STRESS = """
+    path, hot, seconds, me = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+    rng = random.Random(me)
+    gets = misses = full = 0
+    with kvstore.open(path, layout=LAYOUT, model=MODEL, hot_bytes=4 << 20, hot_dir=hot,
+                      durability="none") as s:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            op = rng.random()
+            i = rng.randrange(400)
+            if op < 0.4:
+                s.put(seq(i), kv_of(seq(i)))
+            elif op < 0.98:
+                m = check(s, seq(i))
+                gets += 1
+                misses += m == 0
+            elif op < 0.99:
+                try:
+                    s.pin(seq(i), priority=rng.randrange(1, 5), ttl=0.2)
+                except kvstore.StoreFull:
+                    full += 1  # both sets of a block hold live pins of higher priority
+        st = s.stats()
+        print("OK", gets, misses, st["hot_hit_blocks"], st["disk_hit_blocks"], full, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_four_processes_under_constant_eviction(tmp_path: Path) -> None:
+    store, hot = tmp_path / "s", tmp_path / "hot"
+    hot.mkdir()
+    # The pinned prefix, put and pinned for good before the storm.
+    with open_store(store, hot, hot_bytes=4 << 20) as s:
+        keep = seq(10_000, 64)
+        s.put(keep, kv_of(keep))
+        assert s.pin(keep, priority=1000) == 64
+        slots = s.stats()["hot_slots"]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                HELPERS + textwrap.dedent(STRESS),
+                str(store),
+                str(hot),
+                "3",
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and out.startswith("OK"), f"{out}\n{err}"
+    hot_hits = sum(int(out.split()[3]) for out, _ in outs)
+    disk_hits = sum(int(out.split()[4]) for out, _ in outs)
+    assert hot_hits > 0 and disk_hits > 0, "the arena both served and evicted"
+    with open_store(store, hot, hot_bytes=4 << 20) as s:
+        st = s.stats()
+        assert st["hot_evictions"] > 0
+        assert st["hot_slots_used"] <= slots
+        assert st["hot_bytes"] <= 4 << 20
+        before = st["disk_hit_blocks"]
+        assert check(s, keep) == 64
+        assert s.stats()["disk_hit_blocks"] == before, "the pinned blocks survived the churn"
+    assert (hot / os.listdir(hot)[0]).stat().st_size <= 4 << 20
+
+
+KILLED = """
+    path, hot, me = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rng = random.Random(me)
+    with kvstore.open(path, layout=LAYOUT, model=MODEL, hot_bytes=4 << 20, hot_dir=hot,
+                      durability="none") as s:
+        print("READY", flush=True)
+        while True:
+            i = rng.randrange(300)
+            if rng.random() < 0.5:
+                s.put(seq(i), kv_of(seq(i)))
+            else:
+                check(s, seq(i))
+"""
+
+SURVIVOR = """
+    path, hot = sys.argv[1], sys.argv[2]
+    reads = 0
+    with kvstore.open(path, layout=LAYOUT, model=MODEL, hot_bytes=4 << 20, hot_dir=hot,
+                      durability="none") as s:
+        while not os.path.exists(os.path.join(hot, "..", "stop")):
+            for i in range(0, 300, 7):
+                check(s, seq(i))
+                reads += 1
+            s.put(seq(300 + reads % 50), kv_of(seq(300 + reads % 50)))
+    print("OK", reads, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_mid_put_and_get_leaves_no_lock_or_leaked_slot(tmp_path: Path) -> None:
+    store, hot = tmp_path / "s", tmp_path / "hot"
+    hot.mkdir()
+    with open_store(store, hot, hot_bytes=4 << 20, durability="none") as s:
+        for i in range(0, 300, 3):
+            s.put(seq(i), kv_of(seq(i)))
+    survivor = subprocess.Popen(
+        [sys.executable, "-c", HELPERS + textwrap.dedent(SURVIVOR), str(store), str(hot)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rng = random.Random(1)
+    kills = 0
+    for cycle in range(24):
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                HELPERS + textwrap.dedent(KILLED),
+                str(store),
+                str(hot),
+                str(cycle),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "READY", p.stderr.read() if p.stderr else ""
+        time.sleep(rng.uniform(0.01, 0.25))
+        p.send_signal(signal.SIGKILL)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == -signal.SIGKILL, f"child ended on its own: {out}\n{err}"
+        assert "WRONG" not in out
+        kills += 1
+    (tmp_path / "stop").touch()
+    out, err = survivor.communicate(timeout=60)
+    assert survivor.returncode == 0 and out.startswith("OK"), f"survivor: {out}\n{err}"
+    assert kills >= 20
+    # Opening reclaims any slot a killed writer left half-written; nothing is
+    # locked (this open would hang otherwise) and every used slot holds a block.
+    with open_store(store, hot, hot_bytes=4 << 20, durability="none") as s:
+        st = s.stats()
+        assert st["hot_slots_torn"] == 0
+        assert st["hot_slots_used"] <= min(st["hot_slots"], 350 * 4)
+        for i in range(0, 350):
+            check(s, seq(i))
+        assert s.verify()["damaged"] == []
+
+
+def test_page_kind_without_a_huge_page_pool_is_reported(tmp_path: Path) -> None:
+    with open_store(tmp_path / "s", tmp_path) as s:
+        kind = s.stats()["page_kind"]
+    thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    expected = {"normal", "thp"} if "[never]" not in thp and "[deny]" not in thp else {"normal"}
+    assert kind in expected, f"{kind} with shmem_enabled {thp.strip()}"
+
+
+def test_huge_pages_when_a_pool_can_be_set_up(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to set vm.nr_hugepages and mount hugetlbfs")
+    nr = Path("/proc/sys/vm/nr_hugepages")
+    before = nr.read_text().strip()
+    mnt = tmp_path / "huge"
+    mnt.mkdir()
+    try:
+        try:
+            nr.write_text(str(int(before) + 8))
+        except OSError as e:
+            pytest.skip(f"cannot set vm.nr_hugepages: {e}")
+        if int(nr.read_text()) < int(before) + 4:
+            pytest.skip("the kernel gave no huge pages (memory too fragmented?)")
+        r = subprocess.run(
+            ["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", str(mnt)],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount hugetlbfs: {r.stderr.strip()}")
+        try:
+            with open_store(tmp_path / "s", mnt, hot_bytes=4 << 20) as s:
+                st = s.stats()
+                assert st["page_kind"] == "hugetlb"
+                t = seq(1)
+                s.put(t, kv_of(t))
+                assert check(s, t) == 64
+                assert s.stats()["hot_hit_blocks"] == 4
+            kvstore.remove_arena(tmp_path / "s", hot_dir=mnt)
+        finally:
+            subprocess.run(["umount", str(mnt)], check=False)
+    finally:
+        nr.write_text(before)
+
+
+def test_hostile_arena_symlink_is_refused(tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    with open_store(tmp_path / "s", hot):
+        pass
+    (arena,) = hot.iterdir()
+    arena.unlink()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"do not touch")
+    arena.symlink_to(victim)
+    with pytest.raises(kvstore.CorruptStore, match="symlink"):
+        open_store(tmp_path / "s", hot)
+    assert victim.read_bytes() == b"do not touch"
+
+
+def test_restart_with_the_arena_gone_refills_from_segments(tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    t = seq(2)
+    with open_store(tmp_path / "s", hot) as s:
+        s.put(t, kv_of(t))
+    assert kvstore.remove_arena(tmp_path / "s", hot_dir=hot) == 1
+    with open_store(tmp_path / "s", hot) as s:
+        assert check(s, t) == 64
+        assert check(s, t) == 64
+        st = s.stats()
+        assert (st["disk_hit_blocks"], st["hot_hit_blocks"]) == (4, 4)
+
+
+def test_pin_validation_and_full_of_pins(tmp_path: Path) -> None:
+    with open_store(tmp_path / "s", tmp_path) as s:
+        with pytest.raises(kvstore.InvalidInput, match="priority"):
+            s.pin(seq(1), priority=0)
+        with pytest.raises(kvstore.InvalidInput, match="ttl"):
+            s.pin(seq(1), ttl=-1)
+        everything = np.concatenate([seq(i) for i in range(80)])
+        s.put(everything, kv_of(everything))
+        with pytest.raises(kvstore.StoreFull):
+            s.pin(everything, priority=3)
+        assert s.stats()["hot_slots_pinned"] > 0
+        assert check(s, everything) == len(everything)

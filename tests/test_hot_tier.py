@@ -16,52 +16,29 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _hot_common import LAYOUT, MODEL, check, kv_of, seq
 
 import kvstore
 
-# 8 KiB blocks: a 4 MiB arena holds about 250 of them.
-LAYOUT = kvstore.Layout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_size=16)
-MODEL = "hot-tier-test@1"
-HELPERS = textwrap.dedent(
-    """
-    import os, sys, time, random, numpy as np, kvstore
-    LAYOUT = kvstore.Layout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
-                            block_size=16)
-    MODEL = "hot-tier-test@1"
-
-    def seq(i, n=64):
-        return np.arange(n, dtype=np.int64) + 100_003 * i
-
-    def kv_of(tokens):
-        # A pure function of (position, token): any process recomputes it.
-        pos = np.arange(len(tokens), dtype=np.float32)
-        base = (tokens % 997).astype(np.float32) * 0.01 + pos * 0.001
-        grid = np.arange(2 * 2 * 2 * 32, dtype=np.float32).reshape(2, 2, 1, 2, 32) * 0.25
-        return (base[None, None, :, None, None] + grid).astype(np.float16)
-
-    def check(store, tokens):
-        got = store.get(tokens)
-        m = got.shape[2]
-        if not np.array_equal(got, kv_of(tokens)[:, :, :m]):
-            print("WRONG", flush=True)
-            sys.exit(3)
-        return m
-    """
+# Child processes import the same helpers.
+HELPERS = (
+    "import os, sys, time, random\n"
+    f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    "import kvstore\n"
+    "from _hot_common import LAYOUT, MODEL, check, kv_of, seq\n"
 )
-exec(HELPERS)  # the same helpers in this process  # noqa: S102
 
 
 def open_store(path: Path, hot: Path, hot_bytes: int = 4 << 20, **kw: object) -> kvstore.Store:
     return kvstore.open(path, layout=LAYOUT, model=MODEL, hot_bytes=hot_bytes, hot_dir=hot, **kw)  # type: ignore[arg-type]
 
 
-def run_child(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", HELPERS + textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def child_args(code: str, *args: object) -> list[str]:
+    return [sys.executable, "-c", HELPERS + textwrap.dedent(code), *map(str, args)]
+
+
+def run_child(code: str, *args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(child_args(code, *args), capture_output=True, text=True, timeout=timeout)
 
 
 def test_process_b_reads_what_process_a_put_from_the_arena(tmp_path: Path) -> None:
@@ -199,7 +176,7 @@ def test_sigkill_mid_put_and_get_leaves_no_lock_or_leaked_slot(tmp_path: Path) -
         for i in range(0, 300, 3):
             s.put(seq(i), kv_of(seq(i)))
     survivor = subprocess.Popen(
-        [sys.executable, "-c", HELPERS + textwrap.dedent(SURVIVOR), str(store), str(hot)],
+        child_args(SURVIVOR, store, hot),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

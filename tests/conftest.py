@@ -37,7 +37,9 @@ U32_MAX = 2**32 - 1
 
 def small_layout(dtype: str = "float16", block_size: int = 8, L: int = 2, H: int = 2, D: int = 16):
     """A layout whose blocks are a few KiB (2 KiB for the defaults)."""
-    return kvstore.Layout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype, block_size=block_size)
+    return kvstore.Layout(
+        num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype, block_size=block_size
+    )
 
 
 @pytest.fixture
@@ -105,7 +107,9 @@ def _lowent_table(dtype: str) -> np.ndarray:
     return np.array([0x00, 0x30, 0xB8, 0x40], dtype=np.uint8)  # float8_e4m3fn 0, .5, -1, 2
 
 
-def kv_bits(layout, tokens: Sequence[int], *, seed: int = 0, kind: str = "random", total: int | None = None) -> np.ndarray:
+def kv_bits(
+    layout, tokens: Sequence[int], *, seed: int = 0, kind: str = "random", total: int | None = None
+) -> np.ndarray:
     """The KV of `tokens` as unsigned-integer bit patterns, shape [L, 2, T, H, D].
 
     kind="random": every bit pattern is possible (NaNs, infinities, subnormals
@@ -127,7 +131,15 @@ def kv_bits(layout, tokens: Sequence[int], *, seed: int = 0, kind: str = "random
     raise ValueError(kind)
 
 
-def kv_for(layout, tokens: Sequence[int], *, seed: int = 0, kind: str = "random", family: str | None = None, total: int | None = None) -> Any:
+def kv_for(
+    layout,
+    tokens: Sequence[int],
+    *,
+    seed: int = 0,
+    kind: str = "random",
+    family: str | None = None,
+    total: int | None = None,
+) -> Any:
     """Deterministic KV of `tokens` as a numpy array or torch tensor of the layout dtype.
 
     `family` defaults to numpy, or torch for dtypes numpy lacks (bfloat16, float8).
@@ -160,13 +172,17 @@ def dtype_name(x: Any) -> str:
 
 def assert_kv_equal(got: Any, want: Any, what: str = "kv") -> None:
     """Same shape, same dtype, bitwise the same bytes."""
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert tuple(got.shape) == tuple(want.shape), (
+        f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    )
     assert dtype_name(got) == dtype_name(want), f"{what}: dtype {got.dtype} != {want.dtype}"
     g, w = raw_bytes(got), raw_bytes(want)
     if g != w:
         ga, wa = np.frombuffer(g, np.uint8), np.frombuffer(w, np.uint8)
         bad = np.flatnonzero(ga != wa)
-        raise AssertionError(f"{what}: {bad.size} of {ga.size} bytes differ, first at byte {bad[0]}")
+        raise AssertionError(
+            f"{what}: {bad.size} of {ga.size} bytes differ, first at byte {bad[0]}"
+        )
 
 
 def full_tokens(layout, n: int) -> int:
@@ -190,7 +206,9 @@ def child_argv(code: str, *args: Any) -> list[str]:
     return [sys.executable, "-c", child_code(code), *[str(a) for a in args]]
 
 
-def run_child(code: str, *args: Any, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+def run_child(
+    code: str, *args: Any, timeout: float = 120, check: bool = True
+) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (`sys.argv[1:]` = args); raises with its
     output when it fails and `check` is set."""
     p = subprocess.run(child_argv(code, *args), capture_output=True, text=True, timeout=timeout)
@@ -221,7 +239,9 @@ class Location:
         return cls(*LOCATION.unpack(b[:40]))
 
     def encode(self) -> bytes:
-        return LOCATION.pack(self.segment, self.offset, self.record_len, self.stored_len, self.created_ms)
+        return LOCATION.pack(
+            self.segment, self.offset, self.record_len, self.stored_len, self.created_ms
+        )
 
 
 def open_index(path: Path | str, readonly: bool = True):
@@ -229,7 +249,9 @@ def open_index(path: Path | str, readonly: bool = True):
     import lmdb
 
     if readonly:
-        return lmdb.open(str(Path(path) / "index"), readonly=True, lock=False, max_dbs=8, subdir=True)
+        return lmdb.open(
+            str(Path(path) / "index"), readonly=True, lock=False, max_dbs=8, subdir=True
+        )
     return lmdb.open(str(Path(path) / "index"), max_dbs=8, subdir=True, map_size=64 << 30)
 
 
@@ -274,8 +296,21 @@ def read_record(path: Path | str, loc: Location) -> Record:
     stored_crc, raw_crc, header_crc = struct.unpack_from("<III", data, 64)
     meta_len = RECORD_HEADER_LEN + 4 * n
     tokens = struct.unpack_from(f"<{n}I", data, RECORD_HEADER_LEN)
-    return Record(magic, version, flags, n, stored_len, raw_len, block_id, stored_crc, raw_crc,
-                  header_crc, tuple(tokens), data[:meta_len], data[meta_len:meta_len + stored_len])
+    return Record(
+        magic,
+        version,
+        flags,
+        n,
+        stored_len,
+        raw_len,
+        block_id,
+        stored_crc,
+        raw_crc,
+        header_crc,
+        tuple(tokens),
+        data[:meta_len],
+        data[meta_len : meta_len + stored_len],
+    )
 
 
 def records_by_tokens(path: Path | str) -> dict[tuple[int, ...], tuple[bytes, Location]]:
@@ -292,7 +327,7 @@ def records_by_tokens(path: Path | str) -> dict[tuple[int, ...], tuple[bytes, Lo
 def block_record(path, layout, tokens: Sequence[int], i: int) -> tuple[bytes, Location]:
     """(block id, location) of block i of `tokens` (found by its token ids)."""
     b = layout.block_size
-    return records_by_tokens(path)[tuple(int(t) for t in tokens[i * b:(i + 1) * b])]
+    return records_by_tokens(path)[tuple(int(t) for t in tokens[i * b : (i + 1) * b])]
 
 
 def segment_bytes_total(path: Path | str) -> int:
@@ -336,6 +371,13 @@ needs_cli = pytest.mark.skipif(not HAVE_CLI, reason="kvstore.cli is not in this 
 
 def run_cli(*args: Any, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *[os.fspath(a) if isinstance(a, Path) else str(a) for a in args]],
-        capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            *[os.fspath(a) if isinstance(a, Path) else str(a) for a in args],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

@@ -45,6 +45,13 @@ def tokens_array(tokens: Any) -> np.ndarray:
         raise InvalidInput(f"tokens: expected a 1-D sequence of token ids, got shape {a.shape}")
     if a.size == 0:
         return np.zeros(0, dtype=np.uint32)
+    if a.dtype == object:
+        # Python ints too large for int64 (e.g. 2**64) land here: name the value.
+        bad = next(
+            (t for t in a.tolist() if not isinstance(t, int) or not 0 <= t <= _U32_MAX), None
+        )
+        if isinstance(bad, int) and not isinstance(bad, bool):
+            raise InvalidInput(f"tokens: expected ids in [0, {_U32_MAX}], got {bad}")
     if a.dtype.kind not in "iu":
         raise InvalidInput(f"tokens: expected integer token ids, got dtype {a.dtype}")
     lo, hi = int(a.min()), int(a.max())

@@ -27,19 +27,29 @@ pub struct Location {
     pub offset: u64,
     pub record_len: u64,
     pub stored_len: u64,
-    pub created_ms: u64,
+    /// Last use, in µs since the epoch: set by the put, refreshed by reads.
+    /// Within one request, block i is stamped i µs earlier than the first,
+    /// so eviction (least recently used first) takes chains from the tail
+    /// and keeps their prefixes whole.
+    pub used_us: u64,
 }
 
 pub const LOCATION_LEN: usize = 40;
 
 impl Location {
+    /// Whether two entries name the same record (the last-use time aside).
+    pub fn same_record(&self, other: &Location) -> bool {
+        (self.segment, self.offset, self.record_len)
+            == (other.segment, other.offset, other.record_len)
+    }
+
     pub fn encode(&self) -> [u8; LOCATION_LEN] {
         let mut b = [0u8; LOCATION_LEN];
         b[0..8].copy_from_slice(&self.segment.to_le_bytes());
         b[8..16].copy_from_slice(&self.offset.to_le_bytes());
         b[16..24].copy_from_slice(&self.record_len.to_le_bytes());
         b[24..32].copy_from_slice(&self.stored_len.to_le_bytes());
-        b[32..40].copy_from_slice(&self.created_ms.to_le_bytes());
+        b[32..40].copy_from_slice(&self.used_us.to_le_bytes());
         b
     }
 
@@ -53,7 +63,7 @@ impl Location {
             offset: u(8),
             record_len: u(16),
             stored_len: u(24),
-            created_ms: u(32),
+            used_us: u(32),
         })
     }
 }
@@ -228,6 +238,18 @@ impl Index {
         Ok(self.blocks.put(txn, id, &loc.encode())?)
     }
 
+    /// Refreshes a block's last-use time (never moves it back). The record
+    /// stays where it is, so cached locations stay valid: no generation bump.
+    pub fn touch(&self, txn: &mut RwTxn<'_>, id: &BlockId, used_us: u64) -> Result<()> {
+        if let Some(mut loc) = self.get_block_rw(txn, id)? {
+            if used_us > loc.used_us {
+                loc.used_us = used_us;
+                self.blocks.put(txn, id, &loc.encode())?;
+            }
+        }
+        Ok(())
+    }
+
     /// Points an existing entry at a new copy of its record (compaction).
     /// Bumps the generation: cached locations are stale from now on.
     pub fn move_block(&self, txn: &mut RwTxn<'_>, id: &BlockId, loc: &Location) -> Result<()> {
@@ -293,6 +315,11 @@ impl Index {
             }
         }
         Ok(out)
+    }
+
+    pub fn clear_damaged(&self, txn: &mut RwTxn<'_>, id: &BlockId) -> Result<()> {
+        self.damaged.delete(txn, id)?;
+        Ok(())
     }
 
     pub fn clear_damaged_in(&self, txn: &mut RwTxn<'_>, segment: u64) -> Result<()> {

@@ -228,6 +228,8 @@ struct Writer {
     pending_bytes: u64,
     oldest_pending: Option<Instant>,
     poisoned: Option<String>,
+    /// Blocks of the put in progress, which eviction must leave alone.
+    protect: std::collections::HashSet<BlockId>,
 }
 
 impl Writer {
@@ -239,6 +241,7 @@ impl Writer {
             pending_bytes: 0,
             oldest_pending: None,
             poisoned: None,
+            protect: std::collections::HashSet::new(),
         }
     }
 }
@@ -258,9 +261,30 @@ struct Inner {
     /// (a compaction may have deleted some: their space must be freed).
     readers: RwLock<HashMap<u64, Arc<File>>>,
     known: Known,
+    /// Last-use times of blocks this handle served, not yet in the index.
+    touched: Mutex<Touched>,
     arena: Option<Arena>,
     counters: Counters,
 }
+
+/// Buffered last-use times: written to the index at flush, close, eviction,
+/// or when there are many or they are old (a read must not write each time).
+struct Touched {
+    times: HashMap<BlockId, u64>,
+    since: Instant,
+}
+
+impl Default for Touched {
+    fn default() -> Self {
+        Touched {
+            times: HashMap::new(),
+            since: Instant::now(),
+        }
+    }
+}
+
+const TOUCHED_MAX: usize = 16384;
+const TOUCHED_MAX_AGE: Duration = Duration::from_secs(5);
 
 /// A read snapshot of the index and the generation it saw.
 struct Snap<'s> {
@@ -284,6 +308,13 @@ enum ReadFail {
 
 /// Segment files a handle keeps open for reads.
 const MAX_OPEN_SEGMENTS: usize = 256;
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -489,6 +520,7 @@ impl Store {
         let mut w = inner.writer.lock().expect("writer lock");
         inner.commit_pending(&mut w)?;
         drop(w);
+        inner.save_touches()?;
         inner.save_counters()
     }
 
@@ -536,7 +568,8 @@ impl Store {
         let res = res.and_then(|_| inner.seal_active(&mut w));
         w.active = None;
         drop(w);
-        res.and_then(|_| inner.save_counters())
+        res.and_then(|_| inner.save_touches())
+            .and_then(|_| inner.save_counters())
     }
 }
 
@@ -657,6 +690,7 @@ impl Inner {
             closing: AtomicBool::new(false),
             readers: RwLock::new(HashMap::new()),
             known: Known::default(),
+            touched: Mutex::new(Touched::default()),
             arena,
             counters: Counters::default(),
         };
@@ -683,15 +717,7 @@ impl Inner {
             let path = segment_path(&self.dir, seg);
             let file = match io::open_existing(&path, true) {
                 Ok(f) => f,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    // Registered but never created: nothing was committed in it.
-                    if info.committed_len <= format::SEGMENT_HEADER_LEN as u64 {
-                        let mut txn = self.index.write()?;
-                        self.index.delete_segment(&mut txn, seg)?;
-                        self.index.commit(txn, self.durable())?;
-                    }
-                    continue;
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => {
                     return Err(Error::Io {
                         context: format!("opening {}", path.display()),
@@ -709,32 +735,38 @@ impl Inner {
                     })
                 }
             }
+            // We hold the lock, so its writer has closed it or died. Decide
+            // from the entry as it is now, inside the write transaction: the
+            // snapshot above may predate the writer's last commits.
+            let mut txn = self.index.write()?;
+            let Some(mut now) = self.index.get_segment(&txn, seg)? else {
+                continue;
+            };
+            if now.state != SegmentState::Active {
+                continue; // sealed by its writer meanwhile
+            }
             let len = file
                 .metadata()
                 .ctx(|| format!("stat {}", path.display()))?
                 .len();
-            let mut txn = self.index.write()?;
-            if info.live_records == 0 && len <= format::SEGMENT_HEADER_LEN as u64 {
-                // Its writer died before committing anything, maybe before
-                // the header was even written: nothing to keep.
+            if now.live_records == 0 && now.committed_len <= format::SEGMENT_HEADER_LEN as u64 {
+                // Its writer died before committing anything: nothing to keep.
                 self.index.delete_segment(&mut txn, seg)?;
                 self.index.commit(txn, self.durable())?;
                 std::fs::remove_file(&path).ctx(|| format!("removing {}", path.display()))?;
                 continue;
             }
-            if len > info.committed_len {
-                file.set_len(info.committed_len)
+            if len > now.committed_len {
+                file.set_len(now.committed_len)
                     .ctx(|| format!("truncating {}", path.display()))?;
                 file.sync_all()
                     .ctx(|| format!("fsync {}", path.display()))?;
             }
-            if let Some(mut now) = self.index.get_segment(&txn, seg)? {
-                now.state = SegmentState::Sealed;
-                self.index.put_segment(&mut txn, seg, &now)?;
-            }
+            now.state = SegmentState::Sealed;
+            self.index.put_segment(&mut txn, seg, &now)?;
             self.index.commit(txn, self.durable())?;
         }
-        Ok(())
+        self.remove_orphans()
     }
 
     // ---------------------------------------------------------------- writes
@@ -787,9 +819,11 @@ impl Inner {
                 .map(|id| self.committed(&mut snap, id).map(|l| l.is_some()))
                 .collect::<Result<_>>()?
         };
-        let mut scratch = Vec::new();
-        let mut shuffled = Vec::new();
         let mut wrote = 0u64;
+        // One time for the whole put: block i is stamped i µs earlier.
+        let t0 = now_us();
+        // Making room must not evict this put's own blocks.
+        w.protect = ids.iter().copied().collect();
         for (i, id) in ids.iter().enumerate() {
             if present[i] || w.pending_ids.contains_key(id) {
                 self.counters.blocks_deduped.fetch_add(1, Ordering::Relaxed);
@@ -799,14 +833,11 @@ impl Inner {
             if let Some(arena) = &self.arena {
                 arena.insert(id, &tokens[i * b..(i + 1) * b], &chunks, 0, 0, now_ms())?;
             }
-            let loc = self.append(
-                &mut w,
-                id,
-                &tokens[i * b..(i + 1) * b],
-                &chunks,
-                &mut scratch,
-                &mut shuffled,
-            )?;
+            let loc = self.append(&mut w, id, &tokens[i * b..(i + 1) * b], &chunks, true)?;
+            let loc = Location {
+                used_us: t0.saturating_sub(i as u64),
+                ..loc
+            };
             wrote += 1;
             w.pending_bytes += loc.record_len;
             w.oldest_pending.get_or_insert_with(Instant::now);
@@ -834,25 +865,22 @@ impl Inner {
         id: &BlockId,
         tokens: &[u32],
         chunks: &[&[u8]],
-        scratch: &mut Vec<u8>,
-        shuffled: &mut Vec<u8>,
+        bounded: bool,
     ) -> Result<Location> {
         let raw_len = self.layout.block_bytes() as u64;
         let raw_crc = crc_of(chunks);
         let mut flags = 0u16;
         let mut compressed: Option<Vec<u8>> = None;
         if self.opts.compression_level > 0 {
-            scratch.clear();
-            for c in chunks {
-                scratch.extend_from_slice(c);
-            }
+            let plain = chunks.concat();
+            let mut shuffled = Vec::new();
             let elem = self.layout.dtype.size();
             let src: &[u8] = if elem > 1 {
-                format::shuffle(scratch, elem, shuffled);
+                format::shuffle(&plain, elem, &mut shuffled);
                 flags |= format::FLAG_SHUFFLE;
-                shuffled
+                &shuffled
             } else {
-                scratch
+                &plain
             };
             let z =
                 zstd::bulk::compress(src, self.opts.compression_level).map_err(|e| Error::Io {
@@ -875,7 +903,7 @@ impl Inner {
         let meta =
             format::encode_record_meta(flags, id, tokens, stored_len, raw_len, stored_crc, raw_crc);
         let record_len = meta.len() as u64 + stored_len;
-        self.ensure_room(w, record_len)?;
+        self.ensure_room(w, record_len, bounded)?;
         let active = w.active.as_mut().expect("active segment");
         let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(chunks.len() + 1);
         bufs.push(IoSlice::new(&meta));
@@ -907,19 +935,24 @@ impl Inner {
             offset,
             record_len,
             stored_len,
-            created_ms: now_ms(),
+            used_us: now_us(),
         })
     }
 
     /// Makes sure the active segment can take `record_len` more bytes, and that
     /// the store stays within `disk_bytes`.
-    fn ensure_room(&self, w: &mut Writer, record_len: u64) -> Result<()> {
-        if let Some(limit) = self.opts.disk_bytes {
-            let used = self.disk_used(w)?;
-            if used + record_len > limit {
-                return Err(Error::StoreFull(format!(
-                    "disk_bytes limit of {limit} bytes reached ({used} in use); run `kvstore gc` or raise disk_bytes"
-                )));
+    /// `bounded`: keep the store within `disk_bytes`, evicting and compacting
+    /// if needed (compaction's own writes are not bounded: they free space).
+    fn ensure_room(&self, w: &mut Writer, record_len: u64, bounded: bool) -> Result<()> {
+        if let (Some(limit), true) = (self.opts.disk_bytes, bounded) {
+            let header = if w.active.is_none() {
+                format::SEGMENT_HEADER_LEN as u64
+            } else {
+                0
+            };
+            let need = record_len + header;
+            if self.disk_used(w)? + need > limit {
+                self.make_room(w, limit, need + format::SEGMENT_HEADER_LEN as u64)?;
             }
         }
         let roll = match &w.active {
@@ -955,16 +988,16 @@ impl Inner {
         let segment = self.index.meta_u64(&txn, "next_segment")?.max(1);
         self.index
             .set_meta_u64(&mut txn, "next_segment", segment + 1)?;
-        self.index
-            .put_segment(&mut txn, segment, &SegmentInfo::new())?;
-        // Registered before the file exists: a file not in the table is always
-        // an orphan that compaction may delete.
         self.index.commit(txn, self.durable())?;
+        // The file exists, locked and with its header, before the segment is
+        // registered. So a registered segment whose lock is free has lost its
+        // writer (recovery may seal it), and a file not registered is either
+        // locked by a writer about to register it or an orphan (removable).
         let path = segment_path(&self.dir, segment);
         let file = io::create_new(&path).ctx(|| format!("creating {}", path.display()))?;
-        file.try_lock().map_err(|e| {
-            Error::StoreLocked(format!("segment {} is locked: {e}", path.display()))
-        })?;
+        // Blocking: an orphan scan may hold the new file's lock for an
+        // instant (it leaves young files alone, see `remove_orphans`).
+        file.lock().ctx(|| format!("locking {}", path.display()))?;
         let header = format::encode_segment_header(segment);
         io::write_all_at(&file, &mut [IoSlice::new(&header)], 0)
             .ctx(|| format!("writing {}", path.display()))?;
@@ -974,6 +1007,10 @@ impl Inner {
             io::sync_dir(&self.dir.join("segments"))
                 .ctx(|| "fsync segments directory".to_string())?;
         }
+        let mut txn = self.index.write()?;
+        self.index
+            .put_segment(&mut txn, segment, &SegmentInfo::new())?;
+        self.index.commit(txn, self.durable())?;
         Ok(Active {
             segment,
             file,
@@ -1023,6 +1060,8 @@ impl Inner {
             // first one wins and this copy is dead bytes.
             if self.index.get_block_rw(&txn, &p.id)?.is_none() {
                 self.index.put_block(&mut txn, &p.id, &p.loc)?;
+                // Stored again after being found damaged: no longer damage.
+                self.index.clear_damaged(&mut txn, &p.id)?;
                 live_bytes += p.loc.record_len as i64;
                 live_records += 1;
             }
@@ -1232,6 +1271,40 @@ impl Inner {
         self.committed(snap, id)
     }
 
+    /// Records that the blocks of one request were used now (block i stamped
+    /// i µs earlier: see `Location::used_us`).
+    fn touch(&self, ids: &[BlockId]) -> Result<()> {
+        let now = now_us();
+        let due = {
+            let mut t = self.touched.lock().expect("touched lock");
+            if t.times.is_empty() {
+                t.since = Instant::now();
+            }
+            for (i, id) in ids.iter().enumerate() {
+                t.times.insert(*id, now.saturating_sub(i as u64));
+            }
+            t.times.len() >= TOUCHED_MAX || t.since.elapsed() >= TOUCHED_MAX_AGE
+        };
+        if due {
+            self.save_touches()?;
+        }
+        Ok(())
+    }
+
+    /// Writes buffered last-use times to the index (not synced: losing them
+    /// in a crash only makes eviction a little less informed).
+    fn save_touches(&self) -> Result<()> {
+        let times = std::mem::take(&mut self.touched.lock().expect("touched lock").times);
+        if times.is_empty() {
+            return Ok(());
+        }
+        let mut txn = self.index.write()?;
+        for (id, t) in &times {
+            self.index.touch(&mut txn, id, *t)?;
+        }
+        self.index.commit(txn, false)
+    }
+
     /// Adds this handle's hits and misses since the last call to the store-wide
     /// totals (one small index write, at flush and close only).
     fn save_counters(&self) -> Result<()> {
@@ -1347,6 +1420,7 @@ impl Inner {
             }
         }
         self.count_hits(served, tokens.len() / b);
+        self.touch(&ids[..served])?;
         Ok(served * b)
     }
 
@@ -1502,7 +1576,11 @@ impl Inner {
     fn quarantine(&self, id: &BlockId, loc: &Location, reason: &str) -> Result<()> {
         self.counters.damaged_found.fetch_add(1, Ordering::Relaxed);
         let mut txn = self.index.write()?;
-        if self.index.get_block_rw(&txn, id)? == Some(*loc) {
+        if self
+            .index
+            .get_block_rw(&txn, id)?
+            .is_some_and(|l| l.same_record(loc))
+        {
             self.index.delete_block(&mut txn, id)?;
             self.index
                 .add_live(&mut txn, loc.segment, -(loc.record_len as i64), -1)?;
@@ -1594,9 +1672,7 @@ impl Inner {
                 reason: format!("{reason} (found on an earlier read)"),
             });
         }
-        let mut known = std::collections::HashSet::new();
         for (seg, info) in &segments {
-            known.insert(*seg);
             let path = segment_path(&self.dir, *seg);
             match std::fs::symlink_metadata(&path) {
                 Ok(m) if m.file_type().is_symlink() => report
@@ -1627,20 +1703,9 @@ impl Inner {
                 Err(_) => {}
             }
         }
-        if let Ok(entries) = std::fs::read_dir(self.dir.join("segments")) {
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                let parsed = name
-                    .strip_suffix(".kvseg")
-                    .and_then(|s| u64::from_str_radix(s, 16).ok());
-                match parsed {
-                    Some(n) if known.contains(&n) => {}
-                    _ => report
-                        .problems
-                        .push(format!("segments/{name} is not in the index (orphan)")),
-                }
-            }
-        }
+        // Files not in the index are left alone here: one may be a live
+        // writer's new segment about to be registered. Recovery and
+        // compaction remove the orphans.
         let total = blocks.len() as u64;
         let mut buf = vec![0u8; self.layout.block_bytes()];
         let mut scratch = Vec::new();
@@ -1670,15 +1735,29 @@ impl Inner {
     /// read: a reader that has a segment open keeps reading it (POSIX unlink),
     /// and one that has not finds it gone and looks the block up again.
     fn compact(&self, progress: Progress<'_>, all: bool) -> Result<CompactReport> {
+        let _lock = self.compaction_lock()?;
+        {
+            let mut w = self.writer.lock().expect("writer lock");
+            self.commit_pending(&mut w)?;
+        }
+        self.compact_locked(progress, all)
+    }
+
+    /// The store-wide compaction lock (one compaction or gc at a time).
+    fn compaction_lock(&self) -> Result<File> {
         let lock = io::open_or_create(&self.dir.join("COMPACT.lock"))
             .ctx(|| "compaction lock".to_string())?;
         lock.try_lock().map_err(|_| {
             Error::StoreLocked("another compaction or gc is running on this store".into())
         })?;
-        {
-            let mut w = self.writer.lock().expect("writer lock");
-            self.commit_pending(&mut w)?;
-        }
+        Ok(lock)
+    }
+
+    /// Compaction proper: the caller holds the compaction lock and has
+    /// committed its own pending blocks. Victims are rewritten one at a time,
+    /// each deleted as soon as nothing points into it, so the disk holds at
+    /// most one victim's live bytes twice.
+    fn compact_locked(&self, progress: Progress<'_>, all: bool) -> Result<CompactReport> {
         let mut report = CompactReport::default();
         let (blocks, segments) = {
             let txn = self.index.read()?;
@@ -1693,93 +1772,89 @@ impl Inner {
             .map(|(s, _)| *s)
             .collect();
         report.bytes_before = segments.iter().map(|(_, i)| i.committed_len).sum();
-        let victim_set: std::collections::HashSet<u64> = victims.iter().copied().collect();
-        let moving: Vec<(BlockId, Location)> = blocks
-            .into_iter()
-            .filter(|(_, l)| victim_set.contains(&l.segment))
-            .collect();
-        let total = moving.len() as u64;
+        let mut by_segment: HashMap<u64, Vec<(BlockId, Location)>> =
+            victims.iter().map(|s| (*s, Vec::new())).collect();
+        for (id, loc) in blocks {
+            if let Some(v) = by_segment.get_mut(&loc.segment) {
+                v.push((id, loc));
+            }
+        }
+        let total: u64 = by_segment.values().map(|v| v.len() as u64).sum();
+        let mut done = 0;
         let mut out = Writer::new();
         let mut buf = vec![0u8; self.layout.block_bytes()];
         let mut scratch = Vec::new();
-        let mut shuffled = Vec::new();
-        let mut moved: Vec<(BlockId, Location, Location)> = Vec::new();
-        let mut dropped: Vec<(BlockId, Location, String)> = Vec::new();
-        for (n, (id, loc)) in moving.iter().enumerate() {
-            let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
-            let res = self.read_record(loc, id, None, &mut chunks, &mut scratch)?;
-            match res {
-                Ok(()) => {
-                    let tokens = self.record_tokens_at(loc)?;
-                    let chunks: Vec<&[u8]> = buf.chunks(self.layout.chunk_bytes()).collect();
-                    let new = self.append(
-                        &mut out,
-                        id,
-                        &tokens,
-                        &chunks,
-                        &mut Vec::new(),
-                        &mut shuffled,
-                    )?;
-                    out.pending_bytes += new.record_len;
-                    moved.push((*id, *loc, new));
+        for seg in &victims {
+            let mut moved: Vec<(BlockId, Location, Location)> = Vec::new();
+            let mut dropped: Vec<(BlockId, Location, String)> = Vec::new();
+            for (id, loc) in &by_segment[seg] {
+                let mut chunks: Vec<&mut [u8]> =
+                    buf.chunks_mut(self.layout.chunk_bytes()).collect();
+                match self.read_record(loc, id, None, &mut chunks, &mut scratch)? {
+                    Ok(()) => {
+                        let tokens = self.record_tokens_at(loc)?;
+                        let chunks: Vec<&[u8]> = buf.chunks(self.layout.chunk_bytes()).collect();
+                        let new = self.append(&mut out, id, &tokens, &chunks, false)?;
+                        out.pending_bytes += new.record_len;
+                        moved.push((*id, *loc, new));
+                    }
+                    Err(ReadFail::Gone) => {
+                        dropped.push((*id, *loc, "segment file is missing".into()))
+                    }
+                    Err(ReadFail::Damaged(r)) => dropped.push((*id, *loc, r)),
                 }
-                Err(ReadFail::Gone) => dropped.push((*id, *loc, "segment file is missing".into())),
-                Err(ReadFail::Damaged(r)) => dropped.push((*id, *loc, r)),
+                if out.pending_bytes >= 64 << 20 {
+                    self.publish_moves(&mut out, &mut moved)?;
+                }
+                done += 1;
+                progress(done, total);
             }
-            if out.pending_bytes >= 64 << 20 {
-                self.publish_moves(&mut out, &mut moved)?;
-            }
-            progress(n as u64 + 1, total);
-        }
-        self.publish_moves(&mut out, &mut moved)?;
-        if !dropped.is_empty() {
+            self.publish_moves(&mut out, &mut moved)?;
             let mut txn = self.index.write()?;
             for (id, loc, reason) in &dropped {
-                if self.index.get_block_rw(&txn, id)? == Some(*loc) {
+                if self
+                    .index
+                    .get_block_rw(&txn, id)?
+                    .is_some_and(|l| l.same_record(loc))
+                {
                     self.index.delete_block(&mut txn, id)?;
+                    self.index
+                        .add_live(&mut txn, loc.segment, -(loc.record_len as i64), -1)?;
                     self.index.put_damaged(&mut txn, id, loc, reason)?;
                 }
             }
+            report.records_moved += by_segment[seg].len() as u64 - dropped.len() as u64;
+            report.records_dropped += dropped.len() as u64;
+            // Nothing points into it any more: every entry of our snapshot
+            // moved or went, and dedupe never adds entries into a sealed
+            // segment. The live count says so without a scan.
+            let retire = self
+                .index
+                .get_segment(&txn, *seg)?
+                .is_some_and(|i| i.live_records == 0);
+            if retire {
+                self.index.delete_segment(&mut txn, *seg)?;
+                self.index.clear_damaged_in(&mut txn, *seg)?;
+                // Readers must drop their open files of the retired segment.
+                self.index.bump_generation(&mut txn)?;
+            }
             self.index.commit(txn, self.durable())?;
+            if retire {
+                let path = segment_path(&self.dir, *seg);
+                match std::fs::remove_file(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        return Err(Error::Io {
+                            context: format!("removing {}", path.display()),
+                            source: e,
+                        })
+                    }
+                }
+                report.segments_rewritten += 1;
+            }
         }
         self.seal_active(&mut out)?;
-        report.records_moved = total - dropped.len() as u64;
-        report.records_dropped = dropped.len() as u64;
-        // Retire the victims no committed entry points into any more (dedupe
-        // never adds an entry into a sealed segment, so none can reappear).
-        let mut txn = self.index.write()?;
-        let used: std::collections::HashSet<u64> = self
-            .index
-            .all_blocks(&txn)?
-            .iter()
-            .map(|(_, l)| l.segment)
-            .collect();
-        let retired: Vec<u64> = victims
-            .iter()
-            .copied()
-            .filter(|s| !used.contains(s))
-            .collect();
-        for seg in &retired {
-            self.index.delete_segment(&mut txn, *seg)?;
-            self.index.clear_damaged_in(&mut txn, *seg)?;
-        }
-        // Readers must drop their open files of retired segments.
-        self.index.bump_generation(&mut txn)?;
-        self.index.commit(txn, self.durable())?;
-        for seg in &retired {
-            let path = segment_path(&self.dir, *seg);
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(Error::Io {
-                        context: format!("removing {}", path.display()),
-                        source: e,
-                    })
-                }
-            }
-            report.segments_rewritten += 1;
-        }
         self.remove_orphans()?;
         io::sync_dir(&self.dir.join("segments")).ctx(|| "fsync segments directory".to_string())?;
         let txn = self.index.read()?;
@@ -1789,7 +1864,6 @@ impl Inner {
             .iter()
             .map(|(_, i)| i.committed_len)
             .sum();
-        drop(lock);
         Ok(report)
     }
 
@@ -1823,12 +1897,16 @@ impl Inner {
         }
         let mut txn = self.index.write()?;
         for (id, old, new) in moved.iter() {
-            if self.index.get_block_rw(&txn, id)? == Some(*old) {
+            if self
+                .index
+                .get_block_rw(&txn, id)?
+                .is_some_and(|l| l.same_record(old))
+            {
                 self.index.move_block(
                     &mut txn,
                     id,
                     &Location {
-                        created_ms: old.created_ms,
+                        used_us: old.used_us,
                         ..*new
                     },
                 )?;
@@ -1848,9 +1926,12 @@ impl Inner {
         Ok(())
     }
 
-    /// Deletes segment files the index does not know and nobody holds: left by
-    /// a crash between retiring a segment and unlinking it.
+    /// Deletes segment files the index does not know, nobody holds, and that
+    /// nobody touched for a minute: left by a crash between creating a
+    /// segment and registering it (or retiring one and unlinking it). A
+    /// writer's brand-new file is young, and locked a moment after creation.
     fn remove_orphans(&self) -> Result<()> {
+        const ORPHAN_AGE: Duration = Duration::from_secs(60);
         let known: std::collections::HashSet<u64> = {
             let txn = self.index.read()?;
             self.index
@@ -1870,13 +1951,19 @@ impl Inner {
             else {
                 continue;
             };
-            if known.contains(&n) || e.file_type().map(|t| !t.is_file()).unwrap_or(true) {
+            let Ok(meta) = e.metadata() else { continue };
+            let young = meta
+                .modified()
+                .ok()
+                .and_then(|m| m.elapsed().ok())
+                .is_none_or(|age| age < ORPHAN_AGE);
+            if known.contains(&n) || !meta.is_file() || young {
                 continue;
             }
             if let Ok(f) = io::open_existing(&e.path(), false) {
                 if f.try_lock().is_ok() {
-                    // Re-check under the lock: the segment may have been
-                    // registered after our snapshot of the table.
+                    // Re-check under the lock: it may have been registered
+                    // after our snapshot of the table.
                     let txn = self.index.read()?;
                     if !self.index.all_segments(&txn)?.iter().any(|(s, _)| *s == n) {
                         let _ = std::fs::remove_file(e.path());
@@ -1887,52 +1974,107 @@ impl Inner {
         Ok(())
     }
 
-    /// Evicts blocks (oldest first) older than `older_than` and until the live
-    /// bytes fit `max_bytes`, then compacts to give the space back.
     fn gc(
         &self,
         max_bytes: Option<u64>,
         older_than: Option<Duration>,
         progress: Progress<'_>,
     ) -> Result<GcReport> {
-        let mut report = GcReport::default();
-        let mut blocks = {
+        let _lock = self.compaction_lock()?;
+        {
+            let mut w = self.writer.lock().expect("writer lock");
+            self.commit_pending(&mut w)?;
+        }
+        let (blocks_evicted, bytes_evicted) =
+            self.evict(max_bytes, older_than, &Default::default())?;
+        Ok(GcReport {
+            blocks_evicted,
+            bytes_evicted,
+            compact: self.compact_locked(progress, false)?,
+        })
+    }
+
+    /// Drops the index entries of unpinned blocks, oldest first: those created
+    /// more than `older_than` ago, then more until the live bytes fit
+    /// `max_live`. Their records become dead bytes for compaction. Returns
+    /// (blocks, bytes) evicted.
+    fn evict(
+        &self,
+        max_live: Option<u64>,
+        older_than: Option<Duration>,
+        keep: &std::collections::HashSet<BlockId>,
+    ) -> Result<(u64, u64)> {
+        self.save_touches()?;
+        let (mut blocks, pinned) = {
             let txn = self.index.read()?;
-            self.index.all_blocks(&txn)?
+            (
+                self.index.all_blocks(&txn)?,
+                self.index.live_pins(&txn, now_ms())?,
+            )
         };
-        let pinned = {
-            let txn = self.index.read()?;
-            self.index.live_pins(&txn, now_ms())?
-        };
-        blocks.retain(|(id, _)| !pinned.contains(id));
-        blocks.sort_by_key(|(_, l)| l.created_ms);
         let mut live: u64 = blocks.iter().map(|(_, l)| l.record_len).sum();
-        let cutoff = older_than.map(|d| now_ms().saturating_sub(d.as_millis() as u64));
+        blocks.retain(|(id, _)| !pinned.contains(id) && !keep.contains(id));
+        blocks.sort_by_key(|(_, l)| l.used_us);
+        let cutoff = older_than.map(|d| now_us().saturating_sub(d.as_micros() as u64));
         let mut evict = Vec::new();
         for (id, loc) in &blocks {
-            let too_old = cutoff.is_some_and(|c| loc.created_ms < c);
-            let too_big = max_bytes.is_some_and(|m| live > m);
+            let too_old = cutoff.is_some_and(|c| loc.used_us < c);
+            let too_big = max_live.is_some_and(|m| live > m);
             if !(too_old || too_big) {
                 break;
             }
             live -= loc.record_len;
             evict.push((*id, *loc));
         }
+        let (mut n, mut bytes) = (0, 0);
         for batch in evict.chunks(4096) {
             let mut txn = self.index.write()?;
             for (id, loc) in batch {
-                if self.index.get_block_rw(&txn, id)? == Some(*loc) {
+                if self
+                    .index
+                    .get_block_rw(&txn, id)?
+                    .is_some_and(|l| l.same_record(loc))
+                {
                     self.index.delete_block(&mut txn, id)?;
                     self.index
                         .add_live(&mut txn, loc.segment, -(loc.record_len as i64), -1)?;
-                    report.blocks_evicted += 1;
-                    report.bytes_evicted += loc.record_len;
+                    n += 1;
+                    bytes += loc.record_len;
                 }
             }
             self.index.commit(txn, self.durable())?;
         }
-        report.compact = self.compact(progress, false)?;
-        Ok(report)
+        Ok((n, bytes))
+    }
+
+    /// Frees room for `need` more bytes under `limit` (`disk_bytes`): evicts
+    /// the oldest unpinned blocks down to three quarters of the limit (so the
+    /// next puts do not compact again at once) and compacts. `StoreFull` when
+    /// what is left is pinned, or another process is compacting.
+    fn make_room(&self, w: &mut Writer, limit: u64, need: u64) -> Result<()> {
+        self.commit_pending(w)?;
+        // Seal ours, so its dead bytes can go too; the caller starts a new one.
+        self.seal_active(w)?;
+        let full = |detail: String| {
+            Error::StoreFull(format!(
+                "disk_bytes limit of {limit} bytes reached: {detail}"
+            ))
+        };
+        let _lock = self
+            .compaction_lock()
+            .map_err(|_| full("another process is compacting; retry".into()))?;
+        let keep = std::mem::take(&mut w.protect);
+        let res = self.evict(Some(limit.saturating_sub(need) / 4 * 3), None, &keep);
+        w.protect = keep;
+        res?;
+        self.compact_locked(&|_, _| {}, false)?;
+        let used = self.disk_used(w)?;
+        if used + need > limit {
+            return Err(full(format!(
+                "{used} bytes are still in use by pinned blocks or other writers' segments"
+            )));
+        }
+        Ok(())
     }
 }
 

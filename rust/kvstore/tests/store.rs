@@ -350,18 +350,57 @@ fn threads_share_one_handle() {
 }
 
 #[test]
-fn disk_bytes_bound_raises_store_full_and_writes_nothing() {
+fn disk_bytes_evicts_least_recently_used_and_keeps_prefixes_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let limit = 64 << 10;
+    let mut o = opts(Durability::Sync);
+    o.disk_bytes = Some(limit);
+    let s = Store::open(dir.path(), o).unwrap();
+    let system = seq(20, 32); // 8 blocks, read before every new put
+    s.put(&system, &kv_for(&l, &system), 32, b"").unwrap();
+    let others: Vec<Vec<u32>> = (0..150).map(|i| seq(1000 + i, 24)).collect();
+    for t in &others {
+        assert_eq!(get(&s, &system).0, 32, "the hot system prompt was evicted");
+        s.put(t, &kv_for(&l, t), t.len(), b"").unwrap();
+        let st = s.stats().unwrap();
+        assert!(
+            st.disk_bytes <= limit,
+            "{} bytes on disk over the {limit} limit",
+            st.disk_bytes
+        );
+    }
+    // Far more was put than fits: the early, unused sequences are gone, the
+    // recent ones are whole, and whatever is stored is a readable prefix.
+    assert_eq!(s.lookup(&others[0], b"").unwrap(), 0);
+    assert_eq!(s.lookup(others.last().unwrap(), b"").unwrap(), 24);
+    for t in &others {
+        let (m, out) = get(&s, t);
+        assert_prefix_eq(&l, &out, t.len(), t, m);
+    }
+    assert!(s.verify(NO_PROGRESS).unwrap().damaged.is_empty());
+}
+
+#[test]
+fn disk_bytes_with_everything_pinned_is_store_full() {
     let dir = tempfile::tempdir().unwrap();
     let l = layout();
     let mut o = opts(Durability::Sync);
-    o.disk_bytes = Some(4096);
+    o.disk_bytes = Some(16 << 10);
     let s = Store::open(dir.path(), o).unwrap();
-    let t = seq(10, 4 * 64);
+    let kept = seq(30, 4 * 40);
+    s.put(&kept, &kv_for(&l, &kept), kept.len(), b"").unwrap();
+    let n = s.lookup(&kept, b"").unwrap();
+    assert!(n > 0);
+    s.pin(&kept, b"", 1, None).unwrap();
+    let t = seq(31, 4 * 60);
     let err = s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap_err();
     assert!(matches!(err, Error::StoreFull(_)), "{err}");
-    let st = s.stats().unwrap();
-    assert!(st.disk_bytes <= 4096, "{} bytes on disk", st.disk_bytes);
-    // What fitted is whole and readable.
+    assert!(s.stats().unwrap().disk_bytes <= 16 << 10);
+    // The pinned prefix is intact; what fitted of the new one is readable.
+    let (m, out) = get(&s, &kept);
+    assert_eq!(m, n);
+    assert_prefix_eq(&l, &out, kept.len(), &kept, m);
     let (m, out) = get(&s, &t);
     assert_prefix_eq(&l, &out, t.len(), &t, m);
 }

@@ -1,0 +1,114 @@
+"""fork() (SPEC 2): a child that touches a handle opened before the fork gets
+StoreClosed telling it to reopen, never corruption; the parent keeps working.
+The fork happens in a helper process, not in pytest; the child reports through
+its exit code."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_kv_equal, kv_for, run_child, seq, small_layout
+
+import kvstore
+
+FORK = """
+import os, sys
+import kvstore
+from conftest import kv_for, small_layout, seq, assert_kv_equal
+
+path, durability, what = sys.argv[1], sys.argv[2], sys.argv[3]
+layout = small_layout()
+s = kvstore.open(path, layout=layout, model="m", durability=durability)
+a = seq(0, 32)
+s.put(a, kv_for(layout, a))
+s.flush()
+
+pid = os.fork()
+if pid == 0:
+    code = 0
+    try:
+        if what == "get":
+            s.get(a)
+        elif what == "put":
+            s.put(seq(5000, 16), kv_for(layout, seq(5000, 16)))
+        elif what == "lookup":
+            s.lookup(a)
+        elif what == "flush":
+            s.flush()
+        elif what == "stats":
+            s.stats()
+        elif what == "close":
+            s.close()  # closing the parent's handle in the child must not hurt it
+            code = 10
+        code = code or 5  # no exception
+    except kvstore.StoreClosed as e:
+        msg = str(e).lower()
+        code = 3 if ("fork" in msg and "open" in msg) else 4
+    except BaseException:
+        code = 6
+    if what == "reopen" or code == 3:
+        # a new handle in the child works, and sees the parent's blocks
+        try:
+            with kvstore.open(path, layout=layout, model="m", durability="none") as c:
+                assert_kv_equal(c.get(a), kv_for(layout, a))
+                b = seq(9000, 16)
+                c.put(b, kv_for(layout, b))
+                assert_kv_equal(c.get(b), kv_for(layout, b))
+            code = 3 if what != "reopen" else 7
+        except BaseException as e:
+            print("child reopen failed:", repr(e), flush=True)
+            code = 8
+    os._exit(code)
+
+_, status = os.waitpid(pid, 0)
+code = os.waitstatus_to_exitcode(status)
+# the parent's handle still works, reads and writes
+assert_kv_equal(s.get(a), kv_for(layout, a))
+c = seq(7000, 24)
+s.put(c, kv_for(layout, c))
+s.flush()
+assert_kv_equal(s.get(c), kv_for(layout, c))
+if what in ("reopen",) or code == 3:
+    b = seq(9000, 16)
+    assert s.lookup(b) == 16, "parent does not see the child's blocks"
+    assert_kv_equal(s.get(b), kv_for(layout, b))
+s.close()
+print("child-exit", code, flush=True)
+"""
+
+
+@pytest.mark.parametrize("durability", ["batch", "none"])
+@pytest.mark.parametrize("what", ["get", "put", "lookup", "flush", "stats"])
+def test_handle_from_before_fork_raises_in_child(tmp_path, what, durability):
+    out = run_child(FORK, tmp_path / "s", durability, what).stdout
+    code = int(out.split("child-exit")[1].split()[0])
+    assert code == 3, {
+        4: "StoreClosed without telling the child to reopen after fork",
+        5: "no exception: the child used the parent's handle",
+        6: "another exception than StoreClosed",
+        8: "reopening in the child failed",
+    }.get(code, f"child exit code {code}\n{out}")
+    _check_after(tmp_path / "s")
+
+
+def test_close_in_child_leaves_parent_alone(tmp_path):
+    out = run_child(FORK, tmp_path / "s", "batch", "close").stdout
+    assert "child-exit" in out
+    _check_after(tmp_path / "s")
+
+
+def test_reopen_in_child(tmp_path):
+    out = run_child(FORK, tmp_path / "s", "batch", "reopen").stdout
+    code = int(out.split("child-exit")[1].split()[0])
+    assert code == 7, out
+    _check_after(tmp_path / "s")
+
+
+def _check_after(path):
+    layout = small_layout()
+    with kvstore.open(path, layout=layout, model="m", durability="none") as s:
+        for toks in (seq(0, 32), seq(7000, 24)):
+            assert_kv_equal(s.get(toks), kv_for(layout, toks))
+        # what the child may have put (5000) must not exist: the child's put raised
+        assert s.lookup(seq(5000, 16)) == 0
+        v = s.verify()
+        assert v["damaged"] == [] and v["problems"] == [], v

@@ -257,6 +257,12 @@ def test_huge_pages_when_a_pool_can_be_set_up(tmp_path: Path) -> None:
                 s.put(t, kv_of(t))
                 assert check(s, t) == 64
                 assert s.stats()["hot_hit_blocks"] == 4
+            # Adopting the existing arena, then closing, leaves nothing mapped
+            # (a mapping shorter than a huge page would be impossible to unmap).
+            with open_store(tmp_path / "s", mnt, hot_bytes=4 << 20) as s:
+                assert check(s, t) == 64
+            maps = Path("/proc/self/maps").read_text()
+            assert str(mnt) not in maps, "arena still mapped after close"
             kvstore.remove_arena(tmp_path / "s", hot_dir=mnt)
         finally:
             subprocess.run(["umount", str(mnt)], check=False)

@@ -1,0 +1,116 @@
+"""Smoke test of the benchmark code itself: runs bench_store.py at a tiny size.
+
+    pytest benches/test_bench_smoke.py
+
+Never asserts on timing: only that every measurement ran, round-tripped its data
+and produced finite, positive figures. Uses posix_fadvise (not drop_caches) to
+empty the page cache, so it leaves the rest of the machine alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_store", _HERE / "bench_store.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_store"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bs = _load()
+
+SMALL = [
+    "--size-gib",
+    "0.03",
+    "--repeat",
+    "1",
+    "--warm-runs",
+    "2",
+    "--lookup-tokens",
+    "8192",
+    "--lookup-runs",
+    "3",
+    "--cold-method",
+    "fadvise",
+    "--quiet",
+]
+
+
+def test_full_script_tiny(benchmark, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = [*SMALL, "--dir", str(tmp_path), "--json", str(out)]
+    res = benchmark.pedantic(bs.main, args=(argv,), rounds=1, iterations=1)
+    sections = {r.section for r in res.rows}
+    assert {"limits", "put", "get", "lookup", "zstd"} <= sections
+    for r in res.rows:
+        assert math.isfinite(r.value) and r.value > 0, r
+        if r.limit is not None:
+            assert math.isfinite(r.limit) and r.limit > 0, r
+    data = json.loads(out.read_text())
+    assert data["meta"]["blocks"] == 15
+    assert len(data["rows"]) == len(res.rows)
+    assert data["meta"]["cold_method"] in ("drop_caches", "fadvise")
+    # The temp dir is gone: only the JSON is left.
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_plan_blocks() -> None:
+    bb = bs.BIG.block_bytes
+    assert bb == 2 << 20
+    assert bs.plan_blocks(1.0, bs.BIG, 64) == [64] * 8
+    assert bs.plan_blocks(0.03, bs.BIG, 64) == [15]
+    assert bs.plan_blocks(0.3, bs.BIG, 64) == [64, 64, 25]
+    assert bs.plan_blocks(0.0, bs.BIG, 64) == [1]
+
+
+def test_aligned_buffer_and_kv_view() -> None:
+    a = bs.aligned_empty(4 << 20)
+    assert a.ctypes.data % bs.ALIGN == 0 and a.nbytes == 4 << 20
+    kv = bs.as_kv(a, bs.BIG, 32)
+    assert kv.shape == (32, 2, 32, 8, 128) and kv.dtype == torch.bfloat16
+    kv.view(torch.int16).fill_(7)
+    assert (a.view(np.int16) == 7).all()
+
+
+def test_cold_cache_helpers(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * (1 << 20))
+    before, tool = bs.resident_bytes([f])
+    assert tool in ("fincore", "mincore") and 0 <= before <= 1 << 20
+    assert bs.drop_page_cache([f], "fadvise") == "fadvise"
+    after, _ = bs.resident_bytes([f])
+    assert 0 <= after <= 1 << 20  # tmpfs ignores fadvise: no assertion on the amount
+
+
+def test_lookup_tiny(benchmark, tmp_path: Path) -> None:
+    tokens = np.arange(4096, dtype=np.uint32)
+    kv = torch.zeros(bs.TINY.kv_shape(4096), dtype=torch.bfloat16)
+    with bs.open_store(tmp_path / "s", bs.TINY, durability="none") as st:
+        assert st.put(tokens, kv) == 4096
+        assert benchmark(st.lookup, tokens) == 4096
+
+
+@pytest.mark.parametrize("kind", ["random", "kvlike"])
+def test_put_get_roundtrip_tiny(tmp_path: Path, kind: str) -> None:
+    seqs = bs.make_seqs(bs.BIG, [2, 1], kind)
+    t, stats = bs.put_all(tmp_path / "s", bs.BIG, seqs, "batch", compression="zstd")
+    assert t > 0 and stats["blocks"] == 3
+    outs = [bs.as_kv(bs.aligned_empty(s.nbytes), bs.BIG, len(s.tokens)) for s in seqs]
+    with bs.open_store(tmp_path / "s", bs.BIG) as st:
+        assert bs.get_into(st, seqs, outs) > 0
+        bs.check_equal(seqs, outs)
+        assert bs.get_alloc(st, seqs) > 0

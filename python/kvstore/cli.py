@@ -286,7 +286,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run
 
-    return run(args.path, quick=args.quick)
+    return run(args.path, quick=args.quick, model=args.model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = add("demo", cmd_demo, "the main job end to end: put, restart, lookup, get, timings")
     demo.add_argument("path", nargs="?", help="store directory (default: a temporary one)")
     demo.add_argument("--quick", action="store_true", help="small sizes (for CI)")
+    demo.add_argument(
+        "--model",
+        help="local transformers checkpoint (default: $KVSTORE_DEMO_MODEL, else a small "
+        "Llama with seeded random weights)",
+    )
     return p
 
 

@@ -203,8 +203,11 @@ class Store:
 
             # Through numpy: it asks for transparent huge pages on large buffers, and a
             # result faulted in 4 KiB pages made get() several times slower than get(out=).
+            dtype = getattr(torch, self.layout.dtype)
+            if tokens == 0:  # a zero-length byte buffer cannot be viewed as another dtype
+                return torch.empty(shape, dtype=dtype)
             raw = np.empty(int(np.prod(shape)) * self.layout.itemsize, dtype=np.uint8)
-            return torch.from_numpy(raw).view(getattr(torch, self.layout.dtype)).view(shape)
+            return torch.from_numpy(raw).view(dtype).view(shape)
         if self.layout.dtype not in _NUMPY_DTYPES:
             raise InvalidInput(
                 f"array: numpy has no {self.layout.dtype}; use array='torch' or like=<torch tensor>"
@@ -241,8 +244,10 @@ class Store:
     # -- sessions ---------------------------------------------------------------------------
 
     def save_session(self, name: str, tokens: Any, kv: Any) -> int:
-        """Binds `name` to `tokens` and stores their full blocks (shared with any other
-        session or put of the same prefix). Returns the tokens whose KV is stored."""
+        """Binds `name` to all of `tokens` and stores the full blocks that `kv` covers
+        (shared with any other session or put of the same prefix): `kv` may be shorter
+        than `tokens`, e.g. a cache that has not yet seen the last generated token.
+        Returns the tokens whose KV is stored."""
         if not isinstance(name, str):
             raise InvalidInput(f"name: expected str, got {type(name).__name__}")
         toks = tokens_array(tokens)
@@ -259,6 +264,10 @@ class Store:
 
             return torch.from_numpy(toks.astype(np.int64)), kv
         return toks.astype(np.int64), kv
+
+    def session_tokens(self, name: str) -> np.ndarray:
+        """The token ids bound to a session (int64). SessionNotFound if unknown."""
+        return self._raw.session_tokens(name).astype(np.int64)
 
     def sessions(self) -> list[str]:
         """Names of this tenant's sessions."""

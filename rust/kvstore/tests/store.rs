@@ -547,3 +547,17 @@ fn segment_created_by_a_writer_that_died_before_its_header_is_removed() {
     );
     assert_eq!(s.lookup(&t, b"").unwrap(), 8);
 }
+
+#[test]
+fn session_binds_all_tokens_and_stores_what_the_kv_covers() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
+    let t = seq(40, 8);
+    // KV of 7 tokens: the cache has not seen the last generated token yet.
+    assert_eq!(s.save_session("a", &t, &kv_for(&l, &t[..7]), 7).unwrap(), 4);
+    assert_eq!(s.session_tokens("a").unwrap(), t);
+    let (m, out) = get(&s, &t);
+    assert_eq!(m, 4);
+    assert_prefix_eq(&l, &out, 8, &t, m);
+}

@@ -1,0 +1,505 @@
+"""transformers helpers: a model's layout and fingerprint, Cache <-> store, generate.
+
+    from kvstore import hf
+    store = hf.open("/data/kv", model)                 # layout_of(model) + fingerprint(model)
+    hf.save(store, input_ids, past_key_values)          # transformers Cache -> store
+    cache, n = hf.load(store, input_ids)                # DynamicCache of the longest stored prefix
+    out = hf.generate(model, store, input_ids, max_new_tokens=32)   # restore, prefill the rest
+
+Batch size 1: the store keys KV by one token sequence. Full-attention layers
+(`DynamicLayer`, `StaticLayer`) only: a sliding-window or quantized layer has
+dropped or transformed the KV of earlier tokens, so it cannot be stored as a
+prefix. transformers and torch are imported on first use, never by
+`import kvstore`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidInput
+from .layout import Layout, dtype_name
+from .store import Store
+from .store import open as open_store
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import DynamicCache
+
+__all__ = [
+    "cache_to_kv",
+    "fingerprint",
+    "generate",
+    "kv_to_cache",
+    "layout_of",
+    "load",
+    "load_session",
+    "open",
+    "save",
+    "save_session",
+]
+
+# Config keys that say where or with what a model was saved, not what it computes.
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
+
+
+def _text_config(model_or_config: Any) -> Any:
+    config = getattr(model_or_config, "config", model_or_config)
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config(decoder=True) if get_text_config is not None else config
+
+
+def _model_dtype(model_or_config: Any) -> Any:
+    """The dtype of the model's floating-point parameters, else the config's."""
+    parameters = getattr(model_or_config, "parameters", None)
+    if parameters is not None:
+        for p in parameters():
+            if p.is_floating_point():
+                return p.dtype
+    config = getattr(model_or_config, "config", model_or_config)
+    for attr in ("dtype", "torch_dtype"):
+        value = getattr(config, attr, None)
+        if value is not None:
+            return value
+    return "float32"  # what transformers instantiates a config without a dtype in
+
+
+def layout_of(model_or_config: Any, block_size: int = 16) -> Layout:
+    """The KV layout of a transformers model (or its config): `num_hidden_layers`,
+    `num_key_value_heads` (default: `num_attention_heads`), `head_dim` (default:
+    `hidden_size // num_attention_heads`) and the dtype of the model's parameters
+    (for a config: its `dtype` / `torch_dtype`, else float32)."""
+    config = _text_config(model_or_config)
+    try:
+        num_layers = int(config.num_hidden_layers)
+        num_heads = int(config.num_attention_heads)
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // num_heads
+    except AttributeError as e:
+        raise InvalidInput(
+            f"model_or_config: expected a transformers decoder model or config, got "
+            f"{type(model_or_config).__name__} ({e})"
+        ) from None
+    return Layout(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(head_dim),
+        dtype=dtype_name(_model_dtype(model_or_config)),
+        block_size=block_size,
+    )
+
+
+def _tensor_digest(t: torch.Tensor) -> bytes:
+    import torch
+
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data.data).digest()  # releases the GIL: tensors hash in parallel
+
+
+def fingerprint(model: Any, *, name: str | None = None) -> str:
+    """A model fingerprint for `kvstore.open(..., model=...)`: `"<name>@sha256:<hex>"`.
+
+    The digest covers the config (every field, sorted, except where and with which
+    transformers version it was saved) and every tensor of the state dict (name,
+    dtype, shape, raw bytes, in name order): fine-tuned weights or another dtype
+    give another fingerprint, hence other block ids. `name` defaults to the
+    config's `model_type`. SHA-256 always (not "BLAKE3 when installed"), so two
+    environments agree on the fingerprint of the same model; tensors are hashed on
+    several threads (~1.5 GB/s per core).
+
+    If you already have a stable identity (hub id + revision), pass that string to
+    `kvstore.open` instead: it costs nothing to compute.
+    """
+    config = getattr(model, "config", None)
+    state_dict = getattr(model, "state_dict", None)
+    if config is None or state_dict is None:
+        raise InvalidInput(
+            f"model: expected a transformers model (with .config and .state_dict()), "
+            f"got {type(model).__name__}"
+        )
+    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    h = hashlib.sha256(b"kvstore.hf.fingerprint/1\0")
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    tensors = sorted(state_dict().items())
+    # Tied weights (lm_head = embed_tokens) appear under two names: hash their bytes once.
+    source: dict[str, str] = {}
+    first_of: dict[tuple[Any, ...], str] = {}
+    for key, t in tensors:
+        if t.device.type == "meta":
+            raise InvalidInput(f"model: tensor {key!r} is on the meta device (not loaded)")
+        storage = t.untyped_storage().data_ptr()
+        ident = (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        source[key] = first_of.setdefault(ident, key) if t.numel() else key
+    unique = [(k, t) for k, t in tensors if source[k] == k]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        hashed = pool.map(_tensor_digest, [t for _, t in unique])
+        digests = {k: d for (k, _), d in zip(unique, hashed, strict=True)}
+    for key, t in tensors:
+        h.update(f"\0{key}\0{t.dtype}\0{list(t.shape)}\0{source[key]}\0".encode())
+        h.update(digests[source[key]])
+    prefix = name or str(getattr(config, "model_type", None) or type(model).__name__)
+    return f"{prefix}@sha256:{h.hexdigest()}"
+
+
+_fingerprint = fingerprint  # for `open`, whose argument of that name shadows it
+
+
+def open(  # noqa: A001 - kvstore.hf.open mirrors kvstore.open
+    path: str | os.PathLike[str],
+    model: Any,
+    *,
+    fingerprint: str | None = None,
+    block_size: int = 16,
+    **open_kwargs: Any,
+) -> Store:
+    """`kvstore.open(path, layout=layout_of(model, block_size), model=fingerprint)`.
+
+    `fingerprint` defaults to `fingerprint(model)` (hashes the weights; pass your own
+    string, e.g. "org/model@rev", to skip that). Other arguments go to `kvstore.open`.
+    """
+    fp = fingerprint if fingerprint is not None else _fingerprint(model)
+    return open_store(path, layout=layout_of(model, block_size), model=fp, **open_kwargs)
+
+
+# -- token ids and caches --------------------------------------------------------------------
+
+
+def _token_ids(input_ids: Any, what: str = "input_ids") -> Any:
+    """`input_ids` ([N], [1, N] tensor or array, or list of ints) as a 1-D int64 CPU tensor."""
+    import numpy as np
+    import torch
+
+    if isinstance(input_ids, torch.Tensor):
+        t = input_ids.detach()
+    else:
+        try:
+            a = np.asarray(input_ids)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidInput(f"{what}: expected token ids, got {e}") from None
+        if a.size == 0:  # np.asarray([]) is float64
+            a = a.astype(np.int64)
+        if a.dtype.kind not in "iu":
+            raise InvalidInput(f"{what}: expected integer token ids, got dtype {a.dtype}")
+        t = torch.as_tensor(a.astype(np.int64, copy=False))
+    if t.ndim == 2:
+        if t.shape[0] != 1:
+            raise InvalidInput(
+                f"{what}: expected batch size 1 (shape [1, N] or [N]), got shape {list(t.shape)}; "
+                "the store keys KV by one token sequence: save/load each row separately"
+            )
+        t = t[0]
+    if t.ndim != 1:
+        raise InvalidInput(f"{what}: expected shape [1, N] or [N], got shape {list(t.shape)}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise InvalidInput(f"{what}: expected integer token ids, got dtype {t.dtype}")
+    return t.to("cpu", torch.int64)
+
+
+def _layer_kv(past_key_values: Any) -> list[tuple[Any, Any, int]]:
+    """(keys, values, valid tokens) per layer of a transformers Cache or a legacy tuple."""
+    layers = getattr(past_key_values, "layers", None)
+    if layers is None:
+        if isinstance(past_key_values, (tuple, list)) and all(
+            isinstance(x, (tuple, list)) and len(x) >= 2 for x in past_key_values
+        ):
+            return [(k, v, int(k.shape[-2])) for k, v, *_ in past_key_values]
+        raise InvalidInput(
+            "past_key_values: expected a transformers Cache (e.g. DynamicCache) or a tuple "
+            f"of (key, value) per layer, got {type(past_key_values).__name__}"
+        )
+    out = []
+    for i, layer in enumerate(layers):
+        kind = type(layer).__name__
+        if getattr(layer, "is_sliding", False) or "Quantized" in kind or "Linear" in kind:
+            raise InvalidInput(
+                f"past_key_values: layer {i} is a {kind}; only full-attention layers "
+                "(DynamicLayer, StaticLayer) keep the KV of every token of a prefix"
+            )
+        if not getattr(layer, "is_initialized", True) or getattr(layer, "keys", None) is None:
+            out.append((None, None, 0))  # lazily initialized, nothing cached yet
+        else:
+            out.append((layer.keys, layer.values, int(layer.get_seq_length())))
+    return out
+
+
+def cache_to_kv(past_key_values: Any, tokens: int | None = None) -> torch.Tensor:
+    """The first `tokens` tokens (default: all) of a batch-1 cache as one contiguous
+    CPU tensor `[L, 2, T, H, D]`, the store's order (per layer K then V, token-major)."""
+    import torch
+
+    layers = _layer_kv(past_key_values)
+    if not layers or layers[0][0] is None:
+        raise InvalidInput("past_key_values: expected a cache holding KV, got an empty one")
+    k0 = layers[0][0]
+    if k0.ndim != 4 or k0.shape[0] != 1:
+        raise InvalidInput(
+            f"past_key_values: expected keys of shape [1, H, T, D] (batch size 1), "
+            f"got {list(k0.shape)}"
+        )
+    have = min(t for _, _, t in layers)
+    t = have if tokens is None else tokens
+    if not 0 <= t <= have:
+        raise InvalidInput(f"tokens: expected 0 to {have} (the cache's length), got {t}")
+    _, h, _, d = k0.shape
+    out = torch.empty((len(layers), 2, t, h, d), dtype=k0.dtype)
+    for i, (k, v, _) in enumerate(layers):
+        for j, x in enumerate((k, v)):
+            if x is None:
+                raise InvalidInput(f"past_key_values: layer {i} holds no KV")
+            if x.ndim != 4 or x.shape[0] != 1 or x.shape[1] != h or x.shape[3] != d:
+                raise InvalidInput(
+                    f"past_key_values: layer {i} {'KV'[j]}: expected shape [1, {h}, T, {d}], "
+                    f"got {list(x.shape)}"
+                )
+            if x.dtype != k0.dtype:
+                raise InvalidInput(
+                    f"past_key_values: layer {i}: expected dtype {k0.dtype}, got {x.dtype}"
+                )
+            # [1, H, T, D] -> [T, H, D]: one strided copy per layer straight into place.
+            out[i, j].copy_(x[0, :, :t].transpose(0, 1))
+    return out
+
+
+def kv_to_cache(kv: torch.Tensor, config: Any = None, device: Any = None) -> DynamicCache:
+    """A DynamicCache holding `kv` (`[L, 2, T, H, D]`), without copying it.
+
+    Each full-attention layer's keys and values are `[1, H, T, D]` views of `kv`
+    (strided, not contiguous): the model's next forward concatenates the new tokens
+    onto them (`DynamicLayer.update`), which makes the one contiguous copy a restored
+    cache needs; copying here too would double the cost of a restore. Other layer
+    types get `kv` through their own `update`.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if device is not None:
+        kv = kv.to(device)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    if kv.shape[2] == 0:
+        return cache
+    if not cache.layers:  # no config: DynamicCache would add DynamicLayers on first update
+        cache.layers = [DynamicLayer() for _ in range(kv.shape[0])]
+    if len(cache.layers) != kv.shape[0]:
+        raise InvalidInput(
+            f"kv: expected {len(cache.layers)} layers (the config's), got {kv.shape[0]}"
+        )
+    layers: list[Any] = list(cache.layers)
+    for i, layer in enumerate(layers):
+        keys, values = kv[i, 0].transpose(0, 1)[None], kv[i, 1].transpose(0, 1)[None]
+        if type(layer) is DynamicLayer:
+            # An update with no tokens initializes the layer (dtype, device) through
+            # its public method, whichever transformers version; then the views.
+            layer.update(keys[:, :, :0], values[:, :, :0])
+            layer.keys, layer.values = keys, values
+        else:
+            layer.update(keys, values)
+    return cache
+
+
+# Restore buffers at least this large come from an anonymous mapping with transparent
+# huge pages: first-touch page faults on 4 KiB pages cost more than reading the KV
+# itself (a 64 MiB restore on a 2-core VM: ~43 ms into torch.empty, ~17 ms into huge
+# pages).
+_HUGE_PAGES_FROM = 4 << 20
+
+
+def _empty_kv(layout: Layout, tokens: int) -> torch.Tensor:
+    """An uninitialized contiguous `[L, 2, tokens, H, D]` CPU tensor of the layout's dtype."""
+    import torch
+
+    shape = layout.kv_shape(tokens)
+    dtype = getattr(torch, layout.dtype)
+    nbytes = math.prod(shape) * layout.itemsize
+    if nbytes < _HUGE_PAGES_FROM or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    # The tensor keeps the mapping alive; it is unmapped when the last view goes.
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # THP disabled: 4 KiB pages, still correct
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(m, dtype=dtype).view(shape)
+
+
+def _storable(store: Store, ids: Any, past_key_values: Any) -> int:
+    """Tokens of `ids` whose KV the cache holds, rounded down to full blocks."""
+    layers = _layer_kv(past_key_values)
+    have = min((t for _, _, t in layers), default=0)
+    if have and len(layers) != store.layout.num_layers:
+        raise InvalidInput(
+            f"past_key_values: expected {store.layout.num_layers} layers (the store's layout "
+            f"{store.layout}), got {len(layers)}"
+        )
+    b = store.layout.block_size
+    return min(len(ids), have) // b * b
+
+
+def save(store: Store, input_ids: Any, past_key_values: Any) -> int:
+    """Stores the full blocks of `input_ids` whose KV `past_key_values` holds; returns
+    the tokens covered (a multiple of the block size). Blocks already stored (by any
+    process, any session) are not written again.
+
+    `input_ids`: [N] or [1, N]; `past_key_values`: a transformers Cache (or legacy
+    tuple) of batch size 1 whose first N tokens are the KV of `input_ids` (a cache
+    shorter than N covers only its own length).
+    """
+    ids = _token_ids(input_ids)
+    n = _storable(store, ids, past_key_values)
+    return store.put(ids[:n], cache_to_kv(past_key_values, n)) if n else 0
+
+
+_save = save  # for `generate`, whose argument of that name shadows it
+
+
+def load(
+    store: Store,
+    input_ids: Any,
+    *,
+    config: Any = None,
+    device: Any = None,
+    max_tokens: int | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[DynamicCache, int]:
+    """`(cache, n)`: a DynamicCache of the KV of the longest stored prefix of
+    `input_ids` (at most `max_tokens`), n tokens (a multiple of the block size,
+    possibly 0: then the cache is empty). Feed the model `input_ids[n:]` next.
+
+    `config`: the model's config, so the cache has the model's layer types;
+    `device`: where the cache lives (default CPU).
+    `out`: a contiguous CPU `[L, 2, T, H, D]` tensor to restore into (at most T
+    tokens), for a process that restores again and again: a new buffer's first-touch
+    page faults cost about as much as the copy. The cache's layers are views of
+    `out` until the model's next forward replaces them (by concatenation): do not
+    reuse `out` before that.
+    """
+    import torch
+
+    ids = _token_ids(input_ids)
+    if max_tokens is not None:
+        if max_tokens < 0:
+            raise InvalidInput(f"max_tokens: expected >= 0, got {max_tokens}")
+        ids = ids[:max_tokens]
+    layout = store.layout
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.ndim != 5:
+            raise InvalidInput(f"out: expected a [L, 2, T, H, D] torch tensor, got {out!r:.60}")
+        ids = ids[: out.shape[2]]
+    if len(ids) < layout.block_size:
+        return kv_to_cache(torch.empty(layout.kv_shape(0)), config=config), 0
+    # Sized for the whole request; pages past the n tokens get() fills stay untouched.
+    buf = _empty_kv(layout, len(ids)) if out is None else out
+    n = store.get(ids, out=buf)
+    return kv_to_cache(buf[:, :, :n], config=config, device=device), n
+
+
+def save_session(store: Store, name: str, input_ids: Any, past_key_values: Any) -> int:
+    """Binds `name` to all of `input_ids` and stores the full blocks of its KV (shared
+    with every other session or save of the same prefix). Returns the tokens covered.
+
+    The cache must hold the KV of every full block of `input_ids`. After `generate`
+    it lacks the last generated token: feed that token first (the next turn's
+    prefill would compute it anyway), or name fewer tokens.
+    """
+    import torch
+
+    ids = _token_ids(input_ids)
+    n = _storable(store, ids, past_key_values)
+    full = len(ids) // store.layout.block_size * store.layout.block_size
+    if n < full:
+        have = min((t for _, _, t in _layer_kv(past_key_values)), default=0)
+        raise InvalidInput(
+            f"past_key_values: a session of {len(ids)} tokens needs the KV of its first "
+            f"{full} (every full block), the cache holds {have}; run the model on "
+            f"input_ids[:, {have}:] with this cache first, or save input_ids[:, :{have}]"
+        )
+    if n:
+        kv = cache_to_kv(past_key_values, n)
+    else:  # a session shorter than a block: its name and tokens are still worth keeping
+        kv = torch.empty(store.layout.kv_shape(0), dtype=getattr(torch, store.layout.dtype))
+    return store.save_session(name, ids, kv)
+
+
+def load_session(
+    store: Store,
+    name: str,
+    *,
+    config: Any = None,
+    device: Any = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, DynamicCache, int]:
+    """`(input_ids, cache, n)`: the session's token ids as a [1, N] int64 tensor, and a
+    DynamicCache of the KV of their longest stored prefix (n tokens), restored as by
+    `load` (same `config`, `device`, `out`). Raises SessionNotFound (a KeyError) for
+    an unknown name."""
+    import torch
+
+    if not isinstance(name, str):
+        raise InvalidInput(f"name: expected str, got {type(name).__name__}")
+    # The tokens only (Store.load_session would also read the KV, into a new buffer
+    # that load() then could not reuse).
+    tokens = torch.from_numpy(store._raw.session_tokens(name).astype("int64"))
+    cache, n = load(store, tokens, config=config, device=device, out=out)
+    return tokens[None], cache, n
+
+
+def generate(
+    model: Any,
+    store: Store,
+    input_ids: Any,
+    *,
+    save: bool = True,
+    stats: dict[str, int] | None = None,
+    **generate_kwargs: Any,
+) -> Any:
+    """`model.generate(input_ids, **generate_kwargs)` that starts from the store.
+
+    Restores the longest stored prefix of `input_ids` (leaving at least one token to
+    prefill, so the first step has logits), prefills only the rest, generates, then
+    (with `save`) stores the new full blocks of prompt + generated tokens. Returns what
+    `model.generate` returns. If `stats` is a dict, it receives `restored_tokens`,
+    `prefilled_tokens` and `stored_tokens`.
+
+    Batch size 1. With beam search or several return sequences, only the prompt's
+    blocks are stored (every beam shares them).
+    """
+    import torch
+
+    if "past_key_values" in generate_kwargs:
+        raise InvalidInput("past_key_values: hf.generate builds the cache from the store")
+    ids = _token_ids(input_ids)
+    if len(ids) == 0:
+        raise InvalidInput("input_ids: expected at least one token, got none")
+    b = store.layout.block_size
+    device = getattr(model, "device", None)
+    cache, n = load(
+        store, ids, config=model.config, device=device, max_tokens=(len(ids) - 1) // b * b
+    )
+    row = ids[None].to(device) if device is not None else ids[None]
+    # With a non-empty cache, generate slices input_ids to the uncached part only when
+    # the attention mask spans the whole sequence.
+    generate_kwargs.setdefault("attention_mask", torch.ones_like(row))
+    out = model.generate(row, past_key_values=cache, **generate_kwargs)
+    stored = 0
+    if save:
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        cached = cache.get_seq_length()
+        rows = _layer_kv(cache)[0][0].shape[0]
+        if sequences.shape[0] == 1 and rows == 1:
+            stored = _save(store, sequences[0, :cached], cache)
+        else:
+            stored = _save_prompt_of_row0(store, ids, cache)
+    if stats is not None:
+        stats.update(restored_tokens=n, prefilled_tokens=len(ids) - n, stored_tokens=stored)
+    return out
+
+
+def _save_prompt_of_row0(store: Store, ids: Any, cache: Any) -> int:
+    """Saves the prompt's blocks from row 0 of a batch-expanded (beam) cache: the
+    prompt's KV is the same in every row."""
+    rows = [(k[:1], v[:1]) for k, v, _ in _layer_kv(cache)]
+    return _save(store, ids, tuple(rows))

@@ -1,0 +1,63 @@
+"""Tiny transformers models with seeded random weights, shared by the hf tests
+(test_hf.py, test_sessions.py) and the child processes they start. No download:
+the weights are a pure function of the seed, so a child rebuilds the very same
+model (the tests check that through hf.fingerprint)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB = 1000
+
+
+def tiny_llama(dtype: str = "float32", seed: int = 0, layers: int = 4) -> Any:
+    """LlamaForCausalLM: hidden 256, `layers` layers, 4 heads, 2 KV heads (GQA),
+    head_dim 64, in `dtype`; eval mode; never stops at an end-of-sequence token."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        # Wider than the default 0.02, so greedy decoding has clear winners and
+        # varied output rather than one token repeated.
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval().to(getattr(torch, dtype))
+    model.generation_config.do_sample = False
+    return model
+
+
+def prompt(n: int, seed: int = 1) -> Any:
+    """[1, n] int64 token ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, n), generator=g)
+
+
+def greedy(model: Any, input_ids: Any, new_tokens: int = 32, **kwargs: Any) -> Any:
+    """Greedy continuation by recomputing the whole prompt: `new_tokens` token ids."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return out[0, input_ids.shape[1] :]

@@ -1,0 +1,150 @@
+// Argument checks shared by the CPU and CUDA implementations of the ops.
+//
+// Each message names the argument, what was expected and what was given, so a
+// caller can fix the call without reading this file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace kvstore {
+
+struct PagedAttentionDims {
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t head_dim;
+  int64_t num_blocks;
+  int64_t block_size;
+  int64_t num_kv_heads;
+  int64_t max_blocks;
+  int64_t group;  // query heads per kv head
+};
+
+inline void check_float_dtype(const at::Tensor& t, const char* op, const char* what) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kHalf || s == at::kBFloat16 || s == at::kFloat, op, ": ", what,
+              ": expected dtype float16, bfloat16 or float32, got ", s);
+}
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op,
+                              const char* what) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", what, ": expected device ", ref.device(),
+              " (that of the first argument), got ", t.device());
+}
+
+// A cache is [num_blocks, block_size, num_kv_heads, head_dim] whose rows
+// (block_size, heads, dims) are packed; only the block stride may be free, so
+// a per-layer slice of a bigger pool ([L, 2, N, B, H, D][l, 0]) qualifies.
+inline void check_cache_layout(const at::Tensor& c, const char* op, const char* what) {
+  TORCH_CHECK(c.dim() == 4, op, ": ", what,
+              ": expected 4 dims [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
+              c.sizes());
+  const int64_t h = c.size(2), d = c.size(3);
+  TORCH_CHECK(c.stride(3) == 1 && c.stride(2) == d && c.stride(1) == h * d, op, ": ", what,
+              ": expected packed [block_size, num_kv_heads, head_dim] rows (strides [*, ", h * d,
+              ", ", d, ", 1]), got strides ", c.strides());
+}
+
+inline PagedAttentionDims check_paged_attention(const at::Tensor& query,
+                                                const at::Tensor& key_cache,
+                                                const at::Tensor& value_cache,
+                                                const at::Tensor& block_tables,
+                                                const at::Tensor& seq_lens) {
+  constexpr const char* op = "kvstore.paged_attention";
+  TORCH_CHECK(query.dim() == 3, op,
+              ": query: expected 3 dims [num_seqs, num_heads, head_dim], got shape ",
+              query.sizes());
+  check_float_dtype(query, op, "query");
+  check_cache_layout(key_cache, op, "key_cache");
+  check_cache_layout(value_cache, op, "value_cache");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op,
+              ": value_cache: expected the shape of key_cache ", key_cache.sizes(), ", got ",
+              value_cache.sizes());
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), op,
+              ": key_cache: expected dtype ", query.scalar_type(), " (that of query), got ",
+              key_cache.scalar_type());
+  TORCH_CHECK(value_cache.scalar_type() == query.scalar_type(), op,
+              ": value_cache: expected dtype ", query.scalar_type(), " (that of query), got ",
+              value_cache.scalar_type());
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt, op,
+              ": block_tables: expected an int32 tensor [num_seqs, max_blocks], got ",
+              block_tables.scalar_type(), " of shape ", block_tables.sizes());
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt, op,
+              ": seq_lens: expected an int32 tensor [num_seqs], got ", seq_lens.scalar_type(),
+              " of shape ", seq_lens.sizes());
+  check_same_device(key_cache, query, op, "key_cache");
+  check_same_device(value_cache, query, op, "value_cache");
+  check_same_device(block_tables, query, op, "block_tables");
+  check_same_device(seq_lens, query, op, "seq_lens");
+
+  PagedAttentionDims d{};
+  d.num_seqs = query.size(0);
+  d.num_heads = query.size(1);
+  d.head_dim = query.size(2);
+  d.num_blocks = key_cache.size(0);
+  d.block_size = key_cache.size(1);
+  d.num_kv_heads = key_cache.size(2);
+  d.max_blocks = block_tables.size(1);
+  TORCH_CHECK(key_cache.size(3) == d.head_dim, op, ": key_cache: expected head_dim ", d.head_dim,
+              " (that of query), got ", key_cache.size(3));
+  TORCH_CHECK(d.block_size > 0, op, ": key_cache: expected block_size > 0, got ", d.block_size);
+  TORCH_CHECK(d.num_kv_heads > 0 && d.num_heads % d.num_kv_heads == 0, op,
+              ": expected num_heads (", d.num_heads, ") to be a multiple of num_kv_heads (",
+              d.num_kv_heads, ")");
+  TORCH_CHECK(block_tables.size(0) == d.num_seqs, op, ": block_tables: expected ", d.num_seqs,
+              " rows (num_seqs), got ", block_tables.size(0));
+  TORCH_CHECK(seq_lens.size(0) == d.num_seqs, op, ": seq_lens: expected ", d.num_seqs,
+              " entries (num_seqs), got ", seq_lens.size(0));
+  d.group = d.num_heads / d.num_kv_heads;
+  return d;
+}
+
+struct WriteKVDims {
+  int64_t num_tokens;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t num_blocks;
+  int64_t block_size;
+};
+
+inline WriteKVDims check_write_kv(const at::Tensor& key, const at::Tensor& value,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& slot_mapping) {
+  constexpr const char* op = "kvstore.write_kv";
+  TORCH_CHECK(key.dim() == 3, op,
+              ": key: expected 3 dims [num_tokens, num_kv_heads, head_dim], got shape ",
+              key.sizes());
+  TORCH_CHECK(value.sizes() == key.sizes(), op, ": value: expected the shape of key ",
+              key.sizes(), ", got ", value.sizes());
+  check_float_dtype(key_cache, op, "key_cache");
+  check_cache_layout(key_cache, op, "key_cache");
+  check_cache_layout(value_cache, op, "value_cache");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op,
+              ": value_cache: expected the shape of key_cache ", key_cache.sizes(), ", got ",
+              value_cache.sizes());
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == dtype, op, ": value_cache: expected dtype ", dtype,
+              " (that of key_cache), got ", value_cache.scalar_type());
+  TORCH_CHECK(key.scalar_type() == dtype, op, ": key: expected dtype ", dtype,
+              " (that of key_cache), got ", key.scalar_type());
+  TORCH_CHECK(value.scalar_type() == dtype, op, ": value: expected dtype ", dtype,
+              " (that of key_cache), got ", value.scalar_type());
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), op,
+              ": key: expected [num_tokens, ", key_cache.size(2), ", ", key_cache.size(3),
+              "] (heads and head_dim of key_cache), got shape ", key.sizes());
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong, op,
+              ": slot_mapping: expected an int64 tensor [num_tokens], got ",
+              slot_mapping.scalar_type(), " of shape ", slot_mapping.sizes());
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), op, ": slot_mapping: expected ", key.size(0),
+              " entries (num_tokens), got ", slot_mapping.size(0));
+  check_same_device(value, key, op, "value");
+  check_same_device(key_cache, key, op, "key_cache");
+  check_same_device(value_cache, key, op, "value_cache");
+  check_same_device(slot_mapping, key, op, "slot_mapping");
+  return {key.size(0), key_cache.size(2), key_cache.size(3), key_cache.size(0),
+          key_cache.size(1)};
+}
+
+}  // namespace kvstore

@@ -1,0 +1,349 @@
+// CPU implementations of kvstore::paged_attention and kvstore::write_kv.
+//
+// Decode attention is a stream over the KV pages, so the kernel is shaped to
+// read each page once and keep every core busy:
+// - a work unit is (sequence, kv head, partition): the query heads of a GQA
+//   group are processed together, so K and V of a kv head are read once for
+//   the whole group; the kv heads a thread gets for one sequence go chunk by
+//   chunk side by side, so each page is visited once;
+// - when there are fewer (sequence, kv head) pairs than threads, long
+//   contexts are split into partitions (split-K) whose partial softmax states
+//   are merged afterwards in fp32 (softmax_merge, shared with the CUDA kernel);
+// - tokens go by chunks of kChunk: K and V rows are widened to fp32 once into
+//   L1-sized scratch, then scores, the online softmax (one rescale per chunk,
+//   not per token) and the P·V accumulation run on 8-lane fp32 vectors.
+#include "checks.h"
+#include "paged_attention_common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// The kernel is compiled twice, for AVX2+FMA+F16C and for baseline x86-64, and
+// `use_avx2()` picks one on the running CPU: the build runs on any x86-64 (which
+// -march=native would not promise) and uses 256-bit FMAs and F16C where they exist.
+#define KVSTORE_X86_DISPATCH 1
+#include <immintrin.h>
+#else
+#define KVSTORE_X86_DISPATCH 0
+#endif
+
+// The generic vectors below are passed by value only between always-inline helpers,
+// so GCC's note that their ABI depends on AVX being enabled does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define KVSTORE_INLINE inline __attribute__((always_inline))
+
+namespace kvstore {
+namespace {
+
+// Tokens processed together; K and V of a chunk (2 * 32 * head_dim fp32) stay in L1.
+constexpr int64_t kChunk = 32;
+// Smallest span of a split-K partition: below it, merging partials costs more than it
+// saves.
+constexpr int64_t kMinPartitionTokens = 256;
+// K and V elements a thread should get before a call is worth splitting across threads
+// (about 0.1 ms of work): waking the pool costs more than a tiny decode step.
+constexpr int64_t kMinParallelElements = int64_t{1} << 18;
+
+// Eight fp32 lanes as a GCC/Clang generic vector: plain arithmetic on it compiles to
+// one AVX2 instruction (or two SSE2 ones in the baseline build), so the inner loops do
+// not depend on the auto-vectoriser's mood, and no intrinsics tie the source to x86.
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+constexpr int64_t kLanes = 8;
+static_assert(kChunk % kLanes == 0, "a chunk is a whole number of vectors");
+
+enum class Kind { F32, F16, BF16 };
+
+template <Kind K>
+struct Storage {
+  using type = uint16_t;  // float16 / bfloat16 bit patterns
+};
+template <>
+struct Storage<Kind::F32> {
+  using type = float;
+};
+
+struct Params {
+  const void* query;  // [num_seqs, num_heads, head_dim], packed
+  const void* key_cache;
+  const void* value_cache;
+  int64_t k_block_stride;  // elements
+  int64_t v_block_stride;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t block_size;
+  int64_t group;
+  float scale;
+  int64_t partition_tokens;
+  int64_t num_partitions;
+  void* out;         // [num_seqs, num_heads, head_dim] when num_partitions == 1
+  float* part_out;   // [num_seqs, num_heads, num_partitions, head_dim], unnormalised
+  float* part_max;   // [num_seqs, num_heads, num_partitions]
+  float* part_sum;   // [num_seqs, num_heads, num_partitions]
+};
+
+// Per-thread scratch, allocated once per thread outside the kernels.
+struct Scratch {
+  float* q;       // [num_kv_heads * group, head_dim], pre-scaled
+  float* acc;     // [num_kv_heads * group, head_dim]
+  float* m;       // [num_kv_heads * group]
+  float* l;       // [num_kv_heads * group]
+  float* kf;      // [kChunk, head_dim]
+  float* vf;      // [kChunk, head_dim]
+  float* scores;  // [group, kChunk]
+  int64_t* koff;  // [kChunk] element offset of each token's K row (head 0)
+  int64_t* voff;  // [kChunk]
+  const float** krows;  // [kChunk]
+  const float** vrows;  // [kChunk]
+};
+
+namespace cpu_base {
+#define KVSTORE_F16C 0
+#include "paged_attention_cpu_kernel.h"
+#undef KVSTORE_F16C
+}  // namespace cpu_base
+
+#if KVSTORE_X86_DISPATCH
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace cpu_avx2 {
+#define KVSTORE_F16C 1
+#include "paged_attention_cpu_kernel.h"
+#undef KVSTORE_F16C
+}  // namespace cpu_avx2
+#pragma GCC pop_options
+#endif
+
+using AttendFn = void (*)(const Params&, const Scratch&, int64_t, int64_t);
+
+template <Kind K>
+void attend_base(const Params& p, const Scratch& w, int64_t b, int64_t e) {
+  cpu_base::attend_units<K>(p, w, b, e);
+}
+
+#if KVSTORE_X86_DISPATCH
+template <Kind K>
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const Scratch& w,
+                                                          int64_t b, int64_t e) {
+  cpu_avx2::attend_units<K>(p, w, b, e);
+}
+#endif
+
+// The AVX2 kernels when the CPU has AVX2, FMA and F16C, unless ATEN_CPU_CAPABILITY=default
+// asks for the baseline (as it does for ATen's own kernels; the tests use it to check the
+// baseline build too).
+bool use_avx2() {
+#if KVSTORE_X86_DISPATCH
+  static const bool yes = [] {
+    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+    if (cap != nullptr && std::strcmp(cap, "default") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+AttendFn attend_fn(at::ScalarType dtype) {
+#if KVSTORE_X86_DISPATCH
+  if (use_avx2()) {
+    if (dtype == at::kFloat) return &attend_avx2<Kind::F32>;
+    if (dtype == at::kHalf) return &attend_avx2<Kind::F16>;
+    return &attend_avx2<Kind::BF16>;
+  }
+#endif
+  if (dtype == at::kFloat) return &attend_base<Kind::F32>;
+  if (dtype == at::kHalf) return &attend_base<Kind::F16>;
+  return &attend_base<Kind::BF16>;
+}
+
+// Merges the partitions of each (sequence, head) and writes the normalised output.
+template <Kind K>
+void merge_partitions(const Params& p, int64_t num_seqs) {
+  const int64_t D = p.head_dim, P = p.num_partitions;
+  at::parallel_for(0, num_seqs * p.num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t sh = begin; sh < end; ++sh) {
+      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t part = 0; part < P; ++part) {
+        const int64_t pi = sh * P + part;
+        if (p.part_sum[pi] == 0.f) continue;  // past the end of this sequence
+        const SoftmaxMerge mg = softmax_merge(m, p.part_max[pi]);
+        const float* po = p.part_out + pi * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * mg.scale_a + po[d] * mg.scale_b;
+        l = l * mg.scale_a + p.part_sum[pi] * mg.scale_b;
+        m = mg.max;
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      for (int64_t d = 0; d < D; ++d) cpu_base::store_out<K>(p.out, sh * D + d, acc[d] * inv);
+    }
+  });
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, double scale) {
+  const PagedAttentionDims dims =
+      check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens);
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+
+  // Validate every length and every block id the kernel will touch before any work,
+  // so a bad table is an error, never a read outside the caches.
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < dims.num_seqs; ++s) {
+    const int64_t len = len_ptr[s];
+    TORCH_CHECK(len >= 0 && len <= dims.max_blocks * dims.block_size,
+                "kvstore.paged_attention: seq_lens[", s, "]: expected 0 to ",
+                dims.max_blocks * dims.block_size, " (max_blocks * block_size), got ", len);
+    max_len = std::max(max_len, len);
+    for (int64_t b = 0; b < ceil_div(len, dims.block_size); ++b) {
+      const int64_t blk = tab[s * dims.max_blocks + b];
+      TORCH_CHECK(blk >= 0 && blk < dims.num_blocks, "kvstore.paged_attention: block_tables[",
+                  s, ", ", b, "]: expected a block id in [0, ", dims.num_blocks, "), got ", blk);
+    }
+  }
+
+  at::Tensor out = at::empty({dims.num_seqs, dims.num_heads, dims.head_dim}, q.options());
+  if (dims.num_seqs == 0 || dims.num_heads == 0 || dims.head_dim == 0) return out;
+
+  // Split-K only when (sequence, kv head) pairs cannot keep every thread busy.
+  const int64_t threads = at::get_num_threads();
+  const int64_t pairs = dims.num_seqs * dims.num_kv_heads;
+  int64_t parts = 1;
+  int64_t partition_tokens = std::max<int64_t>(max_len, 1);
+  if (pairs < 2 * threads && max_len > kMinPartitionTokens) {
+    parts = std::min(ceil_div(2 * threads, pairs), ceil_div(max_len, kMinPartitionTokens));
+    partition_tokens = ceil_div(ceil_div(max_len, parts), kChunk) * kChunk;
+    parts = ceil_div(max_len, partition_tokens);
+  }
+
+  Params p{};
+  p.query = q.data_ptr();
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.k_block_stride = key_cache.stride(0);
+  p.v_block_stride = value_cache.stride(0);
+  p.block_tables = tab;
+  p.table_stride = dims.max_blocks;
+  p.seq_lens = len_ptr;
+  p.num_heads = dims.num_heads;
+  p.num_kv_heads = dims.num_kv_heads;
+  p.head_dim = dims.head_dim;
+  p.block_size = dims.block_size;
+  p.group = dims.group;
+  p.scale = static_cast<float>(scale);
+  p.partition_tokens = partition_tokens;
+  p.num_partitions = parts;
+  p.out = out.data_ptr();
+  std::vector<float> part_buf;
+  if (parts > 1) {
+    const int64_t n = dims.num_seqs * dims.num_heads * parts;
+    part_buf.resize(n * (dims.head_dim + 2));
+    p.part_out = part_buf.data();
+    p.part_max = p.part_out + n * dims.head_dim;
+    p.part_sum = p.part_max + n;
+  }
+
+  const auto kind = q.scalar_type();
+  const int64_t D = dims.head_dim, G = dims.group, NH = dims.num_heads;
+  const AttendFn attend = attend_fn(kind);
+  const int64_t unit_elements = std::max<int64_t>(1, 2 * std::min(max_len, partition_tokens) * D);
+  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / unit_elements);
+  at::parallel_for(0, pairs * parts, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk);
+    std::vector<int64_t> offsets(2 * kChunk);
+    std::vector<const float*> rows(2 * kChunk);
+    Scratch w{};
+    w.q = buf.data();
+    w.acc = w.q + NH * D;
+    w.m = w.acc + NH * D;
+    w.l = w.m + NH;
+    w.kf = w.l + NH;
+    w.vf = w.kf + kChunk * D;
+    w.scores = w.vf + kChunk * D;
+    w.koff = offsets.data();
+    w.voff = offsets.data() + kChunk;
+    w.krows = rows.data();
+    w.vrows = rows.data() + kChunk;
+    attend(p, w, begin, end);
+  });
+  if (parts > 1) {
+    if (kind == at::kFloat) {
+      merge_partitions<Kind::F32>(p, dims.num_seqs);
+    } else if (kind == at::kHalf) {
+      merge_partitions<Kind::F16>(p, dims.num_seqs);
+    } else {
+      merge_partitions<Kind::BF16>(p, dims.num_seqs);
+    }
+  }
+  return out;
+}
+
+void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                  at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const WriteKVDims dims = check_write_kv(key, value, key_cache, value_cache, slot_mapping);
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = dims.num_blocks * dims.block_size;
+  // Every slot is checked before the first write: a bad mapping changes nothing.
+  for (int64_t t = 0; t < dims.num_tokens; ++t) {
+    TORCH_CHECK(slot[t] < num_slots, "kvstore.write_kv: slot_mapping[", t,
+                "]: expected a slot below ", num_slots, " (num_blocks * block_size) or negative "
+                "(skip), got ", slot[t]);
+  }
+  const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
+  const int64_t H = dims.num_kv_heads, D = dims.head_dim;
+  const int64_t elem = key_cache.element_size();
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  auto* kcp = static_cast<char*>(key_cache.data_ptr());
+  auto* vcp = static_cast<char*>(value_cache.data_ptr());
+  const int64_t kbs = key_cache.stride(0), vbs = value_cache.stride(0);
+  at::parallel_for(0, dims.num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;
+      const int64_t blk = slot[t] / dims.block_size, off = slot[t] % dims.block_size;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t dst = (blk * kbs + (off * H + h) * D) * elem;
+        std::memcpy(kcp + dst, kp + (t * k.stride(0) + h * k.stride(1)) * elem, D * elem);
+        const int64_t vdst = (blk * vbs + (off * H + h) * D) * elem;
+        std::memcpy(vcp + vdst, vp + (t * v.stride(0) + h * v.stride(1)) * elem, D * elem);
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace kvstore
+
+TORCH_LIBRARY_IMPL(kvstore, CPU, m) {
+  m.impl("paged_attention", &kvstore::paged_attention_cpu);
+  m.impl("write_kv", &kvstore::write_kv_cpu);
+}

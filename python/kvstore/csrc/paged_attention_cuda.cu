@@ -1,0 +1,523 @@
+// CUDA implementations of kvstore::paged_attention (decode: one query token per
+// sequence) and kvstore::write_kv.
+//
+// paged_attention runs in two kernels, as vLLM's "v2" does:
+// 1. grid (kv head x query-head tile, sequence, partition): each CTA attends one
+//    kv head's group of up to kGroupTile query heads over one partition of
+//    kPartitionTokens tokens. K and V rows are fetched once per CTA with 16-byte
+//    loads and used by every query head of the tile (GQA). Scores go to shared
+//    memory, then softmax statistics, then P·V, all in fp32.
+// 2. when the context spans more than one partition, a reduce kernel merges the
+//    partitions' (max, sum, unnormalised output) in fp32 with softmax_merge, the
+//    same helper the CPU kernel uses (paged_attention_common.h).
+#include "checks.h"
+#include "paged_attention_common.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kvstore {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kGroupTile = 8;          // query heads per CTA (all of a GQA group up to 8)
+constexpr int kPartitionTokens = 512;  // tokens per split-K partition
+
+__host__ __device__ constexpr int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+// Calls f(T{}) with T the CUDA type of a float16, bfloat16 or float32 dtype (the
+// checks have already refused any other).
+template <typename F>
+void dispatch_dtype(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      return f(float{});
+    case at::kHalf:
+      return f(__half{});
+    case at::kBFloat16:
+      return f(__nv_bfloat16{});
+    default:
+      TORCH_CHECK(false, op, ": expected dtype float16, bfloat16 or float32, got ", dtype);
+  }
+}
+
+// How 16 bytes of T become floats, and back.
+template <typename T>
+struct Vec16;
+
+template <>
+struct Vec16<float> {
+  static constexpr int kElems = 4;
+  __device__ __forceinline__ static void to_float(const uint4& raw, float* out) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+  }
+  __device__ __forceinline__ static float load1(const float* p) { return *p; }
+  __device__ __forceinline__ static float from_float(float v) { return v; }
+};
+
+template <>
+struct Vec16<__half> {
+  static constexpr int kElems = 8;
+  __device__ __forceinline__ static void to_float(const uint4& raw, float* out) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(h[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+  __device__ __forceinline__ static float load1(const __half* p) { return __half2float(*p); }
+  __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
+};
+
+template <>
+struct Vec16<__nv_bfloat16> {
+  static constexpr int kElems = 8;
+  __device__ __forceinline__ static void to_float(const uint4& raw, float* out) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+  __device__ __forceinline__ static float load1(const __nv_bfloat16* p) {
+    return __bfloat162float(*p);
+  }
+  __device__ __forceinline__ static __nv_bfloat16 from_float(float v) {
+    return __float2bfloat16_rn(v);
+  }
+};
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+  return v;
+}
+
+struct KernelArgs {
+  void* out;          // [S, NH, D] (T)
+  float* part_out;    // [S, NH, P, D]
+  float* part_max;    // [S, NH, P]
+  float* part_sum;    // [S, NH, P]
+  const void* query;  // [S, NH, D] packed (T)
+  const void* key_cache;
+  const void* value_cache;
+  int64_t k_block_stride;  // elements
+  int64_t v_block_stride;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  int num_heads;
+  int num_kv_heads;
+  int group;
+  int group_tiles;
+  int block_size;
+  int num_partitions;
+  float scale;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelArgs a) {
+  using V = Vec16<T>;
+  constexpr int kVec = V::kElems;         // elements per 16-byte load
+  static_assert(D % kVec == 0, "a row must be whole 16-byte vectors");
+  constexpr int kRowVecs = D / kVec;      // 16-byte vectors per K/V row
+  constexpr int kTG = kRowVecs >= 32 ? 32 : next_pow2(kRowVecs);  // threads per row
+  constexpr int kVecsPerThread = (kRowVecs + kTG - 1) / kTG;
+  constexpr int kRowsPerPass = kThreads / kTG;
+
+  const int kv_head = blockIdx.x / a.group_tiles;
+  const int g0 = (blockIdx.x % a.group_tiles) * kGroupTile;
+  const int gcount = min(kGroupTile, a.group - g0);
+  const int head0 = kv_head * a.group + g0;  // first query head of this CTA
+  const int s = blockIdx.y;
+  const int part = blockIdx.z;
+  // Lengths are clamped to what the block table can address: a bad length reads
+  // nothing outside the table (block ids themselves are not checked on the GPU).
+  const int max_len = static_cast<int>(a.table_stride) * a.block_size;
+  const int len = max(0, min(a.seq_lens[s], max_len));
+  const int start = part * kPartitionTokens;
+  // A partition past the end has nothing to do; the reduce kernel skips it.
+  if (a.num_partitions > 1 && start >= len) return;
+  const int n = max(0, min(len - start, kPartitionTokens));
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int tg = tid / kTG;  // row handled by this thread in a pass
+  const int tl = tid % kTG;  // this thread's 16-byte vectors in the row: tl, tl + kTG, ...
+
+  __shared__ __align__(16) float q_s[kGroupTile][D];
+  __shared__ __align__(16) float out_s[kGroupTile][D];
+  __shared__ float logits[kGroupTile][kPartitionTokens];
+  __shared__ float stat_max[kGroupTile];
+  __shared__ float stat_sum[kGroupTile];
+
+  const T* query = static_cast<const T*>(a.query);
+  for (int i = tid; i < kGroupTile * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    q_s[g][d] = g < gcount ? V::load1(query + (int64_t(s) * a.num_heads + head0 + g) * D + d) *
+                                 a.scale
+                           : 0.f;
+    out_s[g][d] = 0.f;
+  }
+  __syncthreads();
+
+  const int32_t* table = a.block_tables + int64_t(s) * a.table_stride;
+  const int64_t row_stride = int64_t(a.num_kv_heads) * D;
+  const T* kc = static_cast<const T*>(a.key_cache);
+  const T* vc = static_cast<const T*>(a.value_cache);
+
+  // 1. Scores. Every thread runs the same number of passes, so the shuffles below
+  // always see full warps; rows past n load nothing.
+  for (int t0 = 0; t0 < n; t0 += kRowsPerPass) {
+    const int t = t0 + tg;
+    const bool valid = t < n;
+    float k[kVecsPerThread][kVec];
+#pragma unroll
+    for (int v = 0; v < kVecsPerThread; ++v) {
+      const int vi = tl + v * kTG;
+      if (valid && vi < kRowVecs) {
+        const T* row = kc + token_row_offset(table, start + t, a.block_size, a.k_block_stride,
+                                             row_stride, kv_head, D);
+        V::to_float(__ldg(reinterpret_cast<const uint4*>(row) + vi), k[v]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) k[v][i] = 0.f;
+      }
+    }
+    float dots[kGroupTile];
+#pragma unroll
+    for (int g = 0; g < kGroupTile; ++g) {
+      float acc = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVecsPerThread; ++v) {
+        const int vi = tl + v * kTG;
+        if (vi < kRowVecs) {
+#pragma unroll
+          for (int i = 0; i < kVec; i += 4) {
+            const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][vi * kVec + i]);
+            acc += qv.x * k[v][i] + qv.y * k[v][i + 1] + qv.z * k[v][i + 2] + qv.w * k[v][i + 3];
+          }
+        }
+      }
+#pragma unroll
+      for (int mask = kTG / 2; mask > 0; mask >>= 1) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, mask);
+      }
+      dots[g] = acc;
+    }
+    if (valid && tl == 0) {
+#pragma unroll
+      for (int g = 0; g < kGroupTile; ++g) {
+        if (g < gcount) logits[g][t] = dots[g];
+      }
+    }
+  }
+  __syncthreads();
+
+  // 2. Softmax statistics of each query head (one warp per head); logits become
+  // exp(score - max).
+  for (int g = warp; g < gcount; g += kWarps) {
+    float m = -INFINITY;
+    for (int i = lane; i < n; i += 32) m = fmaxf(m, logits[g][i]);
+    m = warp_max(m);
+    float sum = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      const float e = expf(logits[g][i] - m);
+      logits[g][i] = e;
+      sum += e;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      stat_max[g] = m;
+      stat_sum[g] = sum;
+    }
+  }
+  __syncthreads();
+
+  // 3. P·V: each V row is loaded once and feeds every query head of the tile.
+  float acc[kGroupTile][kVecsPerThread][kVec];
+#pragma unroll
+  for (int g = 0; g < kGroupTile; ++g)
+#pragma unroll
+    for (int v = 0; v < kVecsPerThread; ++v)
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[g][v][i] = 0.f;
+
+  for (int t0 = 0; t0 < n; t0 += kRowsPerPass) {
+    const int t = t0 + tg;
+    if (t >= n) continue;  // no shuffles in this loop: divergence is fine
+    float val[kVecsPerThread][kVec];
+#pragma unroll
+    for (int v = 0; v < kVecsPerThread; ++v) {
+      const int vi = tl + v * kTG;
+      if (vi < kRowVecs) {
+        const T* row = vc + token_row_offset(table, start + t, a.block_size, a.v_block_stride,
+                                             row_stride, kv_head, D);
+        V::to_float(__ldg(reinterpret_cast<const uint4*>(row) + vi), val[v]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) val[v][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kGroupTile; ++g) {
+      const float p = g < gcount ? logits[g][t] : 0.f;
+#pragma unroll
+      for (int v = 0; v < kVecsPerThread; ++v)
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[g][v][i] += p * val[v][i];
+    }
+  }
+
+  // Rows of one warp share the lane -> column mapping: sum them with shuffles,
+  // then add the warps one after another (a fixed order: deterministic output).
+#pragma unroll
+  for (int g = 0; g < kGroupTile; ++g)
+#pragma unroll
+    for (int v = 0; v < kVecsPerThread; ++v)
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+#pragma unroll
+        for (int mask = kTG; mask < 32; mask <<= 1) {
+          acc[g][v][i] += __shfl_xor_sync(0xffffffffu, acc[g][v][i], mask);
+        }
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w && lane < kTG) {
+#pragma unroll
+      for (int g = 0; g < kGroupTile; ++g)
+#pragma unroll
+        for (int v = 0; v < kVecsPerThread; ++v) {
+          const int vi = tl + v * kTG;
+          if (g < gcount && vi < kRowVecs) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) out_s[g][vi * kVec + i] += acc[g][v][i];
+          }
+        }
+    }
+    __syncthreads();
+  }
+
+  // 4. Output: normalised when this is the only partition, else a partial.
+  for (int i = tid; i < gcount * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    const int64_t sh = int64_t(s) * a.num_heads + head0 + g;
+    if (a.num_partitions == 1) {
+      const float sum = stat_sum[g];
+      static_cast<T*>(a.out)[sh * D + d] = V::from_float(sum > 0.f ? out_s[g][d] / sum : 0.f);
+    } else {
+      const int64_t pi = sh * a.num_partitions + part;
+      a.part_out[pi * D + d] = out_s[g][d];
+      if (d == 0) {
+        a.part_max[pi] = stat_max[g];
+        a.part_sum[pi] = stat_sum[g];
+      }
+    }
+  }
+}
+
+// Merges the partitions of one (head, sequence) per CTA, in fp32.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(const KernelArgs a,
+                                                                          int head_dim) {
+  using V = Vec16<T>;
+  const int head = blockIdx.x, s = blockIdx.y;
+  const int max_len = static_cast<int>(a.table_stride) * a.block_size;
+  const int len = max(0, min(a.seq_lens[s], max_len));
+  const int parts = min(a.num_partitions, static_cast<int>(ceil_div(len, kPartitionTokens)));
+  const int64_t sh = int64_t(s) * a.num_heads + head;
+  const int64_t base = sh * a.num_partitions;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float m = -INFINITY, l = 0.f, acc = 0.f;
+    for (int p = 0; p < parts; ++p) {
+      const SoftmaxMerge mg = softmax_merge(m, a.part_max[base + p]);
+      acc = acc * mg.scale_a + a.part_out[(base + p) * head_dim + d] * mg.scale_b;
+      l = l * mg.scale_a + a.part_sum[base + p] * mg.scale_b;
+      m = mg.max;
+    }
+    static_cast<T*>(a.out)[sh * head_dim + d] = V::from_float(l > 0.f ? acc / l : 0.f);
+  }
+}
+
+template <typename T, int D>
+void launch_attention(const KernelArgs& a, int num_seqs, cudaStream_t stream) {
+  const dim3 grid(a.num_kv_heads * a.group_tiles, num_seqs, a.num_partitions);
+  paged_attention_kernel<T, D><<<grid, kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_for_head_dim(const KernelArgs& a, int num_seqs, int head_dim, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64:
+      return launch_attention<T, 64>(a, num_seqs, stream);
+    case 80:
+      return launch_attention<T, 80>(a, num_seqs, stream);
+    case 96:
+      return launch_attention<T, 96>(a, num_seqs, stream);
+    case 128:
+      return launch_attention<T, 128>(a, num_seqs, stream);
+    case 256:
+      return launch_attention<T, 256>(a, num_seqs, stream);
+    default:
+      TORCH_CHECK(false, "kvstore.paged_attention: head_dim: expected one of 64, 80, 96, 128, "
+                  "256 on CUDA, got ", head_dim);
+  }
+}
+
+void check_16_byte_rows(const at::Tensor& cache, const char* what) {
+  const int64_t elem = cache.element_size();
+  const auto addr = reinterpret_cast<uintptr_t>(cache.data_ptr());
+  TORCH_CHECK(addr % 16 == 0 && (cache.stride(0) * elem) % 16 == 0 &&
+                  (cache.size(3) * elem) % 16 == 0,
+              "kvstore.paged_attention: ", what, ": expected 16-byte aligned rows on CUDA "
+              "(address, block stride and head_dim * itemsize multiples of 16), got address ",
+              addr, ", block stride ", cache.stride(0), ", head_dim ", cache.size(3),
+              ", itemsize ", elem);
+}
+
+at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale) {
+  const PagedAttentionDims dims =
+      check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens);
+  check_16_byte_rows(key_cache, "key_cache");
+  check_16_byte_rows(value_cache, "value_cache");
+  TORCH_CHECK(dims.max_blocks * dims.block_size < (int64_t{1} << 31),
+              "kvstore.paged_attention: block_tables: expected max_blocks * block_size below "
+              "2^31 on CUDA, got ", dims.max_blocks * dims.block_size);
+  TORCH_CHECK(dims.num_seqs <= 65535, "kvstore.paged_attention: query: expected at most 65535 "
+              "sequences on CUDA (a grid dimension), got ", dims.num_seqs);
+  const c10::cuda::CUDAGuard guard(query.device());
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor out = at::empty({dims.num_seqs, dims.num_heads, dims.head_dim}, q.options());
+  if (dims.num_seqs == 0 || dims.num_heads == 0) return out;
+
+  // The partition count comes from the table width, an upper bound of every length
+  // that needs no device-to-host copy of seq_lens.
+  const int64_t max_len = dims.max_blocks * dims.block_size;
+  const int num_partitions =
+      static_cast<int>(std::max<int64_t>(1, ceil_div(max_len, kPartitionTokens)));
+  at::Tensor part_out, part_stats;
+  KernelArgs a{};
+  if (num_partitions > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    part_out = at::empty({dims.num_seqs, dims.num_heads, num_partitions, dims.head_dim}, f32);
+    part_stats = at::empty({2, dims.num_seqs, dims.num_heads, num_partitions}, f32);
+    a.part_out = part_out.data_ptr<float>();
+    a.part_max = part_stats[0].data_ptr<float>();
+    a.part_sum = part_stats[1].data_ptr<float>();
+  }
+  a.out = out.data_ptr();
+  a.query = q.data_ptr();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.k_block_stride = key_cache.stride(0);
+  a.v_block_stride = value_cache.stride(0);
+  a.block_tables = tables.data_ptr<int32_t>();
+  a.table_stride = dims.max_blocks;
+  a.seq_lens = lens.data_ptr<int32_t>();
+  a.num_heads = static_cast<int>(dims.num_heads);
+  a.num_kv_heads = static_cast<int>(dims.num_kv_heads);
+  a.group = static_cast<int>(dims.group);
+  a.group_tiles = static_cast<int>(ceil_div(dims.group, kGroupTile));
+  a.block_size = static_cast<int>(dims.block_size);
+  a.num_partitions = num_partitions;
+  a.scale = static_cast<float>(scale);
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int num_seqs = static_cast<int>(dims.num_seqs);
+  const int head_dim = static_cast<int>(dims.head_dim);
+  dispatch_dtype(q.scalar_type(), "kvstore.paged_attention", [&](auto tag) {
+    using T = decltype(tag);
+    launch_for_head_dim<T>(a, num_seqs, head_dim, stream);
+    if (num_partitions > 1) {
+      const dim3 grid(a.num_heads, num_seqs);
+      paged_attention_reduce_kernel<T><<<grid, kThreads, 0, stream>>>(a, head_dim);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return out;
+}
+
+template <typename T>
+__global__ void write_kv_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                const int64_t* __restrict__ slots, int64_t k_stride0,
+                                int64_t k_stride1, int64_t v_stride0, int64_t v_stride1,
+                                int64_t k_block_stride, int64_t v_block_stride, int heads,
+                                int head_dim, int block_size, int64_t num_slots) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  // Negative: skipped by contract. Past the end: ignored, since checking it on the
+  // host would need a device-to-host copy (the CPU op raises instead).
+  if (slot < 0 || slot >= num_slots) return;
+  const int64_t blk = slot / block_size, off = slot % block_size;
+  const int64_t row = int64_t(heads) * head_dim;
+  for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
+    const int h = i / head_dim, d = i % head_dim;
+    key_cache[blk * k_block_stride + off * row + i] = key[t * k_stride0 + h * k_stride1 + d];
+    value_cache[blk * v_block_stride + off * row + i] = value[t * v_stride0 + h * v_stride1 + d];
+  }
+}
+
+void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                   at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const WriteKVDims dims = check_write_kv(key, value, key_cache, value_cache, slot_mapping);
+  if (dims.num_tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(key.device());
+  const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int threads = static_cast<int>(std::min<int64_t>(256, dims.num_kv_heads * dims.head_dim));
+  dispatch_dtype(key_cache.scalar_type(), "kvstore.write_kv", [&](auto tag) {
+    using T = decltype(tag);
+    write_kv_kernel<T><<<dims.num_tokens, std::max(threads, 32), 0, stream>>>(
+        static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr()),
+        static_cast<T*>(key_cache.data_ptr()), static_cast<T*>(value_cache.data_ptr()),
+        slots.data_ptr<int64_t>(), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), key_cache.stride(0), value_cache.stride(0),
+        static_cast<int>(dims.num_kv_heads), static_cast<int>(dims.head_dim),
+        static_cast<int>(dims.block_size), dims.num_blocks * dims.block_size);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+}  // namespace kvstore
+
+TORCH_LIBRARY_IMPL(kvstore, CUDA, m) {
+  m.impl("paged_attention", &kvstore::paged_attention_cuda);
+  m.impl("write_kv", &kvstore::write_kv_cuda);
+}

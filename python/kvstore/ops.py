@@ -1,0 +1,311 @@
+"""Paged-attention torch ops: `torch.ops.kvstore.*` behind two Python functions.
+
+```python
+from kvstore import ops
+out = ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+ops.write_kv(key, value, key_cache, value_cache, slot_mapping)   # in place
+```
+
+- query `[num_seqs, num_heads, D]`; key/value caches (one layer)
+  `[num_blocks, B, H, D]`; block_tables int32 `[num_seqs, max_blocks]`; seq_lens
+  int32 `[num_seqs]`; slot_mapping int64 `[num_tokens]` with
+  `slot = block * B + offset` (a negative slot skips its token). GQA:
+  `num_heads % H == 0`, query head `i` attends with kv head `i // (num_heads // H)`.
+- float16, bfloat16 and float32; scores, softmax and sums in fp32.
+
+The C++/CUDA sources (the `cuda/` folder of the repository) are compiled with
+`torch.utils.cpp_extension.load` on the first call, not on import: into
+`$TORCH_EXTENSIONS_DIR` or `~/.cache/kvstore/torch_extensions` (`$XDG_CACHE_HOME`
+respected), in a folder named by a hash of the sources, the flags and the torch
+version, so a second process (or run) loads the cached library at once. The
+`.cu` file is compiled only when CUDA is available, so a CPU build needs no nvcc.
+Call `ops.load()` to build ahead of time.
+
+`python -m kvstore.ops --compile-check` compiles every `.cu` file with nvcc for
+sm_80 and sm_90 without a GPU (CI's check that the CUDA code builds).
+
+Under `torch.compile`, the ops are traced through fake implementations
+registered with `torch.library.register_fake`; call `ops.load()` (or the op
+once) before compiling so the tracer does not meet the build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["compile_check", "find_nvcc", "load", "paged_attention", "source_dir", "write_kv"]
+
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded = False
+
+# Compile flags are part of the build folder's hash: changing one rebuilds.
+# at::parallel_for is a header template that runs serially unless the extension itself
+# is compiled with OpenMP (torch's own libgomp, already loaded, serves it at run time).
+# Tuples: cpp_extension.load appends to the lists it is given.
+_OPENMP = ("-fopenmp",) if sys.platform.startswith("linux") else ()
+_CFLAGS = ("-O3", *_OPENMP)
+_LDFLAGS = (*_OPENMP,)
+_CUDA_CFLAGS = ("-O3", "-lineinfo")
+_COMPILE_CHECK_ARCHS = ("80", "90")
+
+
+def source_dir() -> Path:
+    """The folder of the C++/CUDA sources: `$KVSTORE_CSRC`, else `kvstore/csrc`, shipped
+    in the package (the repository's `cuda/` is a link to it)."""
+    env = os.environ.get("KVSTORE_CSRC")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parent / "csrc")
+    for c in candidates:
+        if (c / "ops.cpp").is_file():
+            return c
+    tried = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(f"kvstore.ops: C++ sources not found (looked in {tried})")
+
+
+def _sources(with_cuda: bool) -> list[Path]:
+    d = source_dir()
+    names = ["ops.cpp", "paged_attention_cpu.cpp"]
+    if with_cuda:
+        names.append("paged_attention_cuda.cu")
+    return [d / n for n in names]
+
+
+def _build_dir(key: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        base = Path(root)
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        base = Path(cache) / "kvstore" / "torch_extensions"
+    return base / f"kvstore_ops_{key}"
+
+
+def _build_key(sources: list[Path], with_cuda: bool) -> str:
+    h = hashlib.sha256()
+    for part in (torch.__version__, str(torch.version.cuda), sys.version, str(with_cuda)):
+        h.update(part.encode() + b"\0")
+    h.update(repr((_CFLAGS, _CUDA_CFLAGS, _LDFLAGS)).encode())
+    d = source_dir()
+    # Headers count too: a change in a shared header must rebuild.
+    for path in sorted({*sources, *d.glob("*.h")}):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load(verbose: bool = False) -> None:
+    """Builds (first time) and loads the extension; registers the ops' fake kernels.
+
+    Idempotent and thread-safe. CUDA sources are compiled only when
+    `torch.cuda.is_available()`.
+    """
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils import cpp_extension
+
+        with_cuda = torch.cuda.is_available()
+        sources = _sources(with_cuda)
+        key = _build_key(sources, with_cuda)
+        build_dir = _build_dir(key)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _log.info("kvstore.ops: building/loading the torch extension in %s", build_dir)
+        cpp_extension.load(
+            name=f"kvstore_ops_{key}",
+            sources=[str(s) for s in sources],
+            extra_cflags=list(_CFLAGS),
+            extra_cuda_cflags=list(_CUDA_CFLAGS) if with_cuda else None,
+            extra_ldflags=list(_LDFLAGS),
+            extra_include_paths=[str(source_dir())],
+            build_directory=str(build_dir),
+            with_cuda=with_cuda,
+            is_python_module=False,
+            verbose=verbose,
+        )
+        _register_fakes()
+        _loaded = True
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("kvstore::paged_attention")
+    def _(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        torch._check(query.dim() == 3, lambda: "query: expected [num_seqs, num_heads, head_dim]")
+        torch._check(key_cache.dim() == 4, lambda: "key_cache: expected 4 dims")
+        torch._check(key_cache.shape[3] == query.shape[2], lambda: "key_cache: head_dim != query's")
+        torch._check(
+            query.shape[1] % key_cache.shape[2] == 0,
+            lambda: "num_heads must be a multiple of num_kv_heads",
+        )
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("kvstore::write_kv")
+    def _(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        torch._check(key.dim() == 3, lambda: "key: expected [num_tokens, num_kv_heads, head_dim]")
+        return None
+
+
+def _ensure_loaded() -> None:
+    # Under torch.compile the tracer must not step into the build; it is loaded by then.
+    if not _loaded and not torch.compiler.is_compiling():
+        load()
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over paged KV.
+
+    Returns `[num_seqs, num_heads, D]` in query's dtype: for each sequence `s` and
+    head `i`, softmax(scale * q·K[:len]) · V[:len], K and V gathered through
+    `block_tables[s]` (token `t` is at block `block_tables[s, t // B]`, offset
+    `t % B`). A sequence of length 0 gives zeros.
+    """
+    _ensure_loaded()
+    return torch.ops.kvstore.paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale
+    )
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes `key`/`value` `[num_tokens, H, D]` into the caches at `slot_mapping`
+    (int64, `block * B + offset`; negative: skipped), in place."""
+    _ensure_loaded()
+    torch.ops.kvstore.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+# ------------------------------------------------------------------ nvcc compile check
+
+
+def find_nvcc() -> Path | None:
+    """nvcc from `$NVCC`, `$CUDA_HOME`, `PATH`, or the `nvidia-cuda-nvcc` wheel."""
+    candidates: list[str | None] = [os.environ.get("NVCC")]
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
+    candidates.append(shutil.which("nvcc"))
+    purelib = sysconfig.get_paths()["purelib"]
+    candidates += sorted(glob.glob(os.path.join(purelib, "nvidia", "*", "bin", "nvcc")))
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return Path(c)
+    return None
+
+
+def _cuda_include_dirs(nvcc: Path) -> list[str]:
+    # nvcc's own profile adds <root>/include; the pip layout also splits CCCL
+    # (cuda/std, cub, thrust) into include/cccl, and torch's headers need both.
+    root = nvcc.parent.parent
+    dirs = [root / "include", root / "include" / "cccl"]
+    return [str(d) for d in dirs if d.is_dir()]
+
+
+def compile_check(archs: tuple[str, ...] = _COMPILE_CHECK_ARCHS, verbose: bool = False) -> int:
+    """Compiles every `.cu` source with nvcc (`-c`, no GPU needed) for each arch in
+    `archs`; returns the number of failures."""
+    from torch.utils import cpp_extension
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print(
+            "kvstore.ops: nvcc not found (set NVCC or CUDA_HOME, or pip install nvidia-cuda-nvcc)",
+            file=sys.stderr,
+        )
+        return 1
+    includes = [str(source_dir())]
+    includes += cpp_extension.include_paths("cpu") + _cuda_include_dirs(nvcc)
+    py_include = sysconfig.get_path("include")
+    if py_include:
+        includes.append(py_include)
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in sorted(source_dir().glob("*.cu")):
+            cmd = [
+                str(nvcc),
+                "-c",
+                str(src),
+                "-o",
+                os.path.join(tmp, src.stem + ".o"),
+                "-std=c++20",
+                "--compiler-options",
+                "-fPIC",
+                *cpp_extension.COMMON_NVCC_FLAGS,
+                *_CUDA_CFLAGS,
+                "-Werror",
+                "all-warnings",
+                *gencode,
+                *[f"-I{d}" for d in includes],
+            ]
+            if verbose:
+                print(" ".join(cmd))
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            status = "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
+            print(f"nvcc {src.name} sm_{',sm_'.join(archs)}: {status}")
+            if r.returncode != 0:
+                failures += 1
+                print(r.stdout + r.stderr, file=sys.stderr)
+    return failures
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstore.ops", description=__doc__)
+    parser.add_argument(
+        "--compile-check", action="store_true", help="nvcc -c every .cu source, no GPU needed"
+    )
+    parser.add_argument("--arch", action="append", help="SM to compile for (default 80 and 90)")
+    parser.add_argument("--build", action="store_true", help="build and load the extension")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if args.compile_check:
+        archs = tuple(args.arch) if args.arch else _COMPILE_CHECK_ARCHS
+        return 1 if compile_check(archs, args.verbose) else 0
+    if args.build:
+        load(verbose=args.verbose)
+        print(f"kvstore.ops: loaded ({'CUDA and CPU' if torch.cuda.is_available() else 'CPU'})")
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

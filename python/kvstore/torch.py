@@ -1,0 +1,383 @@
+"""Device block pools that paged attention runs over: `kvstore.torch.BlockPool`.
+
+```python
+pool = kvstore.torch.BlockPool(layout, num_blocks=4096, device="cuda")
+with pool.load(store, tokens) as seq:       # store -> pool blocks (reused when resident)
+    table, n = seq                          # int32 block table, tokens covered
+    out = kvstore.ops.paged_attention(q, pool.key_cache(l), pool.value_cache(l),
+                                      table[None], torch.tensor([n], dtype=torch.int32), scale)
+```
+
+A pool holds `num_blocks` blocks of `block_size` tokens for every layer, in one
+tensor `[L, 2, num_blocks, B, H, D]` (`pool.kv`); `pool.key_cache(l)` and
+`pool.value_cache(l)` are the `[num_blocks, B, H, D]` views the ops take.
+
+Blocks are content-addressed: a block loaded from a store is keyed by a hash
+chain over the token ids of its prefix (and the store's model fingerprint and
+`extra`), so a second `load` of a sequence sharing that prefix reuses the
+resident block instead of reading and copying it again. Blocks are refcounted:
+`seq.release()` (or leaving the `with`) drops the sequence's references. A
+block nobody uses is free for reuse; one that came from a store keeps its
+content until the space is needed (least recently released first), so a later
+`load` of the same prefix still finds it.
+
+Blocks added by decoding (`seq.reserve`, then `ops.write_kv` at
+`seq.slot_mapping`) belong to their sequence only; `pool.save(store, seq,
+tokens)` puts them into the store.
+
+The pool does not see a store's tenant salt: pools shared by tenants with
+different salts should give each tenant its own `namespace` in `load`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import InvalidInput, KVStoreError
+from .layout import Layout
+from .store import Store, _extra, tokens_array
+
+__all__ = ["BlockPool", "BlockTable", "PoolFull"]
+
+
+class PoolFull(KVStoreError):
+    """Every block of the pool is in use by some sequence; nothing can be evicted."""
+
+
+class BlockTable:
+    """A sequence's blocks in a pool: iterate as `(table, length)`.
+
+    `table` is an int32 tensor of block ids on the pool's device; the KV of token
+    `t < length` is at block `table[t // B]`, offset `t % B`. Release with
+    `release()` or by using the object as a context manager.
+    """
+
+    def __init__(self, pool: BlockPool, blocks: list[int], length: int) -> None:
+        self.pool = pool
+        self.blocks = blocks
+        self.length = length
+        self._released = False
+        self._table: torch.Tensor | None = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The block ids, int32, on the pool's device."""
+        if self._table is None or self._table.numel() != len(self.blocks):
+            self._table = torch.tensor(self.blocks, dtype=torch.int32).to(self.pool.device)
+        return self._table
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the sequence's blocks can hold."""
+        return len(self.blocks) * self.pool.layout.block_size
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def reserve(self, tokens: int) -> None:
+        """Allocates private blocks until the sequence can hold `tokens` tokens."""
+        self._check_live()
+        b = self.pool.layout.block_size
+        missing = -(-tokens // b) - len(self.blocks)
+        if missing > 0:
+            self.blocks.extend(self.pool._allocate(missing))
+
+    def slot_mapping(self, start: int, count: int) -> torch.Tensor:
+        """int64 slots (`block * B + offset`) of positions `start .. start + count - 1`,
+        on the pool's device, for `ops.write_kv`. Reserve the capacity first."""
+        self._check_live()
+        if start < 0 or count < 0 or start + count > self.capacity:
+            raise InvalidInput(
+                f"positions {start}..{start + count}: expected within the reserved capacity "
+                f"{self.capacity}; call reserve() first"
+            )
+        b = self.pool.layout.block_size
+        pos = torch.arange(start, start + count)
+        blocks = torch.tensor(self.blocks, dtype=torch.int64)
+        return (blocks[pos // b] * b + pos % b).to(self.pool.device)
+
+    def release(self) -> None:
+        """Drops this sequence's references to its blocks. Idempotent."""
+        if not self._released:
+            self._released = True
+            self.pool._release(self.blocks)
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise InvalidInput("this BlockTable was released")
+
+    def __iter__(self) -> Any:
+        yield self.table
+        yield self.length
+
+    def __enter__(self) -> BlockTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"{len(self.blocks)} blocks"
+        return f"<kvstore.torch.BlockTable length={self.length} {state}>"
+
+
+class BlockPool:
+    """Per-layer K/V block pools for paged attention; see the module doc.
+
+    `device` defaults to "cuda" when available, else "cpu". On CUDA, blocks read
+    from a store pass through a pinned host buffer, so the copies to the device
+    are DMA transfers (`non_blocking=True`) on the current stream.
+    """
+
+    def __init__(self, layout: Layout, num_blocks: int, device: str | torch.device | None = None):
+        if not isinstance(layout, Layout):
+            raise InvalidInput(f"layout: expected kvstore.Layout, got {type(layout).__name__}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise InvalidInput(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.dtype: torch.dtype = getattr(torch, layout.dtype)
+        L, H, D, B = layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size
+        self.kv = torch.empty((L, 2, num_blocks, B, H, D), dtype=self.dtype, device=self.device)
+        self._lock = threading.Lock()
+        self._refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
+        self._key_of: dict[int, bytes] = {}  # block -> content key, for blocks from a store
+        self._block_of: dict[bytes, int] = {}  # content key -> block
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, keyed; LRU first
+        self._staging_lock = threading.Lock()
+        self._staging: torch.Tensor | None = None  # pinned bytes for store -> device copies
+        self._staging_done: torch.cuda.Event | None = None
+
+    # -- views ------------------------------------------------------------------------------
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """`[num_blocks, B, H, D]` keys of `layer` (a view of `kv`)."""
+        return self.kv[layer, 0]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        """`[num_blocks, B, H, D]` values of `layer` (a view of `kv`)."""
+        return self.kv[layer, 1]
+
+    @property
+    def num_free(self) -> int:
+        """Blocks no sequence uses (including those still holding reusable content)."""
+        with self._lock:
+            return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Unused blocks that still hold content a `load` can reuse."""
+        with self._lock:
+            return len(self._cached)
+
+    def refcount(self, block: int) -> int:
+        with self._lock:
+            return self._refs[block]
+
+    def __repr__(self) -> str:
+        return (
+            f"<kvstore.torch.BlockPool {self.layout} blocks={self.num_blocks} "
+            f"free={self.num_free} device={self.device}>"
+        )
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def block_keys(
+        self, store: Store, tokens: Any, *, extra: bytes | str | None = None, namespace: Any = None
+    ) -> list[bytes]:
+        """Content keys of the full blocks of `tokens`: a BLAKE2b chain over the model
+        fingerprint, `extra`, `namespace` and each block's token ids (u32 LE)."""
+        toks = tokens_array(tokens)
+        b = self.layout.block_size
+        root = hashlib.blake2b(digest_size=32)
+        scope = (store.model, self.layout._as_tuple(), _extra(extra), namespace)
+        root.update(repr(scope).encode())
+        key = root.digest()
+        keys = []
+        for i in range(len(toks) // b):
+            h = hashlib.blake2b(key, digest_size=32)
+            h.update(toks[i * b : (i + 1) * b].astype("<u4").tobytes())
+            key = h.digest()
+            keys.append(key)
+        return keys
+
+    def load(
+        self,
+        store: Store,
+        tokens: Any,
+        *,
+        extra: bytes | str | None = None,
+        namespace: Any = None,
+    ) -> BlockTable:
+        """The blocks of the longest prefix of `tokens` that is resident or stored.
+
+        Resident blocks (same content key) are shared and refcounted; the rest of
+        the stored prefix is read with `store.get(..., out=<host buffer>)` and copied
+        into free blocks. Returns a BlockTable whose `length` is the prefix length (a
+        multiple of block_size; 0 when nothing is found). Raises PoolFull when there
+        are not enough free blocks (then nothing is held).
+        """
+        if store.layout != self.layout:
+            raise InvalidInput(f"store: expected layout {self.layout}, got {store.layout}")
+        toks = tokens_array(tokens)
+        b = self.layout.block_size
+        keys = self.block_keys(store, toks, extra=extra, namespace=namespace)
+        with self._lock:
+            blocks: list[int] = []
+            for key in keys:
+                blk = self._block_of.get(key)
+                if blk is None:
+                    break
+                self._ref(blk)
+                blocks.append(blk)
+        resident = len(blocks)
+        try:
+            if resident < len(keys):
+                stored = store.lookup(toks[: len(keys) * b], extra=extra) // b
+                if stored > resident:
+                    blocks += self._read_blocks(store, toks, keys, resident, stored, extra)
+        except BaseException:
+            self._release(blocks)
+            raise
+        return BlockTable(self, blocks, len(blocks) * b)
+
+    def _read_blocks(
+        self,
+        store: Store,
+        toks: np.ndarray,
+        keys: list[bytes],
+        first: int,
+        stop: int,
+        extra: bytes | str | None,
+    ) -> list[int]:
+        """Reads blocks `first .. stop - 1` of `toks` from the store into new blocks."""
+        lay = self.layout
+        L, H, D, B = lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size
+        # The store returns whole prefixes: read all `stop` blocks, copy the new ones.
+        # The pool lock is not held during the read; the staging lock keeps the
+        # pinned buffer to one reader at a time.
+        with self._staging_lock:
+            host = self._host_buffer(stop * B)
+            got = store.get(toks[: stop * B], out=host, extra=extra) // B
+            if got <= first:  # a block went missing (damaged, gc'd) since lookup
+                return []
+            new = self._allocate(got - first)
+            src = host.view(L, 2, stop, B, H, D)[:, :, first:got]
+            dst_index = torch.tensor(new, dtype=torch.int64, device=self.device)
+            if self.device.type == "cuda":
+                staged = torch.empty(
+                    (L, 2, got - first, B, H, D), dtype=self.dtype, device=self.device
+                )
+                if src.is_contiguous():
+                    staged.copy_(src, non_blocking=True)
+                else:  # each (layer, K/V) plane of the range is contiguous: one DMA each
+                    for layer in range(L):
+                        for kv in range(2):
+                            staged[layer, kv].copy_(src[layer, kv], non_blocking=True)
+                self.kv.index_copy_(2, dst_index, staged)
+                # The next read into the pinned buffer must wait for these copies.
+                assert self._staging_done is not None
+                self._staging_done.record()
+            else:
+                self.kv.index_copy_(2, dst_index, src)
+        with self._lock:
+            for i, blk in enumerate(new):
+                key = keys[first + i]
+                if key not in self._block_of:  # else another load won the race: stay private
+                    self._block_of[key] = blk
+                    self._key_of[blk] = key
+        return new
+
+    def _host_buffer(self, tokens: int) -> torch.Tensor:
+        """A contiguous `[L, 2, tokens, H, D]` host tensor for `store.get(out=)`: pinned
+        and reused on CUDA (after the previous copies out of it finish). Called with
+        the staging lock held."""
+        shape = self.layout.kv_shape(tokens)
+        if self.device.type != "cuda":
+            return torch.empty(shape, dtype=self.dtype)
+        nbytes = self.layout.block_bytes // self.layout.block_size * tokens
+        if self._staging_done is not None:
+            self._staging_done.synchronize()
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            self._staging_done = torch.cuda.Event()
+        return self._staging[:nbytes].view(self.dtype).view(shape)
+
+    def save(self, store: Store, seq: BlockTable, tokens: Any, *, extra: Any = None) -> int:
+        """Puts the KV of the full blocks of `seq` (token ids `tokens`, at least
+        `seq.length` of them) into `store`; returns the tokens covered."""
+        toks = tokens_array(tokens)
+        n = min(seq.length, len(toks)) // self.layout.block_size * self.layout.block_size
+        if n == 0:
+            return 0
+        kv = self.gather(seq, n).cpu()
+        return store.put(toks[:n], kv, extra=extra)
+
+    def gather(self, seq: BlockTable, tokens: int | None = None) -> torch.Tensor:
+        """The KV of the first `tokens` (default: `seq.length`) tokens of `seq` as a
+        contiguous `[L, 2, tokens, H, D]` tensor on the pool's device."""
+        n = seq.length if tokens is None else tokens
+        b = self.layout.block_size
+        nb = -(-n // b)
+        idx = torch.tensor(seq.blocks[:nb], dtype=torch.int64, device=self.device)
+        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        return self.kv.index_select(2, idx).reshape(L, 2, nb * b, H, D)[:, :, :n]
+
+    def release(self, seq: BlockTable) -> None:
+        """Same as `seq.release()`."""
+        if seq.pool is not self:
+            raise InvalidInput("seq: expected a BlockTable of this pool")
+        seq.release()
+
+    def new_sequence(self) -> BlockTable:
+        """An empty sequence (no blocks yet), e.g. to prefill without a store."""
+        return BlockTable(self, [], 0)
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def _ref(self, blk: int) -> None:
+        if self._refs[blk] == 0:
+            self._cached.pop(blk, None)
+        self._refs[blk] += 1
+
+    def _allocate(self, n: int) -> list[int]:
+        with self._lock:
+            return self._allocate_locked(n)
+
+    def _allocate_locked(self, n: int) -> list[int]:
+        if n > len(self._free) + len(self._cached):
+            raise PoolFull(
+                f"BlockPool: expected {n} free blocks, got {len(self._free) + len(self._cached)} "
+                f"of {self.num_blocks} (release sequences or make the pool bigger)"
+            )
+        out = []
+        for _ in range(n):
+            if self._free:
+                blk = self._free.pop()
+            else:  # evict the least recently released block that still holds content
+                blk, _ = self._cached.popitem(last=False)
+                del self._block_of[self._key_of.pop(blk)]
+            self._refs[blk] = 1
+            out.append(blk)
+        return out
+
+    def _release(self, blocks: list[int]) -> None:
+        with self._lock:
+            for blk in blocks:
+                self._refs[blk] -= 1
+                if self._refs[blk] == 0:
+                    if blk in self._key_of:
+                        self._cached[blk] = None
+                    else:
+                        self._free.append(blk)

@@ -1,0 +1,252 @@
+"""kvstore.torch.BlockPool: store -> pool blocks, content addressing, refcounts.
+
+KV comes from conftest.kv_for (every bit pattern, NaNs included), so a load
+that changes a single bit fails the bitwise comparisons.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import assert_kv_equal, kv_for, seq, small_layout  # noqa: E402
+
+import kvstore  # noqa: E402
+from kvstore import ops  # noqa: E402
+from kvstore.torch import BlockPool, BlockTable, PoolFull  # noqa: E402
+
+HAVE_CUDA = torch.cuda.is_available()
+
+
+class CountingStore:
+    """A Store proxy that counts the reads (`get`) the pool makes."""
+
+    def __init__(self, store: kvstore.Store) -> None:
+        self._store = store
+        self.gets = 0
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        self.gets += 1
+        return self._store.get(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@pytest.fixture
+def opened(tmp_path):
+    layout = small_layout("bfloat16", block_size=8)
+    with kvstore.open(tmp_path / "s", layout=layout, model="m@1", durability="none") as s:
+        yield CountingStore(s)
+
+
+def put(store, tokens: list[int]) -> Any:
+    kv = kv_for(store.layout, tokens, family="torch")
+    store.put(tokens, kv)
+    return kv
+
+
+def test_load_copies_the_stored_prefix_bit_exact(opened):
+    tokens = seq(100, 45)  # 5 full blocks of 8 and a partial one
+    kv = put(opened, tokens)
+    pool = BlockPool(opened.layout, 16, device="cpu")
+    with pool.load(opened, tokens) as s:
+        table, n = s
+        assert n == 40 and table.dtype == torch.int32 and table.shape == (5,)
+        assert_kv_equal(pool.gather(s), kv[:, :, :40])
+        # Per block: pool.key_cache(l)[table[i]] is the K of tokens 8i .. 8i + 7.
+        k0 = pool.key_cache(1)[table[2]]
+        assert_kv_equal(k0, kv[1, 0, 16:24])
+    assert pool.num_free == 16
+
+
+def test_unknown_tokens_give_an_empty_table(opened):
+    pool = BlockPool(opened.layout, 4, device="cpu")
+    s = pool.load(opened, seq(7, 30))
+    assert s.length == 0 and s.table.numel() == 0 and opened.gets == 0
+    s.release()
+
+
+def test_resident_blocks_are_shared_and_refcounted(opened):
+    a = seq(0, 24)
+    b = a[:16] + seq(500, 8)  # shares two blocks with a
+    put(opened, a)
+    put(opened, b)
+    pool = BlockPool(opened.layout, 8, device="cpu")
+    sa = pool.load(opened, a)
+    assert opened.gets == 1
+    sa2 = pool.load(opened, a)  # everything resident: no read at all
+    assert opened.gets == 1 and sa2.blocks == sa.blocks
+    sb = pool.load(opened, b)
+    assert sb.blocks[:2] == sa.blocks[:2] and sb.blocks[2] not in sa.blocks
+    assert [pool.refcount(x) for x in sa.blocks] == [3, 3, 2]
+    assert pool.num_free == 8 - 4
+    for s in (sa, sa2, sb):
+        s.release()
+    assert pool.num_free == 8 and pool.num_cached == 4
+    # Released blocks keep their content: a later load reuses them without a read.
+    gets = opened.gets
+    with pool.load(opened, b) as again:
+        assert again.blocks == sb.blocks and opened.gets == gets
+
+
+def test_release_is_idempotent_and_a_released_table_is_dead(opened):
+    put(opened, seq(0, 16))
+    pool = BlockPool(opened.layout, 4, device="cpu")
+    s = pool.load(opened, seq(0, 16))
+    pool.release(s)
+    s.release()
+    assert pool.num_free == 4 and s.released
+    with pytest.raises(kvstore.InvalidInput, match="released"):
+        s.reserve(20)
+
+
+def test_eviction_takes_least_recently_released_and_full_pool_raises(opened):
+    first, second, third = seq(0, 16), seq(1000, 16), seq(2000, 16)
+    for t in (first, second, third):
+        put(opened, t)
+    pool = BlockPool(opened.layout, 4, device="cpu")
+    pool.load(opened, first).release()
+    pool.load(opened, second).release()
+    assert pool.num_cached == 4
+    # Two blocks needed: the two of `first` (released earliest) are evicted.
+    s3 = pool.load(opened, third)
+    gets = opened.gets
+    pool.load(opened, second).release()
+    assert opened.gets == gets, "second's blocks should still be resident"
+    pool.load(opened, first).release()
+    assert opened.gets == gets + 1, "first's blocks should have been evicted"
+    # Everything referenced: a load that needs blocks raises, and holds nothing.
+    held = [s3, pool.load(opened, second)]
+    free = pool.num_free
+    with pytest.raises(PoolFull, match="expected 2 free blocks, got 0"):
+        pool.load(opened, first)
+    assert pool.num_free == free == 0
+    for s in held:
+        s.release()
+    assert pool.num_free == 4
+
+
+def test_reserve_write_and_gather_a_decoded_sequence(opened):
+    layout = opened.layout
+    tokens = seq(0, 16)
+    kv = put(opened, tokens)
+    pool = BlockPool(layout, 8, device="cpu")
+    s = pool.load(opened, tokens)
+    # Three decoded tokens go into a new private block.
+    s.reserve(19)
+    assert len(s.blocks) == 3 and s.capacity == 24
+    slots = s.slot_mapping(16, 3)
+    new = kv_for(layout, seq(0, 19), family="torch")[:, :, 16:]
+    for layer in range(layout.num_layers):
+        k = new[layer, 0].contiguous()
+        v = new[layer, 1].contiguous()
+        ops.write_kv(k, v, pool.key_cache(layer), pool.value_cache(layer), slots)
+    s.length = 19
+    assert_kv_equal(pool.gather(s), torch.cat([kv, new], dim=2))
+    with pytest.raises(kvstore.InvalidInput, match="reserved capacity 24"):
+        s.slot_mapping(20, 5)
+    # save() puts the full blocks: 16 stored already, 19 -> still 16 (block 3 is partial).
+    assert pool.save(opened, s, seq(0, 19)) == 16
+    s.release()
+    assert pool.num_free == 8 and pool.num_cached == 2  # the private block is simply free
+
+
+def test_save_then_load_round_trip_of_decoded_blocks(opened):
+    layout = opened.layout
+    pool = BlockPool(layout, 8, device="cpu")
+    s = pool.new_sequence()
+    tokens = seq(300, 24)
+    kv = kv_for(layout, tokens, family="torch")
+    s.reserve(24)
+    slots = s.slot_mapping(0, 24)
+    for layer in range(layout.num_layers):
+        ops.write_kv(
+            kv[layer, 0].contiguous(),
+            kv[layer, 1].contiguous(),
+            pool.key_cache(layer),
+            pool.value_cache(layer),
+            slots,
+        )
+    s.length = 24
+    assert pool.save(opened, s, tokens) == 24
+    s.release()
+    assert opened.lookup(tokens) == 24
+    with BlockPool(layout, 4, device="cpu").load(opened, tokens) as loaded:
+        assert_kv_equal(loaded.pool.gather(loaded), kv)
+
+
+def test_namespaces_and_extra_do_not_share_blocks(opened):
+    tokens = seq(0, 16)
+    put(opened, tokens)
+    pool = BlockPool(opened.layout, 8, device="cpu")
+    a = pool.load(opened, tokens)
+    b = pool.load(opened, tokens, namespace="tenant-b")
+    assert set(a.blocks).isdisjoint(b.blocks)
+    c = pool.load(opened, tokens, extra="adapter")  # nothing stored under that extra
+    assert c.length == 0
+
+
+def test_layout_mismatch_and_bad_arguments(opened):
+    other = small_layout("bfloat16", block_size=16)
+    with pytest.raises(kvstore.InvalidInput, match="store: expected layout"):
+        BlockPool(other, 4, device="cpu").load(opened, seq(0, 16))
+    with pytest.raises(kvstore.InvalidInput, match="num_blocks: expected a positive int"):
+        BlockPool(opened.layout, 0, device="cpu")
+    with pytest.raises(kvstore.InvalidInput, match="layout: expected kvstore.Layout"):
+        BlockPool("layout", 4, device="cpu")  # type: ignore[arg-type]
+
+
+def test_paged_attention_over_a_loaded_pool_equals_attention_over_store_get(tmp_path):
+    layout = small_layout("float32", block_size=8, L=2, H=2, D=64)
+    g = torch.Generator().manual_seed(0)
+    tokens = seq(0, 100)
+    with kvstore.open(tmp_path / "f", layout=layout, model="m@1", durability="none") as st:
+        st.put(tokens, torch.randn(layout.kv_shape(100), generator=g))
+        contiguous = st.get(tokens, like=torch.empty(0))
+        pool = BlockPool(layout, 32, device="cpu")
+        pool.load(st, seq(0, 40)).release()  # make the first blocks resident, then cached
+        with pool.load(st, tokens) as s:
+            table, n = s
+            assert n == 96
+            q = torch.randn(1, 8, 64, generator=g)
+            for layer in range(2):
+                out = ops.paged_attention(
+                    q,
+                    pool.key_cache(layer),
+                    pool.value_cache(layer),
+                    table[None],
+                    torch.tensor([n], dtype=torch.int32),
+                    1 / math.sqrt(64),
+                )
+                k = contiguous[layer, 0].transpose(0, 1)[None]  # [1, H, T, D]
+                v = contiguous[layer, 1].transpose(0, 1)[None]
+                want = torch.nn.functional.scaled_dot_product_attention(
+                    q[:, :, None], k, v, enable_gqa=True
+                )[:, :, 0]
+                torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_block_table_unpacks_and_reprs(opened):
+    pool = BlockPool(opened.layout, 2, device="cpu")
+    s = pool.new_sequence()
+    assert isinstance(s, BlockTable) and "length=0" in repr(s) and "BlockPool" in repr(pool)
+    table, n = s
+    assert n == 0 and table.numel() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device (none available)")
+def test_cuda_pool_loads_through_pinned_memory(opened):
+    tokens = seq(0, 40)
+    kv = put(opened, tokens)
+    pool = BlockPool(opened.layout, 16, device="cuda")
+    pool.load(opened, tokens[:16]).release()  # partly resident: per-plane copies
+    with pool.load(opened, tokens) as s:
+        assert s.table.device.type == "cuda" and s.length == 40
+        assert_kv_equal(pool.gather(s).cpu(), kv)
+    assert pool._staging is not None and pool._staging.is_pinned()

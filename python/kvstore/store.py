@@ -236,6 +236,22 @@ class Store:
         """Makes the blocks of `tokens` evictable again."""
         return self._raw.unpin(tokens_array(tokens), _extra(extra))
 
+    def hot_blocks(
+        self, tokens: Any, *, extra: bytes | str | None = None
+    ) -> list[tuple[int, int, int] | None]:
+        """For each full block of `tokens`: `(slot, version, offset)` of the block in the
+        hot-tier file, or None. For zero-copy readers (see kvstore.torch.BlockPool): copy
+        from your own mapping of the file, then check `hot_unchanged` before trusting it."""
+        return self._raw.hot_blocks(tokens_array(tokens), _extra(extra))
+
+    def hot_unchanged(self, slots: list[tuple[int, int]]) -> list[bool]:
+        """Whether each `(slot, version)` from `hot_blocks` still holds its block."""
+        return self._raw.hot_unchanged([(int(s), int(v)) for s, v in slots])
+
+    def arena_file(self) -> tuple[str, int, int, int] | None:
+        """`(path, device, inode, length)` of the hot-tier file (None without one)."""
+        return self._raw.arena_file()
+
     def arena_region(self) -> tuple[int, int] | None:
         """`(address, length)` of the shared hot-tier mapping (None without a hot tier),
         e.g. to register it with CUDA as pinned memory (see kvstore.torch)."""

@@ -32,7 +32,11 @@ different salts should give each tenant its own `namespace` in `load`.
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 import threading
+import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -43,7 +47,56 @@ from .errors import InvalidInput, KVStoreError
 from .layout import Layout
 from .store import Store, _extra, tokens_array
 
-__all__ = ["BlockPool", "BlockTable", "PoolFull"]
+__all__ = ["BlockPool", "BlockTable", "PoolFull", "arena_view", "register_arena"]
+
+# Per store: a read-only mapping of its hot-tier file, as a uint8 tensor. The
+# tensor's storage keeps the mmap (its owner) alive; the entry goes with the store.
+_ARENA_VIEWS: weakref.WeakKeyDictionary[Store, torch.Tensor] = weakref.WeakKeyDictionary()
+_REGISTERED: weakref.WeakKeyDictionary[Store, bool] = weakref.WeakKeyDictionary()
+
+
+def arena_view(store: Store) -> torch.Tensor | None:
+    """The store's hot tier as a read-only uint8 CPU tensor over this process's own
+    mapping of the arena file (None without a hot tier). Bytes read from it are only
+    good if `store.hot_unchanged` confirms their slot afterwards."""
+    if store in _ARENA_VIEWS:
+        return _ARENA_VIEWS[store]
+    info = store.arena_file()
+    if info is None:
+        return None
+    path, dev, ino, length = info
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            # Replaced since the store mapped it: slot versions would not match these bytes.
+            raise KVStoreError(f"hot-tier file {path} was replaced; reopen the store")
+        mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is read-only: we never write
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+    _ARENA_VIEWS[store] = view
+    return view
+
+
+def register_arena(store: Store) -> bool:
+    """Registers the store's hot tier with CUDA as (read-only) pinned host memory, so
+    host-to-device copies of hot blocks are DMA straight from the arena. A no-op (False)
+    without CUDA or without a hot tier."""
+    if store in _REGISTERED:
+        return _REGISTERED[store]
+    view = arena_view(store)
+    ok = False
+    if view is not None and torch.cuda.is_available():
+        cuda_host_register_read_only = 8  # cudaHostRegisterReadOnly
+        err = torch.cuda.cudart().cudaHostRegister(
+            view.data_ptr(), view.numel(), cuda_host_register_read_only
+        )
+        ok = int(err) == 0
+    _REGISTERED[store] = ok
+    return ok
 
 
 class PoolFull(KVStoreError):
@@ -157,6 +210,8 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, keyed; LRU first
         self._staging_lock = threading.Lock()
         self._staging: torch.Tensor | None = None  # pinned bytes for store -> device copies
+        # Blocks copied straight from a hot tier (no staging through store.get).
+        self.hot_loads = 0
         self._staging_done: torch.cuda.Event | None = None
 
     # -- views ------------------------------------------------------------------------------
@@ -267,6 +322,9 @@ class BlockPool:
         # The store returns whole prefixes: read all `stop` blocks, copy the new ones.
         # The pool lock is not held during the read; the staging lock keeps the
         # pinned buffer to one reader at a time.
+        direct = self._read_hot_blocks(store, toks, keys, first, stop, extra)
+        if direct is not None:
+            return direct
         with self._staging_lock:
             host = self._host_buffer(stop * B)
             got = store.get(toks[: stop * B], out=host, extra=extra) // B
@@ -297,6 +355,51 @@ class BlockPool:
                 if key not in self._block_of:  # else another load won the race: stay private
                     self._block_of[key] = blk
                     self._key_of[blk] = key
+        return new
+
+    def _read_hot_blocks(
+        self,
+        store: Store,
+        toks: np.ndarray,
+        keys: list[bytes],
+        first: int,
+        stop: int,
+        extra: bytes | str | None,
+    ) -> list[int] | None:
+        """Copies blocks `first .. stop - 1` straight from the store's hot tier (one copy
+        per block; a DMA from pinned memory on CUDA, see `register_arena`). None when a
+        block is not hot or changed during the copy: the caller then reads the store."""
+        view = arena_view(store)
+        if view is None:
+            return None
+        lay = self.layout
+        L, H, D, B = lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size
+        hot = store.hot_blocks(toks[: stop * B], extra=extra)[first:stop]
+        if any(h is None for h in hot):
+            return None
+        if self.device.type == "cuda":
+            register_arena(store)
+        new = self._allocate(stop - first)
+        try:
+            for blk, (_, _, offset) in zip(new, hot, strict=True):  # type: ignore[misc]
+                src = view[offset : offset + lay.block_bytes].view(self.dtype).view(L, 2, B, H, D)
+                self.kv[:, :, blk].copy_(src, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            # A slot evicted or rewritten during the copy may have given torn bytes.
+            if not all(store.hot_unchanged([(s, v) for s, v, _ in hot])):  # type: ignore[misc]
+                self._release(new)
+                return None
+        except BaseException:
+            self._release(new)
+            raise
+        with self._lock:
+            for i, blk in enumerate(new):
+                key = keys[first + i]
+                if key not in self._block_of:
+                    self._block_of[key] = blk
+                    self._key_of[blk] = key
+        self.hot_loads += len(new)
         return new
 
     def _host_buffer(self, tokens: int) -> torch.Tensor:

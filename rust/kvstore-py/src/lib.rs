@@ -213,6 +213,25 @@ impl Store {
         py.detach(|| self.engine.unpin(t, extra)).py()
     }
 
+    fn hot_blocks(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        extra: &[u8],
+    ) -> PyResult<Vec<Option<(u64, u64, u64)>>> {
+        let t = slice(&tokens, "tokens")?;
+        py.detach(|| self.engine.hot_blocks(t, extra)).py()
+    }
+
+    fn hot_unchanged(&self, slots: Vec<(u64, u64)>) -> PyResult<Vec<bool>> {
+        self.engine.hot_unchanged(&slots).py()
+    }
+
+    /// `(path, device, inode, length)` of the hot tier's file, or None.
+    fn arena_file(&self) -> PyResult<Option<(PathBuf, u64, u64, u64)>> {
+        self.engine.arena_file().py()
+    }
+
     /// `(address, length)` of the hot-tier mapping, or None without one.
     fn arena_region(&self) -> PyResult<Option<(usize, usize)>> {
         self.engine.arena_region().py()

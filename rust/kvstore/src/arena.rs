@@ -528,6 +528,55 @@ impl Arena {
         false
     }
 
+    /// Where block `id` (with `tokens`) lies: `(slot, version, data offset)`,
+    /// for a caller that copies it straight out of the mapping (a DMA). The
+    /// copy is good only if `unchanged(slot, version)` still holds after it.
+    pub fn locate(&self, id: &BlockId, tokens: &[u32]) -> Option<(usize, u64, usize)> {
+        for slot in self.set_of(id) {
+            let h = self.hdr(slot);
+            let v1 = self.map.u64_at(h + S_VERSION).load(Ordering::Acquire);
+            if v1 & 1 == 1
+                || self.map.u64_at(h + S_STATE).load(Ordering::Relaxed) != 1
+                || !self.id_matches(slot, id)
+            {
+                continue;
+            }
+            if !self.tokens_match(slot, tokens) {
+                return None;
+            }
+            fence(Ordering::Acquire);
+            if self.map.u64_at(h + S_VERSION).load(Ordering::Relaxed) != v1 {
+                return None;
+            }
+            self.map
+                .u64_at(h + S_LAST_USED)
+                .store(self.tick(), Ordering::Relaxed);
+            return Some((slot, v1, self.data(slot)));
+        }
+        None
+    }
+
+    /// Whether `slot` still holds what it held at `version` (see `locate`).
+    pub fn unchanged(&self, slot: usize, version: u64) -> bool {
+        fence(Ordering::Acquire);
+        slot < self.nslots
+            && self
+                .map
+                .u64_at(self.hdr(slot) + S_VERSION)
+                .load(Ordering::Acquire)
+                == version
+    }
+
+    /// Device and inode of the arena file, so another mapping of it can be
+    /// checked to be of the same file.
+    pub fn file_id(&self) -> Result<(u64, u64)> {
+        let m = self
+            .file
+            .metadata()
+            .ctx(|| format!("stat {}", self.path.display()))?;
+        Ok((m.dev(), m.ino()))
+    }
+
     /// Whether block `id` is in the arena (a hint: it may go at any time).
     pub fn contains(&self, id: &BlockId) -> bool {
         self.set_of(id).any(|slot| {

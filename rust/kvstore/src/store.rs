@@ -471,6 +471,59 @@ impl Store {
         self.live()?.unpin(tokens, extra)
     }
 
+    /// For each full block of `tokens`: where it lies in the hot tier, as
+    /// `(slot, version, offset in the arena file)`, or `None`. A caller may
+    /// copy a block straight out of its own mapping of the arena file, then
+    /// must check `hot_unchanged` before trusting the copy.
+    pub fn hot_blocks(&self, tokens: &[u32], extra: &[u8]) -> Result<Vec<Option<(u64, u64, u64)>>> {
+        let inner = self.live()?;
+        let Some(arena) = &inner.arena else {
+            return Err(Error::InvalidInput(
+                "this store was opened without a hot tier (hot_bytes)".into(),
+            ));
+        };
+        let b = inner.layout.block_size as usize;
+        let ids = inner.keyer.chain(tokens, b, extra);
+        Ok(ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                arena
+                    .locate(id, &tokens[i * b..(i + 1) * b])
+                    .map(|(slot, v, off)| (slot as u64, v, off as u64))
+            })
+            .collect())
+    }
+
+    /// Whether each `(slot, version)` from `hot_blocks` still holds that block.
+    pub fn hot_unchanged(&self, slots: &[(u64, u64)]) -> Result<Vec<bool>> {
+        let inner = self.live()?;
+        let Some(arena) = &inner.arena else {
+            return Err(Error::InvalidInput(
+                "this store was opened without a hot tier (hot_bytes)".into(),
+            ));
+        };
+        Ok(slots
+            .iter()
+            .map(|(slot, v)| usize::try_from(*slot).is_ok_and(|s| arena.unchanged(s, *v)))
+            .collect())
+    }
+
+    /// `(path, device, inode, length)` of the hot tier's file, if any.
+    pub fn arena_file(&self) -> Result<Option<(PathBuf, u64, u64, u64)>> {
+        let inner = self.live()?;
+        let Some(arena) = &inner.arena else {
+            return Ok(None);
+        };
+        let (dev, ino) = arena.file_id()?;
+        Ok(Some((
+            arena.path().to_path_buf(),
+            dev,
+            ino,
+            arena.region().1 as u64,
+        )))
+    }
+
     /// Start address and length of the hot-tier mapping, if any (for
     /// registering it with CUDA as pinned host memory).
     pub fn arena_region(&self) -> Result<Option<(usize, usize)>> {

@@ -500,60 +500,51 @@ impl Arena {
     /// block's `2L` runs. Lock-free; false on a miss or a concurrent change
     /// (then `out` holds garbage and the caller reads the segments instead).
     pub fn get(&self, id: &BlockId, tokens: &[u32], out: &mut [&mut [u8]]) -> bool {
-        for slot in self.set_of(id) {
-            let h = self.hdr(slot);
-            let v1 = self.map.u64_at(h + S_VERSION).load(Ordering::Acquire);
-            if v1 & 1 == 1
-                || self.map.u64_at(h + S_STATE).load(Ordering::Relaxed) != 1
-                || !self.id_matches(slot, id)
-            {
-                continue;
-            }
-            if !self.tokens_match(slot, tokens) {
-                return false; // same id, other tokens: a collision is a miss
-            }
-            let base = self.data(slot);
-            for (i, chunk) in out.iter_mut().enumerate() {
-                self.map.read(base + i * self.chunk_bytes, chunk);
-            }
-            fence(Ordering::Acquire);
-            if self.map.u64_at(h + S_VERSION).load(Ordering::Relaxed) != v1 {
-                return false;
-            }
-            self.map
-                .u64_at(h + S_LAST_USED)
-                .store(self.tick(), Ordering::Relaxed);
-            return true;
+        let Some((slot, version)) = self.holding(id) else {
+            return false;
+        };
+        if !self.tokens_match(slot, tokens) {
+            return false; // same id, other tokens: a collision is a miss
         }
-        false
+        let base = self.data(slot);
+        for (i, chunk) in out.iter_mut().enumerate() {
+            self.map.read(base + i * self.chunk_bytes, chunk);
+        }
+        self.confirm(slot, version)
     }
 
     /// Where block `id` (with `tokens`) lies: `(slot, version, data offset)`,
     /// for a caller that copies it straight out of the mapping (a DMA). The
     /// copy is good only if `unchanged(slot, version)` still holds after it.
     pub fn locate(&self, id: &BlockId, tokens: &[u32]) -> Option<(usize, u64, usize)> {
-        for slot in self.set_of(id) {
+        let (slot, version) = self.holding(id)?;
+        (self.tokens_match(slot, tokens) && self.confirm(slot, version))
+            .then(|| (slot, version, self.data(slot)))
+    }
+
+    /// The slot holding block `id` and its (even) version, if any. Lock-free:
+    /// the answer may change at once; readers confirm it after using it.
+    fn holding(&self, id: &BlockId) -> Option<(usize, u64)> {
+        self.set_of(id).find_map(|slot| {
             let h = self.hdr(slot);
-            let v1 = self.map.u64_at(h + S_VERSION).load(Ordering::Acquire);
-            if v1 & 1 == 1
-                || self.map.u64_at(h + S_STATE).load(Ordering::Relaxed) != 1
-                || !self.id_matches(slot, id)
-            {
-                continue;
-            }
-            if !self.tokens_match(slot, tokens) {
-                return None;
-            }
-            fence(Ordering::Acquire);
-            if self.map.u64_at(h + S_VERSION).load(Ordering::Relaxed) != v1 {
-                return None;
-            }
-            self.map
-                .u64_at(h + S_LAST_USED)
-                .store(self.tick(), Ordering::Relaxed);
-            return Some((slot, v1, self.data(slot)));
+            let version = self.map.u64_at(h + S_VERSION).load(Ordering::Acquire);
+            (version & 1 == 0
+                && self.map.u64_at(h + S_STATE).load(Ordering::Relaxed) == 1
+                && self.id_matches(slot, id))
+            .then_some((slot, version))
+        })
+    }
+
+    /// After reading a slot found by `holding`: true (and the slot counts as
+    /// used) if no writer touched it meanwhile.
+    fn confirm(&self, slot: usize, version: u64) -> bool {
+        if !self.unchanged(slot, version) {
+            return false;
         }
-        None
+        self.map
+            .u64_at(self.hdr(slot) + S_LAST_USED)
+            .store(self.tick(), Ordering::Relaxed);
+        true
     }
 
     /// Whether `slot` still holds what it held at `version` (see `locate`).
@@ -579,12 +570,7 @@ impl Arena {
 
     /// Whether block `id` is in the arena (a hint: it may go at any time).
     pub fn contains(&self, id: &BlockId) -> bool {
-        self.set_of(id).any(|slot| {
-            let h = self.hdr(slot);
-            self.map.u64_at(h + S_VERSION).load(Ordering::Acquire) & 1 == 0
-                && self.map.u64_at(h + S_STATE).load(Ordering::Relaxed) == 1
-                && self.id_matches(slot, id)
-        })
+        self.holding(id).is_some()
     }
 
     fn write_locked<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
@@ -726,19 +712,8 @@ impl Arena {
     }
 
     fn with_slot(&self, id: &BlockId, f: impl FnOnce(usize)) -> Result<bool> {
-        self.write_locked(|| {
-            for slot in self.set_of(id) {
-                let h = self.hdr(slot);
-                if self.map.u64_at(h + S_VERSION).load(Ordering::Relaxed) & 1 == 0
-                    && self.map.u64_at(h + S_STATE).load(Ordering::Relaxed) == 1
-                    && self.id_matches(slot, id)
-                {
-                    f(slot);
-                    return true;
-                }
-            }
-            false
-        })
+        // Under the write lock no version can change: `holding` is exact here.
+        self.write_locked(|| self.holding(id).map(|(slot, _)| f(slot)).is_some())
     }
 
     pub fn stats(&self, now_ms: u64) -> ArenaStats {

@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import ctypes.util
 import json
-import mmap
 import os
 import platform
 import statistics
@@ -49,6 +46,9 @@ import torch
 
 import kvstore
 from kvstore import hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_store import _mincore_resident  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, vocab: int) -> Any:
@@ -74,43 +74,10 @@ def build_model(hidden: int, layers: int, vocab: int) -> Any:
 
 # ------------------------------------------------------------------------------ page cache
 
-_libc: Any = None
-
 
 def resident_bytes(path: Path) -> int:
-    """Bytes of `path` in the page cache (mmap + mincore)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.mmap.restype = ctypes.c_void_p
-        _libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    page = os.sysconf("SC_PAGE_SIZE")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap")
-        try:
-            vec = ctypes.create_string_buffer((size + page - 1) // page)
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore")
-            return sum(b & 1 for b in vec.raw) * page
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+    """Resident bytes of a file (mmap + mincore), shared with bench_store.py."""
+    return _mincore_resident(path)
 
 
 def evict(files: Sequence[Path], method: str) -> tuple[str, int]:

@@ -349,13 +349,16 @@ class BlockPool:
                 self._staging_done.record()
             else:
                 self.kv.index_copy_(2, dst_index, src)
+        self._publish(keys[first:], new)
+        return new
+
+    def _publish(self, keys: list[bytes], blocks: list[int]) -> None:
+        """Makes freshly filled blocks findable by content key for later loads."""
         with self._lock:
-            for i, blk in enumerate(new):
-                key = keys[first + i]
+            for key, blk in zip(keys, blocks, strict=False):
                 if key not in self._block_of:  # else another load won the race: stay private
                     self._block_of[key] = blk
                     self._key_of[blk] = key
-        return new
 
     def _read_hot_blocks(
         self,
@@ -393,12 +396,7 @@ class BlockPool:
         except BaseException:
             self._release(new)
             raise
-        with self._lock:
-            for i, blk in enumerate(new):
-                key = keys[first + i]
-                if key not in self._block_of:
-                    self._block_of[key] = blk
-                    self._key_of[blk] = key
+        self._publish(keys[first:], new)
         self.hot_loads += len(new)
         return new
 

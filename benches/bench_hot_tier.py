@@ -5,7 +5,7 @@
 1. get of hot blocks from another process vs memcpy of the same bytes (target >= 0.8x)
 2. aggregate get throughput of 1, 2, 4 processes on shared hot blocks, vs the same
    number of processes doing memcpy
-3. put into the arena: the cost the hot tier adds to a put, as bytes/s, vs memcpy
+3. put with the hot tier (write-through) vs the same put without it
 4. TLB: random reads over a --tlb-gib arena of small blocks on huge pages vs normal
    pages (needs root to set vm.nr_hugepages and mount hugetlbfs; skipped otherwise)
 
@@ -187,17 +187,15 @@ def bench_put_cost(tmp: str, hot_mib: int) -> dict:
                 s.put(q, kv)
             return time.perf_counter() - t
 
+    # Compared directly: a difference of two disk-bound timings is mostly noise.
     with_hot = min(put_all(True, k) for k in range(3))
     without = min(put_all(False, k) for k in range(3))
-    added = max(with_hot - without, 1e-9)
     return {
-        "what": "arena insert on put (put with hot tier minus put without)",
-        "value": nbytes / added,
-        "limit": memcpy_rate(nbytes),
-        "limit_what": "memcpy",
+        "what": "put with the hot tier (write-through, durability none)",
+        "value": nbytes / with_hot,
+        "limit": nbytes / without,
+        "limit_what": "same put without the hot tier",
         "target": None,
-        "note": f"put {nbytes / with_hot / 2**30:.2f} GiB/s with, {nbytes / without / 2**30:.2f} "
-        f"GiB/s without the hot tier (durability none)",
     }
 
 

@@ -48,7 +48,7 @@ import kvstore
 from kvstore import hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_store import _mincore_resident  # noqa: E402
+from bench_store import _mincore_resident, drop_page_cache  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, vocab: int) -> Any:
@@ -85,19 +85,8 @@ def evict(files: Sequence[Path], method: str) -> tuple[str, int]:
     "fadvise" (the default) touches only these files; "drop_caches" empties the
     whole machine's clean page cache (root only), which disturbs anyone else's
     measurements."""
-    if method == "drop_caches":
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    else:
-        for p in files:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return method, sum(resident_bytes(p) for p in files)
+    used = drop_page_cache(files, method)
+    return used, sum(resident_bytes(p) for p in files)
 
 
 def files_under(path: Path) -> list[Path]:

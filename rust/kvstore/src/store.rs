@@ -477,11 +477,7 @@ impl Store {
     /// must check `hot_unchanged` before trusting the copy.
     pub fn hot_blocks(&self, tokens: &[u32], extra: &[u8]) -> Result<Vec<Option<(u64, u64, u64)>>> {
         let inner = self.live()?;
-        let Some(arena) = &inner.arena else {
-            return Err(Error::InvalidInput(
-                "this store was opened without a hot tier (hot_bytes)".into(),
-            ));
-        };
+        let arena = inner.hot_tier()?;
         let b = inner.layout.block_size as usize;
         let ids = inner.keyer.chain(tokens, b, extra);
         Ok(ids
@@ -498,11 +494,7 @@ impl Store {
     /// Whether each `(slot, version)` from `hot_blocks` still holds that block.
     pub fn hot_unchanged(&self, slots: &[(u64, u64)]) -> Result<Vec<bool>> {
         let inner = self.live()?;
-        let Some(arena) = &inner.arena else {
-            return Err(Error::InvalidInput(
-                "this store was opened without a hot tier (hot_bytes)".into(),
-            ));
-        };
+        let arena = inner.hot_tier()?;
         Ok(slots
             .iter()
             .map(|(slot, v)| usize::try_from(*slot).is_ok_and(|s| arena.unchanged(s, *v)))
@@ -750,6 +742,13 @@ impl Inner {
         inner.recover()?;
         drop(lock);
         Ok(inner)
+    }
+
+    /// The hot tier, or `InvalidInput` for a store opened without one.
+    fn hot_tier(&self) -> Result<&Arena> {
+        self.arena.as_ref().ok_or_else(|| {
+            Error::InvalidInput("this store was opened without a hot tier (hot_bytes)".into())
+        })
     }
 
     fn durable(&self) -> bool {

@@ -26,6 +26,7 @@ class Store:
         create: bool,
         hot_bytes: int | None,
         hot_dir: str | None,
+        index_bytes: int | None = None,
     ) -> Store: ...
     @property
     def path(self) -> str: ...

@@ -365,6 +365,7 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     batch_window_ms: int = 20,
     create: bool = True,
     hot_dir: str | os.PathLike[str] | None = None,
+    index_bytes: int | None = None,
 ) -> Store:
     """Opens (creating if needed) the store at `path`, bound to `model` + `layout`.
 
@@ -381,6 +382,8 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
       sizes it. It lives in `hot_dir`, else $KVSTORE_HOT_DIR, else a hugetlbfs mount
       with room, else /dev/shm, as `kvstore-<store id>.arena`, and outlives the
       processes (that is the point); `kvstore.remove_arena(path)` deletes it.
+    - `index_bytes`: bound on the LMDB index map (default 64 GiB, reserved virtually);
+      a full index raises StoreFull. The first handle of a process sets it.
     - With `layout` and `model` both None, opens an existing store as its MANIFEST says.
     """
     if (layout is None) != (model is None):
@@ -397,7 +400,11 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         raise InvalidInput(f"compression: expected None or 'zstd', got {compression!r}")
     if array not in (None, "numpy", "torch"):
         raise InvalidInput(f"array: expected 'numpy', 'torch' or None, got {array!r}")
-    for name, value in (("disk_bytes", disk_bytes), ("hot_bytes", hot_bytes)):
+    for name, value in (
+        ("disk_bytes", disk_bytes),
+        ("hot_bytes", hot_bytes),
+        ("index_bytes", index_bytes),
+    ):
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise InvalidInput(f"{name}: expected a positive int or None, got {value!r}")
     level = compression_level if compression == "zstd" else 0
@@ -416,6 +423,7 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         create,
         hot_bytes,
         os.fspath(hot_dir) if hot_dir is not None else None,
+        index_bytes,
     )
     num_layers, num_kv_heads, head_dim, dtype, block_size = raw.layout()
     actual = Layout(num_layers, num_kv_heads, head_dim, dtype, block_size)

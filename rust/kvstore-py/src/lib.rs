@@ -49,7 +49,7 @@ impl Store {
     /// head_dim, dtype, block_size)`; with `layout` and `fingerprint` both
     /// `None` an existing store opens as its MANIFEST says.
     #[staticmethod]
-    #[pyo3(signature = (path, fingerprint, layout, salt, durability, disk_bytes, compression_level, segment_bytes, batch_window_ms, create, hot_bytes, hot_dir))]
+    #[pyo3(signature = (path, fingerprint, layout, salt, durability, disk_bytes, compression_level, segment_bytes, batch_window_ms, create, hot_bytes, hot_dir, index_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn open(
         py: Python<'_>,
@@ -65,6 +65,7 @@ impl Store {
         create: bool,
         hot_bytes: Option<u64>,
         hot_dir: Option<PathBuf>,
+        index_bytes: Option<u64>,
     ) -> PyResult<Store> {
         let layout = match layout {
             Some((l, h, d, dtype, b)) => {
@@ -84,6 +85,7 @@ impl Store {
             create,
             hot_bytes,
             hot_dir,
+            index_bytes: index_bytes.unwrap_or(kvstore::index::DEFAULT_MAP_SIZE),
             ..Options::default()
         };
         let p = path.clone();

@@ -75,10 +75,21 @@ pub(crate) trait IoContext<T> {
 
 impl<T> IoContext<T> for std::io::Result<T> {
     fn ctx(self, context: impl FnOnce() -> String) -> Result<T> {
-        self.map_err(|source| Error::Io {
-            context: context(),
-            source,
-        })
+        self.map_err(|source| Error::from_io(context(), source))
+    }
+}
+
+impl Error {
+    /// An I/O error with what was being done; a full device or quota is
+    /// `StoreFull`, so callers can free space and retry.
+    pub(crate) fn from_io(context: String, source: std::io::Error) -> Self {
+        let full = [rustix::io::Errno::NOSPC, rustix::io::Errno::DQUOT]
+            .iter()
+            .any(|e| source.raw_os_error() == Some(e.raw_os_error()));
+        if full {
+            return Error::StoreFull(format!("{context}: {source}"));
+        }
+        Error::Io { context, source }
     }
 }
 
@@ -88,10 +99,12 @@ impl From<heed::Error> for Error {
             heed::Error::Mdb(heed::MdbError::MapFull) => {
                 Error::StoreFull("the index map is full (LMDB MDB_MAP_FULL)".into())
             }
-            heed::Error::Io(source) => Error::Io {
-                context: "index".into(),
-                source,
-            },
+            heed::Error::Io(source) => Error::from_io("index".into(), source),
+            heed::Error::Mdb(heed::MdbError::Other(code))
+                if code == rustix::io::Errno::NOSPC.raw_os_error() =>
+            {
+                Error::StoreFull("index: no space left on the device".into())
+            }
             other => Error::Index(other.to_string()),
         }
     }

@@ -145,9 +145,9 @@ pub struct Index {
     path: PathBuf,
 }
 
-/// Virtual size reserved for the index map. LMDB grows the file only as
-/// needed; 64 GiB covers ~500M blocks.
-const MAP_SIZE: usize = 64 << 30;
+/// Default virtual size reserved for the index map. LMDB grows the file only
+/// as needed; 64 GiB covers ~500M blocks.
+pub const DEFAULT_MAP_SIZE: u64 = 64 << 30;
 
 fn registry() -> &'static Mutex<HashMap<PathBuf, Weak<Index>>> {
     static R: OnceLock<Mutex<HashMap<PathBuf, Weak<Index>>>> = OnceLock::new();
@@ -156,7 +156,7 @@ fn registry() -> &'static Mutex<HashMap<PathBuf, Weak<Index>>> {
 
 impl Index {
     /// Opens (creating tables if needed) or reuses this process's environment.
-    pub fn open(dir: &Path, nosync: bool) -> Result<Arc<Index>> {
+    pub fn open(dir: &Path, nosync: bool, map_size: u64) -> Result<Arc<Index>> {
         let key = dir.canonicalize().map_err(|source| Error::Io {
             context: format!("index directory {}", dir.display()),
             source,
@@ -165,7 +165,10 @@ impl Index {
         if let Some(idx) = reg.get(&key).and_then(Weak::upgrade) {
             return Ok(idx);
         }
-        let env = os::open_lmdb(&key, MAP_SIZE, nosync).map_err(|e| match e {
+        // LMDB wants a multiple of the OS page size.
+        let map_size =
+            usize::try_from(map_size.div_ceil(4096).max(16) * 4096).unwrap_or(usize::MAX);
+        let env = os::open_lmdb(&key, map_size, nosync).map_err(|e| match e {
             heed::Error::Mdb(heed::MdbError::Invalid)
             | heed::Error::Mdb(heed::MdbError::Corrupted)
             | heed::Error::Mdb(heed::MdbError::VersionMismatch) => {

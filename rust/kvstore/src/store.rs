@@ -91,6 +91,9 @@ pub struct Options {
     /// `KVSTORE_HOT_DIR` environment variable, else a hugetlbfs mount with
     /// room, else `/dev/shm`.
     pub hot_dir: Option<PathBuf>,
+    /// Virtual size of the LMDB index map: a bound on index bytes (a full map is
+    /// `StoreFull`). The first handle of a process to open the store sets it.
+    pub index_bytes: u64,
 }
 
 impl Default for Options {
@@ -108,6 +111,7 @@ impl Default for Options {
             create: true,
             hot_bytes: None,
             hot_dir: None,
+            index_bytes: crate::index::DEFAULT_MAP_SIZE,
         }
     }
 }
@@ -701,7 +705,11 @@ impl Inner {
         for sub in ["index", "segments"] {
             io::ensure_dir(&dir.join(sub)).ctx(|| format!("{} in {}", sub, dir.display()))?;
         }
-        let index = Index::open(&dir.join("index"), opts.durability == Durability::None)?;
+        let index = Index::open(
+            &dir.join("index"),
+            opts.durability == Durability::None,
+            opts.index_bytes,
+        )?;
         let keyer = Keyer::new(&fingerprint, &layout, opts.salt.as_deref());
         let arena = match opts.hot_bytes {
             None => None,
@@ -872,6 +880,7 @@ impl Inner {
                 .collect::<Result<_>>()?
         };
         let mut wrote = 0u64;
+        let mut fresh = Vec::new();
         // One time for the whole put: block i is stamped i µs earlier.
         let t0 = now_us();
         // Making room must not evict this put's own blocks.
@@ -882,10 +891,8 @@ impl Inner {
                 continue;
             }
             let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
-            if let Some(arena) = &self.arena {
-                arena.insert(id, &tokens[i * b..(i + 1) * b], &chunks, 0, 0, now_ms())?;
-            }
             let loc = self.append(&mut w, id, &tokens[i * b..(i + 1) * b], &chunks, true)?;
+            fresh.push(i);
             let loc = Location {
                 used_us: t0.saturating_sub(i as u64),
                 ..loc
@@ -905,6 +912,16 @@ impl Inner {
                 if w.pending_bytes >= self.opts.batch_bytes {
                     self.commit_pending(&mut w)?;
                 }
+            }
+        }
+        // Into the hot tier only once written (a failed put publishes nothing)
+        // and, unless a batch commit is still due, committed: other processes
+        // must not see a block a crash could take back. A batch put shows its
+        // blocks before the group commit, as it does to this handle.
+        if let Some(arena) = &self.arena {
+            for i in fresh {
+                let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
+                arena.insert(&ids[i], &tokens[i * b..(i + 1) * b], &chunks, 0, 0, now_ms())?;
             }
         }
         Ok(full)
@@ -1104,6 +1121,18 @@ impl Inner {
             }
         }
         let (segment, committed_len) = (active.segment, active.len);
+        let res = self.publish_pending(w, segment, committed_len);
+        // Published or not, these records are done with: after a failed
+        // commit they are dead bytes, never published by a later commit
+        // (their put has already reported the failure).
+        w.pending.clear();
+        w.pending_ids.clear();
+        w.pending_bytes = 0;
+        w.oldest_pending = None;
+        res
+    }
+
+    fn publish_pending(&self, w: &Writer, segment: u64, committed_len: u64) -> Result<()> {
         let mut txn = self.index.write()?;
         let mut live_bytes = 0i64;
         let mut live_records = 0i64;
@@ -1126,12 +1155,7 @@ impl Inner {
         info.live_bytes = info.live_bytes.saturating_add_signed(live_bytes);
         info.live_records = info.live_records.saturating_add_signed(live_records);
         self.index.put_segment(&mut txn, segment, &info)?;
-        self.index.commit(txn, self.durable())?;
-        w.pending.clear();
-        w.pending_ids.clear();
-        w.pending_bytes = 0;
-        w.oldest_pending = None;
-        Ok(())
+        self.index.commit(txn, self.durable())
     }
 
     /// Group commit for `Batch`: commits whatever is older than the window.

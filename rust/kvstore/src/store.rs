@@ -921,7 +921,14 @@ impl Inner {
         if let Some(arena) = &self.arena {
             for i in fresh {
                 let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
-                arena.insert(&ids[i], &tokens[i * b..(i + 1) * b], &chunks, 0, 0, now_ms())?;
+                arena.insert(
+                    &ids[i],
+                    &tokens[i * b..(i + 1) * b],
+                    &chunks,
+                    0,
+                    0,
+                    now_ms(),
+                )?;
             }
         }
         Ok(full)

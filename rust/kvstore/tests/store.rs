@@ -525,7 +525,12 @@ fn segment_created_by_a_writer_that_died_before_its_header_is_removed() {
     }
     // What a kill between registering segment 9 and writing its header leaves.
     {
-        let index = kvstore::index::Index::open(&dir.path().join("index"), false).unwrap();
+        let index = kvstore::index::Index::open(
+            &dir.path().join("index"),
+            false,
+            kvstore::index::DEFAULT_MAP_SIZE,
+        )
+        .unwrap();
         let mut txn = index.write().unwrap();
         index
             .put_segment(&mut txn, 9, &kvstore::index::SegmentInfo::new())

@@ -10,6 +10,7 @@
 //! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`, hit/miss totals)
 
 use crate::error::{Error, Result};
+use crate::fault;
 use crate::id::BlockId;
 use crate::os;
 use heed::types::Bytes;
@@ -219,6 +220,8 @@ impl Index {
     /// "none" by the first handle of this process) but this commit must be
     /// durable, forces the sync explicitly.
     pub fn commit(&self, txn: RwTxn<'_>, durable: bool) -> Result<()> {
+        fault::before(fault::Op::Commit, None)
+            .map_err(|e| Error::from_io("index commit".into(), e))?;
         txn.commit()?;
         if durable && self.nosync {
             self.env.force_sync()?;

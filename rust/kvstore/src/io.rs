@@ -1,7 +1,9 @@
 //! Positional vectored I/O and the file-system steps that make writes durable.
 
 use std::fs::{DirBuilder, File, OpenOptions};
-use std::io::{self, IoSlice, IoSliceMut, Write};
+use std::io::{self, IoSlice, IoSliceMut};
+
+use crate::fault;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 
@@ -10,6 +12,7 @@ const IOV_MAX: usize = 1024;
 
 /// Writes every buffer, in order, starting at `offset`.
 pub fn write_all_at(file: &File, mut bufs: &mut [IoSlice<'_>], mut offset: u64) -> io::Result<()> {
+    fault::before(fault::Op::Write, Some(file))?;
     while !bufs.is_empty() {
         let n = bufs.len().min(IOV_MAX);
         let written = rustix::io::pwritev(file, &bufs[..n], offset)?;
@@ -22,6 +25,7 @@ pub fn write_all_at(file: &File, mut bufs: &mut [IoSlice<'_>], mut offset: u64) 
         offset += written as u64;
         IoSlice::advance_slices(&mut bufs, written);
     }
+    fault::wrote(file);
     Ok(())
 }
 
@@ -48,13 +52,15 @@ pub fn read_exact_at(
 
 /// Creates a new file, 0600, refusing to follow a symlink or reuse a name.
 pub fn create_new(path: &Path) -> io::Result<File> {
-    OpenOptions::new()
+    let f = OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
         .mode(0o600)
         .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)
+        .open(path)?;
+    fault::created(&f);
+    Ok(f)
 }
 
 /// Opens an existing file, refusing a symlink.
@@ -102,7 +108,11 @@ pub fn ensure_dir(path: &Path) -> io::Result<()> {
 
 /// Makes a directory's entries (a created, renamed or removed file) durable.
 pub fn sync_dir(path: &Path) -> io::Result<()> {
-    File::open(path)?.sync_all()
+    let dir = File::open(path)?;
+    fault::before(fault::Op::Sync, None)?;
+    dir.sync_all()?;
+    fault::dir_synced(path);
+    Ok(())
 }
 
 /// Writes `bytes` to `path` atomically: temp file, fsync, rename, fsync dir.
@@ -117,10 +127,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let _ = std::fs::remove_file(&tmp);
     let f = create_new(&tmp)?;
     let res = (|| {
-        let mut f = f;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
+        write_all_at(&f, &mut [IoSlice::new(bytes)], 0)?;
+        fault::sync_all(&f)?;
+        fault::rename(&tmp, path)?;
         sync_dir(dir)
     })();
     if res.is_err() {

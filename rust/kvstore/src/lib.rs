@@ -10,6 +10,7 @@
 
 pub mod arena;
 pub mod error;
+pub mod fault;
 pub mod format;
 pub mod id;
 pub mod index;
@@ -17,6 +18,7 @@ mod io;
 mod known;
 pub mod layout;
 mod os;
+pub mod scan;
 pub mod store;
 
 pub use error::{Error, Result};

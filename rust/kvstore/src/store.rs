@@ -19,6 +19,7 @@
 
 use crate::arena::{self, Arena, ArenaStats, Inserted};
 use crate::error::{Error, IoContext, Result};
+use crate::fault;
 use crate::format::{self, Manifest, RecordHeader};
 use crate::id::{self, BlockId, Keyer};
 use crate::index::{Index, Location, SegmentInfo, SegmentState};
@@ -813,14 +814,13 @@ impl Inner {
                 // Its writer died before committing anything: nothing to keep.
                 self.index.delete_segment(&mut txn, seg)?;
                 self.index.commit(txn, self.durable())?;
-                std::fs::remove_file(&path).ctx(|| format!("removing {}", path.display()))?;
+                fault::remove_file(&path).ctx(|| format!("removing {}", path.display()))?;
                 continue;
             }
             if len > now.committed_len {
-                file.set_len(now.committed_len)
+                fault::set_len(&file, now.committed_len)
                     .ctx(|| format!("truncating {}", path.display()))?;
-                file.sync_all()
-                    .ctx(|| format!("fsync {}", path.display()))?;
+                fault::sync_all(&file).ctx(|| format!("fsync {}", path.display()))?;
             }
             now.state = SegmentState::Sealed;
             self.index.put_segment(&mut txn, seg, &now)?;
@@ -1078,8 +1078,7 @@ impl Inner {
         io::write_all_at(&file, &mut [IoSlice::new(&header)], 0)
             .ctx(|| format!("writing {}", path.display()))?;
         if self.durable() {
-            file.sync_data()
-                .ctx(|| format!("fdatasync {}", path.display()))?;
+            fault::sync_data(&file).ctx(|| format!("fdatasync {}", path.display()))?;
             io::sync_dir(&self.dir.join("segments"))
                 .ctx(|| "fsync segments directory".to_string())?;
         }
@@ -1121,7 +1120,7 @@ impl Inner {
             .as_ref()
             .expect("pending records live in the active segment");
         if self.durable() {
-            if let Err(e) = active.file.sync_data() {
+            if let Err(e) = fault::sync_data(&active.file) {
                 let msg = format!("fdatasync of segment {} failed: {e}", active.segment);
                 w.poisoned = Some(msg.clone());
                 return Err(Error::Poisoned(msg));
@@ -1927,7 +1926,7 @@ impl Inner {
             self.index.commit(txn, self.durable())?;
             if retire {
                 let path = segment_path(&self.dir, *seg);
-                match std::fs::remove_file(&path) {
+                match fault::remove_file(&path) {
                     Ok(()) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                     Err(e) => {
@@ -1976,9 +1975,7 @@ impl Inner {
         }
         let active = out.active.as_ref().expect("compaction segment");
         if self.durable() {
-            active
-                .file
-                .sync_data()
+            fault::sync_data(&active.file)
                 .ctx(|| format!("fdatasync segment {}", active.segment))?;
         }
         let mut txn = self.index.write()?;
@@ -2052,7 +2049,7 @@ impl Inner {
                     // after our snapshot of the table.
                     let txn = self.index.read()?;
                     if !self.index.all_segments(&txn)?.iter().any(|(s, _)| *s == n) {
-                        let _ = std::fs::remove_file(e.path());
+                        let _ = fault::remove_file(&e.path());
                     }
                 }
             }

@@ -1,0 +1,759 @@
+//! Segment scanner: walks a segment file record by record without the index.
+//!
+//! This is the reader behind `kvstore verify --repair` and the index rebuild:
+//! it trusts nothing in the file. Every record is checked the way a read
+//! checks it (header fields, the layout's lengths, header checksum, stored
+//! payload checksum) and every length is bounded by the layout before it sizes
+//! a read or an allocation. A record that fails a check is damage: it is
+//! reported, and the scan resynchronises on the next offset that holds a
+//! record magic whose header decodes and whose header checksum holds. A file
+//! that ends inside a record (a torn append) ends the scan.
+//!
+//! The scan reads the file's length once, at the start. Scan a sealed segment,
+//! or hold the writer's lock on an active one: bytes a live writer appends
+//! meanwhile are not seen, and a record it is halfway through looks torn.
+
+use crate::format::{self, RecordHeader, RECORD_HEADER_LEN, RECORD_MAGIC, SEGMENT_HEADER_LEN};
+use crate::id::BlockId;
+use crate::layout::Layout;
+use std::fs::File;
+use std::io;
+
+/// Largest read the scanner makes for a payload; payloads are checked in
+/// chunks of this size, so memory does not grow with the record.
+const PAYLOAD_CHUNK: usize = 1 << 20;
+/// Bytes searched per read while looking for the next record magic.
+const RESYNC_WINDOW: usize = 64 << 10;
+
+/// Positional reads from something of a fixed length: a file or a byte slice.
+pub trait ReadAt {
+    /// Total length in bytes.
+    fn size(&self) -> io::Result<u64>;
+    /// Fills `buf` from `offset`; reading past the end is an error.
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+}
+
+impl ReadAt for File {
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(self, buf, offset)
+    }
+}
+
+impl ReadAt for [u8] {
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.len() as u64)
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let src = usize::try_from(offset)
+            .ok()
+            .and_then(|start| self.get(start..start.checked_add(buf.len())?))
+            .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end"))?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+impl<T: ReadAt + ?Sized> ReadAt for &T {
+    fn size(&self) -> io::Result<u64> {
+        (**self).size()
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        (**self).read_exact_at(buf, offset)
+    }
+}
+
+/// A record that passed every check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScannedRecord {
+    /// Offset of the record in the file.
+    pub offset: u64,
+    /// Bytes of the whole record (header, tokens, payload).
+    pub record_len: u64,
+    pub header: RecordHeader,
+    pub tokens: Vec<u32>,
+}
+
+/// A run of bytes that holds no valid record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DamagedRange {
+    pub start: u64,
+    /// Exclusive: the next valid record, the torn tail, or the end of the file.
+    pub end: u64,
+    /// The block a damaged record held, when its header checksum still held
+    /// (its payload did not).
+    pub block_id: Option<BlockId>,
+    /// What was wrong at `start`.
+    pub reason: String,
+}
+
+/// What a scan found. The header (when valid), the records, the damaged
+/// ranges and the torn tail together cover the file exactly, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ScanReport {
+    /// The segment number its header names; `None` when the header is damaged
+    /// or the file is shorter than a header.
+    pub segment: Option<u64>,
+    /// The file's length when the scan started.
+    pub file_len: u64,
+    /// Records that passed every check.
+    pub records: u64,
+    /// Damaged ranges, in file order, disjoint.
+    pub damaged: Vec<DamagedRange>,
+    /// End of the last valid record (or of the header when there is none; 0
+    /// when the header is damaged too).
+    pub valid_len: u64,
+    /// Offset of the record the file ends inside, if it does: a torn append.
+    pub torn_tail: Option<u64>,
+}
+
+impl ScanReport {
+    /// Every byte accounted for by the header and valid records.
+    pub fn is_clean(&self) -> bool {
+        self.segment.is_some() && self.damaged.is_empty() && self.torn_tail.is_none()
+    }
+}
+
+/// Checks what a read of this store would also insist on, beyond what
+/// [`format::decode_record_header`] checks: the layout's token count and raw
+/// length, and a compression flag that agrees with the lengths (a stored
+/// length equal to the raw length always means "raw").
+pub fn check_record_shape(h: &RecordHeader, layout: &Layout) -> Result<(), String> {
+    if h.n_tokens != layout.block_size {
+        return Err(format!(
+            "record has {} tokens, the layout {}",
+            h.n_tokens, layout.block_size
+        ));
+    }
+    if h.raw_len != layout.block_bytes() as u64 {
+        return Err(format!(
+            "record raw length {} differs from the layout's {}",
+            h.raw_len,
+            layout.block_bytes()
+        ));
+    }
+    let compressed = h.flags & format::FLAG_ZSTD != 0;
+    if compressed == (h.stored_len == h.raw_len) {
+        return Err("record compression flag disagrees with its lengths".into());
+    }
+    if !compressed && h.stored_crc != h.raw_crc {
+        return Err("raw record has two different payload checksums".into());
+    }
+    Ok(())
+}
+
+/// Scans a whole segment, calling `on_record` for each valid record in file
+/// order. Errors are I/O errors only; damage is in the report.
+pub fn scan_segment<R: ReadAt + ?Sized>(
+    r: &R,
+    layout: &Layout,
+    on_record: impl FnMut(ScannedRecord),
+) -> io::Result<ScanReport> {
+    let len = r.size()?;
+    let meta_len = RECORD_HEADER_LEN + 4 * layout.block_size as usize;
+    let mut s = Scanner {
+        r,
+        layout,
+        len,
+        meta_len,
+        header: [0u8; RECORD_HEADER_LEN],
+        meta: Vec::with_capacity(meta_len),
+        chunk: Vec::new(),
+        window: Vec::new(),
+    };
+    s.run(on_record)
+}
+
+/// What one record position holds.
+enum Step {
+    Record(ScannedRecord),
+    /// The file ends before the record that starts here could.
+    Torn,
+    /// Damage; `resume` is where to look for the next record from (the end of
+    /// a record whose header was sound, otherwise the next byte).
+    Bad {
+        reason: String,
+        resume: u64,
+        block_id: Option<BlockId>,
+    },
+}
+
+struct Scanner<'a, R: ?Sized> {
+    r: &'a R,
+    layout: &'a Layout,
+    len: u64,
+    meta_len: usize,
+    header: [u8; RECORD_HEADER_LEN],
+    meta: Vec<u8>,
+    chunk: Vec<u8>,
+    window: Vec<u8>,
+}
+
+impl<R: ReadAt + ?Sized> Scanner<'_, R> {
+    fn run(&mut self, mut on_record: impl FnMut(ScannedRecord)) -> io::Result<ScanReport> {
+        let mut report = ScanReport {
+            file_len: self.len,
+            ..ScanReport::default()
+        };
+        if self.len < SEGMENT_HEADER_LEN as u64 {
+            report.torn_tail = Some(0);
+            return Ok(report);
+        }
+        let mut h = [0u8; SEGMENT_HEADER_LEN];
+        self.r.read_exact_at(&mut h, 0)?;
+        let mut pos = SEGMENT_HEADER_LEN as u64;
+        let mut step = match format::decode_segment_header(&h) {
+            Ok(n) => {
+                report.segment = Some(n);
+                report.valid_len = pos;
+                None
+            }
+            Err(reason) => Some(Step::Bad {
+                reason,
+                resume: pos,
+                block_id: None,
+            }),
+        };
+        let mut start = 0;
+        loop {
+            let current = match step.take() {
+                Some(s) => s,
+                None if pos == self.len => break,
+                None => {
+                    start = pos;
+                    self.examine(pos)?
+                }
+            };
+            match current {
+                Step::Record(rec) => {
+                    pos = rec.offset + rec.record_len;
+                    report.valid_len = pos;
+                    report.records += 1;
+                    on_record(rec);
+                }
+                Step::Torn => {
+                    report.torn_tail = Some(pos);
+                    break;
+                }
+                Step::Bad {
+                    reason,
+                    resume,
+                    block_id,
+                } => {
+                    let next = self.resync(resume)?;
+                    report.damaged.push(DamagedRange {
+                        start,
+                        end: next.unwrap_or(self.len),
+                        block_id,
+                        reason,
+                    });
+                    match next {
+                        Some(q) => pos = q,
+                        None => break,
+                    }
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Decodes and checks the header + tokens at `pos`: `Ok(None)` when the
+    /// file ends before they do, `Ok(Some(Err))` when they are damaged.
+    fn read_meta(&mut self, pos: u64) -> io::Result<Option<Result<RecordHeader, String>>> {
+        let remaining = self.len - pos;
+        if remaining < RECORD_HEADER_LEN as u64 {
+            return Ok(None);
+        }
+        self.r.read_exact_at(&mut self.header, pos)?;
+        let header = match format::decode_record_header(
+            &self.header,
+            self.layout.block_size,
+            self.layout.block_bytes() as u64,
+        )
+        .and_then(|h| check_record_shape(&h, self.layout).map(|_| h))
+        {
+            Ok(h) => h,
+            Err(reason) => return Ok(Some(Err(reason))),
+        };
+        // The shape check pinned n_tokens, so this is the layout's meta length.
+        let meta_len = header.meta_len();
+        if remaining < meta_len as u64 {
+            return Ok(None);
+        }
+        self.meta.clear();
+        self.meta.extend_from_slice(&self.header);
+        self.meta.resize(meta_len, 0);
+        self.r.read_exact_at(
+            &mut self.meta[RECORD_HEADER_LEN..],
+            pos + RECORD_HEADER_LEN as u64,
+        )?;
+        Ok(Some(
+            format::check_meta(&header, &self.meta).map(|_| header),
+        ))
+    }
+
+    fn examine(&mut self, pos: u64) -> io::Result<Step> {
+        let remaining = self.len - pos;
+        let header = match self.read_meta(pos)? {
+            Some(Ok(h)) => h,
+            Some(Err(reason)) => {
+                return Ok(Step::Bad {
+                    reason: format!("{reason} (at offset {pos})"),
+                    resume: pos + 1,
+                    block_id: None,
+                })
+            }
+            None => {
+                // Fewer bytes than a header and tokens: a torn append if they
+                // begin like a record, else garbage.
+                let mut head = [0u8; RECORD_MAGIC.len()];
+                let n = head.len().min(remaining as usize);
+                self.r.read_exact_at(&mut head[..n], pos)?;
+                if head[..n] == RECORD_MAGIC[..n] {
+                    return Ok(Step::Torn);
+                }
+                return Ok(Step::Bad {
+                    reason: format!("{remaining} bytes at the end that are not a record"),
+                    resume: pos + 1,
+                    block_id: None,
+                });
+            }
+        };
+        let record_len = header.record_len();
+        if record_len > remaining {
+            return Ok(Step::Torn);
+        }
+        let mut crc = 0u32;
+        let mut at = pos + header.meta_len() as u64;
+        let mut left = header.stored_len;
+        self.chunk
+            .resize(PAYLOAD_CHUNK.min(header.stored_len as usize), 0);
+        while left > 0 {
+            let n = PAYLOAD_CHUNK.min(left as usize);
+            self.r.read_exact_at(&mut self.chunk[..n], at)?;
+            crc = crc32c::crc32c_append(crc, &self.chunk[..n]);
+            at += n as u64;
+            left -= n as u64;
+        }
+        if crc != header.stored_crc {
+            return Ok(Step::Bad {
+                reason: format!("stored payload checksum mismatch (record at offset {pos})"),
+                resume: pos + record_len,
+                block_id: Some(header.block_id),
+            });
+        }
+        Ok(Step::Record(ScannedRecord {
+            offset: pos,
+            record_len,
+            tokens: format::record_tokens(&self.meta).collect(),
+            header,
+        }))
+    }
+
+    /// The first offset at or after `from` that holds a record magic, a
+    /// header that decodes and a header checksum that holds.
+    fn resync(&mut self, from: u64) -> io::Result<Option<u64>> {
+        let meta_len = self.meta_len as u64;
+        // A candidate needs its whole meta in the file to be checked.
+        let Some(last) = self.len.checked_sub(meta_len) else {
+            return Ok(None);
+        };
+        let mut base = from;
+        while base <= last {
+            let positions = (RESYNC_WINDOW as u64).min(last - base + 1) as usize;
+            // Read enough to see a whole magic at every position; meta_len is
+            // far more than the magic, so this stays inside the file.
+            self.window.resize(positions + RECORD_MAGIC.len() - 1, 0);
+            self.r.read_exact_at(&mut self.window, base)?;
+            let mut i = 0;
+            while i < positions {
+                let Some(k) = self.window[i..positions + RECORD_MAGIC.len() - 1]
+                    .windows(RECORD_MAGIC.len())
+                    .position(|w| w == RECORD_MAGIC)
+                else {
+                    break;
+                };
+                let q = base + (i + k) as u64;
+                if i + k >= positions {
+                    break;
+                }
+                if matches!(self.read_meta(q)?, Some(Ok(_))) {
+                    return Ok(Some(q));
+                }
+                i += k + 1;
+            }
+            base += positions as u64;
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{encode_record_meta, encode_segment_header, FLAG_SHUFFLE, FLAG_ZSTD};
+    use crate::layout::DType;
+    use std::cell::Cell;
+
+    /// 1 layer, 1 head, head_dim 4, fp16, 2 tokens: 32-byte blocks.
+    fn layout() -> Layout {
+        Layout::new(1, 1, 4, DType::Float16, 2).unwrap()
+    }
+
+    struct Built {
+        bytes: Vec<u8>,
+        /// (offset, length, block id) per record.
+        records: Vec<(u64, u64, BlockId)>,
+    }
+
+    fn payload(seed: u8, n: usize) -> Vec<u8> {
+        (0..n)
+            .map(|i| seed.wrapping_mul(31).wrapping_add(i as u8 * 7))
+            .collect()
+    }
+
+    /// A segment with `n` records; every third one "compressed" (the scanner
+    /// checks the stored bytes only, so any shorter payload will do).
+    fn segment(layout: &Layout, n: u8) -> Built {
+        let mut bytes = encode_segment_header(7).to_vec();
+        let mut records = Vec::new();
+        let raw_len = layout.block_bytes();
+        for k in 0..n {
+            let id = [k + 1; 32];
+            let tokens: Vec<u32> = (0..layout.block_size).map(|t| t + 100 * k as u32).collect();
+            let raw = payload(k, raw_len);
+            let raw_crc = crc32c::crc32c(&raw);
+            let (flags, stored) = if k % 3 == 2 {
+                (FLAG_ZSTD | FLAG_SHUFFLE, payload(k ^ 0x55, raw_len / 2))
+            } else {
+                (0, raw)
+            };
+            let stored_crc = crc32c::crc32c(&stored);
+            let meta = encode_record_meta(
+                flags,
+                &id,
+                &tokens,
+                stored.len() as u64,
+                raw_len as u64,
+                stored_crc,
+                raw_crc,
+            );
+            let offset = bytes.len() as u64;
+            bytes.extend_from_slice(&meta);
+            bytes.extend_from_slice(&stored);
+            records.push((offset, bytes.len() as u64 - offset, id));
+        }
+        Built { bytes, records }
+    }
+
+    fn scan(bytes: &[u8]) -> (ScanReport, Vec<ScannedRecord>) {
+        let mut found = Vec::new();
+        let report = scan_segment(bytes, &layout(), |r| found.push(r)).unwrap();
+        check_coverage(&report, &found);
+        (report, found)
+    }
+
+    /// Header, records, damage and torn tail tile the file, in order.
+    fn check_coverage(report: &ScanReport, found: &[ScannedRecord]) {
+        let mut spans: Vec<(u64, u64)> = Vec::new();
+        if report.segment.is_some() {
+            spans.push((0, SEGMENT_HEADER_LEN as u64));
+        }
+        spans.extend(found.iter().map(|r| (r.offset, r.offset + r.record_len)));
+        spans.extend(report.damaged.iter().map(|d| (d.start, d.end)));
+        if let Some(t) = report.torn_tail {
+            spans.push((t, report.file_len));
+        }
+        spans.sort();
+        let mut at = 0;
+        for (s, e) in spans {
+            assert_eq!(s, at, "gap or overlap at {at}: {report:?}");
+            assert!(e > s || report.file_len == 0, "empty span at {s}");
+            at = e;
+        }
+        assert_eq!(at, report.file_len, "{report:?}");
+        assert_eq!(report.records, found.len() as u64);
+        assert!(report.valid_len <= report.file_len);
+    }
+
+    fn offsets(found: &[ScannedRecord]) -> Vec<u64> {
+        found.iter().map(|r| r.offset).collect()
+    }
+
+    #[test]
+    fn clean_segment_scans_fully() {
+        let l = layout();
+        let b = segment(&l, 6);
+        let (report, found) = scan(&b.bytes);
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(report.segment, Some(7));
+        assert_eq!(report.records, 6);
+        assert_eq!(report.valid_len, b.bytes.len() as u64);
+        for (rec, (off, len, id)) in found.iter().zip(&b.records) {
+            assert_eq!(
+                (rec.offset, rec.record_len, rec.header.block_id),
+                (*off, *len, *id)
+            );
+            assert_eq!(rec.tokens.len(), l.block_size as usize);
+        }
+        assert_eq!(found[2].header.flags, FLAG_ZSTD | FLAG_SHUFFLE);
+        assert_eq!(found[1].tokens, vec![100, 101]);
+    }
+
+    #[test]
+    fn empty_segment_and_short_files() {
+        let (report, found) = scan(&encode_segment_header(3));
+        assert!(report.is_clean());
+        assert_eq!(
+            (report.segment, report.valid_len, found.len()),
+            (Some(3), 32, 0)
+        );
+        for n in [0usize, 1, 31] {
+            let (report, _) = scan(&encode_segment_header(3)[..n]);
+            assert_eq!((report.segment, report.torn_tail), (None, Some(0)));
+        }
+    }
+
+    #[test]
+    fn every_flipped_bit_is_damage_and_the_rest_is_found() {
+        let l = layout();
+        let b = segment(&l, 5);
+        for k in [0usize, 2, 4] {
+            let (off, len, _) = b.records[k];
+            for at in off..off + len {
+                for bit in [0x01u8, 0x80] {
+                    let mut bad = b.bytes.clone();
+                    bad[at as usize] ^= bit;
+                    let (report, found) = scan(&bad);
+                    let expect: Vec<u64> = b
+                        .records
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| *i != k)
+                        .map(|(_, r)| r.0)
+                        .collect();
+                    assert_eq!(offsets(&found), expect, "flip {bit:#x} at {at}");
+                    assert_eq!(report.damaged.len(), 1, "flip at {at}: {report:?}");
+                    let d = &report.damaged[0];
+                    assert_eq!((d.start, d.end), (off, off + len), "flip at {at}");
+                    assert_eq!(report.torn_tail, None);
+                    let valid = if k == 4 { off } else { b.bytes.len() as u64 };
+                    assert_eq!(report.valid_len, valid, "flip at {at}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn payload_damage_names_the_block() {
+        let b = segment(&layout(), 3);
+        let mut bad = b.bytes.clone();
+        let (off, len, id) = b.records[1];
+        bad[(off + len - 1) as usize] ^= 0xff;
+        let (report, found) = scan(&bad);
+        assert_eq!(found.len(), 2);
+        assert_eq!(report.damaged[0].block_id, Some(id));
+        assert!(report.damaged[0].reason.contains("payload checksum"));
+    }
+
+    #[test]
+    fn damaged_segment_header_keeps_the_records() {
+        let b = segment(&layout(), 3);
+        for at in [0usize, 9, 17, 25] {
+            let mut bad = b.bytes.clone();
+            bad[at] ^= 4;
+            let (report, found) = scan(&bad);
+            assert_eq!(report.segment, None);
+            assert_eq!(found.len(), 3);
+            assert_eq!((report.damaged[0].start, report.damaged[0].end), (0, 32));
+            assert_eq!(report.valid_len, b.bytes.len() as u64);
+        }
+    }
+
+    #[test]
+    fn truncated_tail_is_torn() {
+        let b = segment(&layout(), 4);
+        let (off, len, _) = b.records[3];
+        for cut in off + 1..off + len {
+            let (report, found) = scan(&b.bytes[..cut as usize]);
+            assert_eq!(found.len(), 3, "cut at {cut}");
+            assert_eq!(report.torn_tail, Some(off), "cut at {cut}");
+            assert!(report.damaged.is_empty(), "cut at {cut}: {report:?}");
+            assert_eq!(report.valid_len, off);
+        }
+    }
+
+    #[test]
+    fn zeroed_range_loses_only_what_it_covers() {
+        let b = segment(&layout(), 5);
+        let (o1, l1, _) = b.records[1];
+        let (o2, _, _) = b.records[2];
+        let mut bad = b.bytes.clone();
+        // From the last bytes of record 1's payload into record 2's header.
+        bad[(o1 + l1 - 4) as usize..(o2 + 20) as usize].fill(0);
+        let (report, found) = scan(&bad);
+        assert_eq!(
+            offsets(&found),
+            vec![b.records[0].0, b.records[3].0, b.records[4].0]
+        );
+        assert_eq!(report.damaged.first().map(|d| d.start), Some(o1));
+        assert_eq!(report.damaged.last().map(|d| d.end), Some(b.records[3].0));
+    }
+
+    #[test]
+    fn garbage_after_the_last_record() {
+        let b = segment(&layout(), 2);
+        let end = b.bytes.len() as u64;
+        let mut seed = 12345u32;
+        let garbage: Vec<u8> = (0..1000)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                (seed >> 16) as u8
+            })
+            .collect();
+        for tail in [&garbage[..], &garbage[..10], &[0u8; 200][..]] {
+            let mut bytes = b.bytes.clone();
+            bytes.extend_from_slice(tail);
+            if tail[0] == RECORD_MAGIC[0] {
+                continue;
+            }
+            let (report, found) = scan(&bytes);
+            assert_eq!(found.len(), 2);
+            assert_eq!(report.valid_len, end);
+            assert_eq!(report.torn_tail, None);
+            assert_eq!(report.damaged.len(), 1);
+            assert_eq!(
+                (report.damaged[0].start, report.damaged[0].end),
+                (end, bytes.len() as u64)
+            );
+        }
+    }
+
+    #[test]
+    fn record_of_another_layout_is_damage() {
+        let l = layout();
+        let b = segment(&l, 2);
+        let mut bytes = b.bytes.clone();
+        let raw = payload(9, 32);
+        let crc = crc32c::crc32c(&raw);
+        // Three tokens where the layout has two: right lengths otherwise.
+        bytes.extend(encode_record_meta(
+            0,
+            &[9; 32],
+            &[1, 2, 3],
+            32,
+            32,
+            crc,
+            crc,
+        ));
+        bytes.extend(&raw);
+        bytes.extend(&segment(&l, 1).bytes[32..]);
+        let (report, found) = scan(&bytes);
+        assert_eq!(found.len(), 3);
+        assert_eq!(report.damaged.len(), 1);
+        assert!(report.damaged[0].reason.contains("tokens"), "{report:?}");
+    }
+
+    /// Records every read's size, to prove no read is sized by the file.
+    struct Counting<'a> {
+        bytes: &'a [u8],
+        largest: Cell<usize>,
+    }
+
+    impl ReadAt for Counting<'_> {
+        fn size(&self) -> io::Result<u64> {
+            self.bytes.size()
+        }
+        fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            self.largest.set(self.largest.get().max(buf.len()));
+            self.bytes.read_exact_at(buf, offset)
+        }
+    }
+
+    #[test]
+    fn absurd_lengths_allocate_nothing_big() {
+        let l = layout();
+        let mut bytes = encode_segment_header(1).to_vec();
+        for (n_tok, stored, raw) in [
+            (2usize, u64::MAX, 32u64),
+            (2, 1 << 40, 1 << 40),
+            (2, 16, u64::MAX),
+            (100_000, 32, 32),
+        ] {
+            let tokens = vec![0u32; n_tok];
+            bytes.extend(encode_record_meta(
+                FLAG_ZSTD, &[1; 32], &tokens, stored, raw, 0, 0,
+            ));
+        }
+        let good = segment(&l, 1);
+        bytes.extend(&good.bytes[32..]);
+        let r = Counting {
+            bytes: &bytes,
+            largest: Cell::new(0),
+        };
+        let mut found = Vec::new();
+        let report = scan_segment(&r, &l, |rec| found.push(rec)).unwrap();
+        check_coverage(&report, &found);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].header.block_id, good.records[0].2);
+        assert!(r.largest.get() <= RESYNC_WINDOW + 3, "{}", r.largest.get());
+    }
+
+    #[test]
+    fn record_claiming_past_the_end_is_torn() {
+        let b = segment(&layout(), 2);
+        let mut bytes = b.bytes.clone();
+        let end = bytes.len() as u64;
+        // A sound header whose payload never made it to disk.
+        bytes.extend(encode_record_meta(
+            FLAG_ZSTD,
+            &[3; 32],
+            &[1, 2],
+            20,
+            32,
+            0,
+            0,
+        ));
+        let (report, found) = scan(&bytes);
+        assert_eq!(found.len(), 2);
+        assert_eq!(report.torn_tail, Some(end));
+        assert!(report.damaged.is_empty());
+    }
+
+    #[test]
+    fn scans_a_file_and_large_resync_windows() {
+        let l = layout();
+        let b = segment(&l, 3);
+        // Damage, then more than one resync window of junk, then records.
+        let mut bytes = b.bytes.clone();
+        bytes[b.records[0].0 as usize] = b'X';
+        let rest = bytes.split_off(b.records[1].0 as usize);
+        // Magics that straddle every window boundary, none of them a record.
+        for _ in 0..(3 * RESYNC_WINDOW / 4 + 1) {
+            bytes.extend_from_slice(&RECORD_MAGIC);
+        }
+        bytes.extend_from_slice(b"KV");
+        bytes.extend(rest);
+        let mut f = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut f, &bytes).unwrap();
+        let mut found = Vec::new();
+        let report = scan_segment(&f, &l, |r| found.push(r)).unwrap();
+        check_coverage(&report, &found);
+        assert_eq!(found.len(), 2);
+        assert_eq!(report.damaged.len(), 1);
+        assert_eq!(report.valid_len, bytes.len() as u64);
+        assert_eq!(report, scan(&bytes).0);
+    }
+
+    #[test]
+    fn slice_reads_are_bounds_checked() {
+        let b: &[u8] = &[1, 2, 3];
+        let mut buf = [0u8; 2];
+        assert!(b.read_exact_at(&mut buf, 2).is_err());
+        assert!(b.read_exact_at(&mut buf, u64::MAX).is_err());
+        b.read_exact_at(&mut buf, 1).unwrap();
+        assert_eq!(buf, [2, 3]);
+    }
+}

@@ -166,15 +166,34 @@ impl Index {
         if let Some(idx) = reg.get(&key).and_then(Weak::upgrade) {
             return Ok(idx);
         }
+        // LMDB follows symlinks; we do not: a planted link could point the
+        // index at any file.
+        for name in ["data.mdb", "lock.mdb"] {
+            match std::fs::symlink_metadata(key.join(name)) {
+                Ok(m) if !m.is_file() => {
+                    return Err(Error::corrupt(
+                        key.join(name),
+                        "not a regular file (a symlink?); refusing to follow it",
+                    ))
+                }
+                _ => {}
+            }
+        }
         // LMDB wants a multiple of the OS page size.
         let map_size =
             usize::try_from(map_size.div_ceil(4096).max(16) * 4096).unwrap_or(usize::MAX);
         let env = os::open_lmdb(&key, map_size, nosync).map_err(|e| match e {
             heed::Error::Mdb(heed::MdbError::Invalid)
-            | heed::Error::Mdb(heed::MdbError::Corrupted)
-            | heed::Error::Mdb(heed::MdbError::VersionMismatch) => {
+            | heed::Error::Mdb(heed::MdbError::Corrupted) => {
                 Error::corrupt(&key, format!("index cannot be opened: {e}"))
             }
+            // Another LMDB version holds the lock file: the `lmdb` Python
+            // package (LMDB 0.9) opened with lock=True, most likely.
+            heed::Error::Mdb(heed::MdbError::VersionMismatch) => Error::StoreLocked(format!(
+                "{}: the index is open in another LMDB version (the `lmdb` Python package? \
+                 open it with lock=False, read-only): {e}",
+                key.display()
+            )),
             other => other.into(),
         })?;
         // Reader slots of processes killed mid-read would pin old pages forever.

@@ -1,7 +1,7 @@
 //! Positional vectored I/O and the file-system steps that make writes durable.
 
 use std::fs::{DirBuilder, File, OpenOptions};
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut, Read};
 
 use crate::fault;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -63,13 +63,55 @@ pub fn create_new(path: &Path) -> io::Result<File> {
     Ok(f)
 }
 
-/// Opens an existing file, refusing a symlink.
+/// Opens an existing regular file, refusing a symlink. Non-blocking open, so
+/// a FIFO or device planted in the store cannot hang us; it is refused.
 pub fn open_existing(path: &Path, write: bool) -> io::Result<File> {
-    OpenOptions::new()
+    let f = OpenOptions::new()
         .read(true)
         .write(write)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)
+        .custom_flags((rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK).bits() as i32)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    Ok(f)
+}
+
+/// Reads a small file whole (a MANIFEST), refusing a symlink or anything
+/// larger than `limit` bytes.
+pub fn read_small(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
+    let f = open_existing(path, false)?;
+    let len = f.metadata()?.len();
+    if len > limit {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} is {len} bytes, more than {limit}", path.display()),
+        ));
+    }
+    let mut buf = Vec::with_capacity(len as usize);
+    io::Read::take(&f, limit).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+/// Refuses a directory other users can write to: they could plant or swap
+/// segment files and index entries under the store.
+pub fn check_private_dir(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::symlink_metadata(path)?.permissions().mode();
+    if mode & 0o002 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is writable by every user (mode {:o}); refusing to trust it (chmod o-w)",
+                path.display(),
+                mode & 0o7777
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Opens a lock file, creating it 0600 if missing; refuses a symlink.

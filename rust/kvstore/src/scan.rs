@@ -267,13 +267,7 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
             return Ok(None);
         }
         self.r.read_exact_at(&mut self.header, pos)?;
-        let header = match format::decode_record_header(
-            &self.header,
-            self.layout.block_size,
-            self.layout.block_bytes() as u64,
-        )
-        .and_then(|h| check_record_shape(&h, self.layout).map(|_| h))
-        {
+        let header = match decode_checked(&self.header, self.layout) {
             Ok(h) => h,
             Err(reason) => return Ok(Some(Err(reason))),
         };
@@ -363,31 +357,35 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
         let mut base = from;
         while base <= last {
             let positions = (RESYNC_WINDOW as u64).min(last - base + 1) as usize;
-            // Read enough to see a whole magic at every position; meta_len is
-            // far more than the magic, so this stays inside the file.
-            self.window.resize(positions + RECORD_MAGIC.len() - 1, 0);
+            // A whole fixed header at every position, so candidates are
+            // decoded from the window; meta_len >= RECORD_HEADER_LEN keeps
+            // this inside the file.
+            self.window.resize(positions + RECORD_HEADER_LEN - 1, 0);
             self.r.read_exact_at(&mut self.window, base)?;
             let mut i = 0;
-            while i < positions {
-                let Some(k) = self.window[i..positions + RECORD_MAGIC.len() - 1]
-                    .windows(RECORD_MAGIC.len())
-                    .position(|w| w == RECORD_MAGIC)
-                else {
-                    break;
-                };
-                let q = base + (i + k) as u64;
-                if i + k >= positions {
-                    break;
+            while let Some(k) = self.window[i..positions + RECORD_MAGIC.len() - 1]
+                .windows(RECORD_MAGIC.len())
+                .position(|w| w == RECORD_MAGIC)
+            {
+                let j = i + k;
+                if decode_checked(&self.window[j..j + RECORD_HEADER_LEN], self.layout).is_ok()
+                    && matches!(self.read_meta(base + j as u64)?, Some(Ok(_)))
+                {
+                    return Ok(Some(base + j as u64));
                 }
-                if matches!(self.read_meta(q)?, Some(Ok(_))) {
-                    return Ok(Some(q));
-                }
-                i += k + 1;
+                i = j + 1;
             }
             base += positions as u64;
         }
         Ok(None)
     }
+}
+
+/// Decodes a fixed record header with the layout's bounds and shape.
+fn decode_checked(h: &[u8], layout: &Layout) -> Result<RecordHeader, String> {
+    let header = format::decode_record_header(h, layout.block_size, layout.block_bytes() as u64)?;
+    check_record_shape(&header, layout)?;
+    Ok(header)
 }
 
 #[cfg(test)]
@@ -698,7 +696,11 @@ mod tests {
         check_coverage(&report, &found);
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].header.block_id, good.records[0].2);
-        assert!(r.largest.get() <= RESYNC_WINDOW + 3, "{}", r.largest.get());
+        assert!(
+            r.largest.get() < RESYNC_WINDOW + RECORD_HEADER_LEN,
+            "{}",
+            r.largest.get()
+        );
     }
 
     #[test]

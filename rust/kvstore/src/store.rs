@@ -309,6 +309,10 @@ enum ReadFail {
     /// The segment file is gone (compacted away): look the block up again.
     Gone,
     Damaged(String),
+    /// A sound record of another token sequence under the same id (a hash
+    /// collision, or a misplaced record): a miss, and not damage, since the
+    /// record is right for its own tokens.
+    OtherTokens,
 }
 
 /// Segment files a handle keeps open for reads.
@@ -327,6 +331,9 @@ fn now_ms() -> u64 {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
+
+/// A MANIFEST is a few hundred bytes; anything past this is not one.
+const MANIFEST_MAX: u64 = 64 << 10;
 
 fn segment_path(dir: &Path, segment: u64) -> PathBuf {
     dir.join("segments").join(format!("{segment:016x}.kvseg"))
@@ -650,13 +657,14 @@ impl Inner {
                 dir.display()
             )));
         }
+        io::check_private_dir(dir).map_err(|e| Error::InvalidInput(e.to_string()))?;
         // Creation and recovery run under an exclusive lock so two processes
         // opening a new store at once agree on one MANIFEST.
         let lock = io::open_or_create(&dir.join("LOCK"))
             .ctx(|| format!("lock file in {}", dir.display()))?;
         lock_with_timeout(&lock, Duration::from_secs(30))?;
         let manifest_path = dir.join("MANIFEST");
-        let manifest = match std::fs::read(&manifest_path) {
+        let manifest = match io::read_small(&manifest_path, MANIFEST_MAX) {
             Ok(bytes) => Manifest::decode(&bytes).map_err(|r| Error::corrupt(&manifest_path, r))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let (Some(fp), Some(layout), true) = (&opts.fingerprint, &opts.layout, opts.create)
@@ -686,6 +694,16 @@ impl Inner {
                     .ctx(|| format!("writing {}", manifest_path.display()))?;
                 m
             }
+            // A symlink, a FIFO, an absurd size: not a MANIFEST we wrote.
+            Err(e)
+                if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error())
+                    || matches!(
+                        e.kind(),
+                        std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput
+                    ) =>
+            {
+                return Err(Error::corrupt(&manifest_path, e.to_string()));
+            }
             Err(e) => {
                 return Err(Error::Io {
                     context: format!("reading {}", manifest_path.display()),
@@ -705,6 +723,8 @@ impl Inner {
 
         for sub in ["index", "segments"] {
             io::ensure_dir(&dir.join(sub)).ctx(|| format!("{} in {}", sub, dir.display()))?;
+            io::check_private_dir(&dir.join(sub))
+                .map_err(|e| Error::InvalidInput(e.to_string()))?;
         }
         let index = Index::open(
             &dir.join("index"),
@@ -1494,7 +1514,7 @@ impl Inner {
                             .expect("reader cache")
                             .remove(&loc.segment);
                     }
-                    Err(ReadFail::Gone) => break 'blocks,
+                    Err(ReadFail::Gone | ReadFail::OtherTokens) => break 'blocks,
                     Err(ReadFail::Damaged(reason)) => {
                         drop(snap.take());
                         self.known.forget(id);
@@ -1577,8 +1597,11 @@ impl Inner {
             Ok(h) => h,
             Err(r) => return Ok(Err(ReadFail::Damaged(r))),
         };
-        if let Err(r) = self.check_header(&header, loc, id, tokens, &meta) {
+        if let Err(r) = self.check_header(&header, loc, id) {
             return Ok(Err(ReadFail::Damaged(r)));
+        }
+        if tokens.is_some_and(|t| !format::record_tokens(&meta).eq(t.iter().copied())) {
+            return Ok(Err(ReadFail::OtherTokens));
         }
         if raw {
             let crc = out.iter().fold(0, |c, ch| crc32c::crc32c_append(c, ch));
@@ -1621,14 +1644,7 @@ impl Inner {
         Ok(Ok(()))
     }
 
-    fn check_header(
-        &self,
-        h: &RecordHeader,
-        loc: &Location,
-        id: &BlockId,
-        tokens: Option<&[u32]>,
-        meta: &[u8],
-    ) -> Result<(), String> {
+    fn check_header(&self, h: &RecordHeader, loc: &Location, id: &BlockId) -> Result<(), String> {
         if &h.block_id != id {
             return Err("record holds another block (misplaced or colliding record)".into());
         }
@@ -1644,14 +1660,6 @@ impl Inner {
         let compressed = h.flags & format::FLAG_ZSTD != 0;
         if compressed == (h.stored_len == h.raw_len) {
             return Err("record compression flag disagrees with its lengths".into());
-        }
-        if let Some(t) = tokens {
-            if !format::record_tokens(meta).eq(t.iter().copied()) {
-                return Err(
-                    "record token ids differ from the request (hash collision or misplaced record)"
-                        .into(),
-                );
-            }
         }
         Ok(())
     }
@@ -1684,7 +1692,7 @@ impl Inner {
         let committed: u64 = segs.iter().map(|(_, i)| i.committed_len).sum();
         let disk_bytes: u64 = segs
             .iter()
-            .filter_map(|(s, _)| std::fs::metadata(segment_path(&self.dir, *s)).ok())
+            .filter_map(|(s, _)| std::fs::symlink_metadata(segment_path(&self.dir, *s)).ok())
             .map(|m| m.len())
             .sum();
         let headers = segs.len() as u64 * format::SEGMENT_HEADER_LEN as u64;
@@ -1724,7 +1732,7 @@ impl Inner {
             .map(|(s, i)| SegmentReport {
                 segment: s,
                 sealed: i.state == SegmentState::Sealed,
-                file_bytes: std::fs::metadata(segment_path(&self.dir, s))
+                file_bytes: std::fs::symlink_metadata(segment_path(&self.dir, s))
                     .ok()
                     .map(|m| m.len()),
                 committed_bytes: i.committed_len,
@@ -1805,6 +1813,7 @@ impl Inner {
                     reason: match fail {
                         ReadFail::Gone => "segment file is missing".into(),
                         ReadFail::Damaged(r) => r,
+                        ReadFail::OtherTokens => unreachable!("verify passes no tokens"),
                     },
                 }),
             }
@@ -1887,6 +1896,7 @@ impl Inner {
                         dropped.push((*id, *loc, "segment file is missing".into()))
                     }
                     Err(ReadFail::Damaged(r)) => dropped.push((*id, *loc, r)),
+                    Err(ReadFail::OtherTokens) => unreachable!("compaction passes no tokens"),
                 }
                 if out.pending_bytes >= 64 << 20 {
                     self.publish_moves(&mut out, &mut moved)?;

@@ -1,0 +1,114 @@
+//! Hash collisions, forced (feature `test-short-ids`: block ids keep 16 bits).
+//!
+//! With 65,536 possible ids, a few thousand blocks collide by the dozen. The
+//! model: the first block stored under an id owns it; any other token
+//! sequence mapping to that id must be a miss (never the owner's KV), through
+//! the hot tier and the disk alike, and a collision is not damage.
+
+use kvstore::{DType, Durability, Keyer, Layout, Options, Store};
+use std::collections::HashMap;
+
+const NO_PROGRESS: &(dyn Fn(u64, u64) + Sync) = &|_, _| {};
+
+fn layout() -> Layout {
+    Layout::new(1, 1, 8, DType::Float16, 4).unwrap()
+}
+
+fn kv_for(l: &Layout, tokens: &[u32]) -> Vec<u8> {
+    let t = tokens.len();
+    let tb = l.token_bytes();
+    let mut out = vec![0u8; l.kv_bytes(t).unwrap()];
+    for lk in 0..(l.num_layers as usize * 2) {
+        for (pos, tok) in tokens.iter().enumerate() {
+            let start = (lk * t + pos) * tb;
+            for (j, b) in out[start..start + tb].iter_mut().enumerate() {
+                let x =
+                    ((*tok as u64) << 24) ^ ((pos as u64) << 8) ^ ((lk as u64) << 60) ^ j as u64;
+                *b = (x.wrapping_mul(0x9E3779B97F4A7C15) >> 56) as u8;
+            }
+        }
+    }
+    out
+}
+
+fn check(hot: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let l = layout();
+    let opts = Options {
+        fingerprint: Some("collide@1".into()),
+        layout: Some(l),
+        durability: Durability::None,
+        hot_bytes: hot.then_some(8 << 20),
+        hot_dir: hot.then(|| shm.path().to_path_buf()),
+        ..Options::default()
+    };
+    let store = Store::open(dir.path(), opts.clone()).unwrap();
+    let keyer = Keyer::new("collide@1", &l, None);
+    // Two-block sequences: the second block's id depends on the first's.
+    let seqs: Vec<Vec<u32>> = (0..3000u32)
+        .map(|i| (0..8).map(|j| i * 8 + j).collect())
+        .collect();
+    let mut owner: HashMap<[u8; 32], (usize, usize)> = HashMap::new();
+    // Expected stored prefix (in blocks) of each sequence: a block is stored
+    // unless its id is already owned by another (sequence, block).
+    let mut expect = Vec::new();
+    for (s, tokens) in seqs.iter().enumerate() {
+        store.put(tokens, &kv_for(&l, tokens), 8, b"").unwrap();
+        let ids = keyer.chain(tokens, 4, b"");
+        // put stores every block whose id is free, colliding ones or not.
+        let owned: Vec<bool> = ids
+            .iter()
+            .enumerate()
+            .map(|(b, id)| *owner.entry(*id).or_insert((s, b)) == (s, b))
+            .collect();
+        expect.push(owned.iter().take_while(|o| **o).count());
+    }
+    let collided = expect.iter().filter(|n| **n < 2).count();
+    assert!(
+        collided > 10,
+        "16-bit ids over 6000 blocks should collide, {collided} did"
+    );
+    for round in 0..2 {
+        // Round 1 reads again: promoted (hot) copies must behave the same.
+        for (s, tokens) in seqs.iter().enumerate() {
+            let mut out = vec![0u8; l.kv_bytes(8).unwrap()];
+            let m = store.get_into(tokens, b"", &mut out, 8).unwrap();
+            assert_eq!(
+                m,
+                expect[s] * 4,
+                "sequence {s}, round {round}: served {m} tokens, the model says {}",
+                expect[s] * 4
+            );
+            let want = kv_for(&l, &tokens[..m]);
+            let tb = l.token_bytes();
+            for lk in 0..2 {
+                assert_eq!(
+                    &out[lk * 8 * tb..lk * 8 * tb + m * tb],
+                    &want[lk * m * tb..(lk + 1) * m * tb],
+                    "sequence {s}: wrong bytes"
+                );
+            }
+        }
+    }
+    let report = store.verify(NO_PROGRESS).unwrap();
+    assert!(report.damaged.is_empty(), "collisions are not damage");
+    eprintln!(
+        "hot={hot}: {} sequences, {collided} hit a collision, every one a miss",
+        seqs.len()
+    );
+    store.close().unwrap();
+    if hot {
+        let _ = std::fs::remove_dir_all(shm.path());
+    }
+}
+
+#[test]
+fn colliding_ids_are_misses_on_disk() {
+    check(false);
+}
+
+#[test]
+fn colliding_ids_are_misses_through_the_hot_tier() {
+    check(true);
+}

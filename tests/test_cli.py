@@ -204,3 +204,57 @@ def test_demo_quick_runs_and_checks_equality(tmp_path: Path) -> None:
         row = next((x for x in rows if label in x), None)
         assert row is not None and row.rstrip(" │").endswith("yes"), (label, r.stdout)
     assert "time to first token, restored" in r.stdout and "all checks passed" in r.stdout
+
+
+def test_verify_repair_rebuilds_a_garbled_index_and_drops_damaged_records(tmp_path: Path) -> None:
+    seqs = fill(tmp_path, n_seqs=10, length=16)
+    # One damaged payload (the first record after the segment header) ...
+    seg = next((tmp_path / "segments").iterdir())
+    with seg.open("r+b") as f:
+        f.seek(32 + 80 + 16 + 5)
+        f.write(b"\xff\xee\xdd")
+    # ... and a garbled index.
+    data = tmp_path / "index" / "data.mdb"
+    data.write_bytes(b"\x5a" * data.stat().st_size)
+    r = cli("verify", tmp_path, check=False)
+    assert r.returncode == 2 and "corrupt store" in r.stderr, r.stderr
+
+    r = cli("verify", "--repair", tmp_path, "--json")
+    report = json.loads(r.stdout)
+    assert report["ok"] and report["rebuilt"]["blocks"] == 10 * 4 - 1
+    assert len(report["rebuilt"]["damaged"]) == 1
+    assert list(tmp_path.glob("index.old-*")), "the old index is kept, not deleted"
+    with kvstore.open(tmp_path) as s:
+        # The damaged block is a miss (the first block of seqs[0]); the rest is exact.
+        assert s.lookup(seqs[0]) == 0
+        for t in seqs[1:]:
+            np.testing.assert_array_equal(s.get(t), kv_of(t))
+        s.put(seqs[0], kv_of(seqs[0]))
+        np.testing.assert_array_equal(s.get(seqs[0]), kv_of(seqs[0]))
+        assert s.sessions() == [], "sessions live only in the index"
+
+
+def test_verify_repair_takes_damage_out_of_a_sound_index(tmp_path: Path) -> None:
+    seqs = fill(tmp_path, n_seqs=4, length=16)
+    seg = next((tmp_path / "segments").iterdir())
+    with seg.open("r+b") as f:
+        f.seek(32 + 80 + 16 + 5)
+        f.write(b"\xff\xee\xdd")
+    assert cli("verify", tmp_path, check=False).returncode == 1
+    report = json.loads(cli("verify", "--repair", tmp_path, "--json").stdout)
+    assert report["ok"] and len(report["damaged"]) == 1 and report["rebuilt"] is None
+    with kvstore.open(tmp_path) as s:
+        assert s.lookup(seqs[0]) == 0
+        assert s.lookup(seqs[1]) == 16
+
+
+def test_rebuild_index_needs_a_sound_manifest_and_a_closed_store(tmp_path: Path) -> None:
+    fill(tmp_path, n_seqs=2, length=8)
+    with kvstore.open(tmp_path) as s:
+        with pytest.raises(kvstore.StoreLocked):
+            kvstore.rebuild_index(tmp_path)
+        assert s.lookup(np.arange(8)) == 8
+    manifest = tmp_path / "MANIFEST"
+    manifest.write_bytes(manifest.read_bytes().replace(b"float16", b"float32"))
+    r = cli("rebuild-index", tmp_path, check=False)
+    assert r.returncode == 2 and "MANIFEST" in r.stderr, r.stderr

@@ -22,7 +22,7 @@ from .errors import (
     StoreLocked,
 )
 from .layout import Layout
-from .store import Store, open, remove_arena
+from .store import Store, open, rebuild_index, remove_arena
 
 __version__ = "0.1.0"
 
@@ -40,5 +40,6 @@ __all__ = [
     "StoreIOError",
     "StoreLocked",
     "open",
+    "rebuild_index",
     "remove_arena",
 ]

@@ -6,7 +6,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FORMAT_VERSION", "Store"]
+__all__ = ["FORMAT_VERSION", "Store", "rebuild_index"]
 
 FORMAT_VERSION: int
 
@@ -78,7 +78,9 @@ class Store:
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def segments(self) -> list[dict[str, Any]]: ...
-    def verify(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]: ...
+    def verify(
+        self, progress: Callable[[int, int], None] | None = None, repair: bool = False
+    ) -> dict[str, Any]: ...
     def compact(self, progress: Callable[[int, int], None] | None = None) -> dict[str, int]: ...
     def gc(
         self,
@@ -86,3 +88,7 @@ class Store:
         older_than_s: float | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]: ...
+
+def rebuild_index(
+    path: str, progress: Callable[[int, int], None] | None = None
+) -> dict[str, Any]: ...

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import KVStoreError
-from .store import Store
+from .errors import CorruptStore, KVStoreError
+from .store import Store, rebuild_index
 from .store import open as open_store
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -227,13 +227,49 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rebuild(args: argparse.Namespace) -> dict[str, Any]:
+    with _progress(not args.json, "scanning segments") as progress:
+        return rebuild_index(args.path, progress)
+
+
+def _say_rebuilt(r: dict[str, Any]) -> None:
+    print(
+        f"rebuilt the index from {r['segments']} segment(s): {r['blocks']} blocks, "
+        f"{len(r['damaged'])} damaged range(s); sessions and pins were not recoverable"
+    )
+    for d in r["damaged"]:
+        print(f"  segment {d['segment']:016x} bytes {d['start']}..{d['end']}: {d['reason']}")
+    if r["old_index"]:
+        print(f"the previous index is kept at {r['old_index']}")
+
+
+def cmd_rebuild_index(args: argparse.Namespace) -> int:
+    r = _rebuild(args)
+    _emit(args, r, lambda: _say_rebuilt(r))
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    rebuilt = None
+    if args.repair:
+        try:
+            _open(args.path).close()
+        except CorruptStore as e:
+            # The index (or its files) cannot be opened: rebuild it from the
+            # segments. A damaged MANIFEST makes the rebuild fail with its own error.
+            print(f"kvstore: {e}; rebuilding the index from the segments", file=sys.stderr)
+            rebuilt = _rebuild(args)
     with _open(args.path) as s, _progress(not args.json, "verifying") as progress:
-        report = s.verify(progress)
-    ok = not report["damaged"] and not report["problems"]
+        report = s.verify(progress, repair=args.repair)
+    # Repaired damage is out of the index (a miss): the store is consistent again.
+    ok = not report["problems"] and (args.repair or not report["damaged"])
     report["ok"] = ok
+    report["repaired"] = bool(args.repair)
+    report["rebuilt"] = rebuilt
 
     def human() -> None:
+        if rebuilt is not None:
+            _say_rebuilt(rebuilt)
         for d in report["damaged"]:
             print(
                 f"damaged block {d['block_id']} segment {d['segment']:016x} "
@@ -242,6 +278,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for p in report["problems"]:
             print(f"problem: {p}")
         verdict = "ok" if ok else f"{len(report['damaged'])} damaged block(s)"
+        if args.repair and report["damaged"]:
+            verdict = f"{len(report['damaged'])} damaged block(s) taken out of the index"
         print(
             f"verified {report['records_checked']} records "
             f"({human_bytes(report['bytes_checked'])}): {verdict}"
@@ -310,7 +348,19 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--sessions", action="store_true", help="list sessions instead of segments")
     ls.add_argument("--salt", help="tenant salt whose sessions to list (default: no salt)")
     add("stats", cmd_stats, "live and dead bytes per segment, compression ratio")
-    add("verify", cmd_verify, "re-read and check every record; exit 1 if anything is damaged")
+    verify = add(
+        "verify", cmd_verify, "re-read and check every record; exit 1 if anything is damaged"
+    )
+    verify.add_argument(
+        "--repair",
+        action="store_true",
+        help="take damaged records out of the index; rebuild an index that cannot be opened",
+    )
+    add(
+        "rebuild-index",
+        cmd_rebuild_index,
+        "rebuild the index from the segment files (every handle on the store closed)",
+    )
     add("compact", cmd_compact, "rewrite live records, drop dead ones, delete old segments")
     gc = add("gc", cmd_gc, "evict the oldest blocks, then compact")
     gc.add_argument("--max-bytes", type=parse_bytes, help="keep at most this many live bytes")

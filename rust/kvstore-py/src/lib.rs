@@ -346,14 +346,23 @@ impl Store {
         Ok(out)
     }
 
-    #[pyo3(signature = (progress=None))]
+    #[pyo3(signature = (progress=None, repair=false))]
     fn verify<'py>(
         &self,
         py: Python<'py>,
         progress: Option<Py<PyAny>>,
+        repair: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let cb = progress_fn(progress);
-        let r = py.detach(|| self.engine.verify(&cb)).py()?;
+        let r = py
+            .detach(|| {
+                if repair {
+                    self.engine.repair(&cb)
+                } else {
+                    self.engine.verify(&cb)
+                }
+            })
+            .py()?;
         let d = PyDict::new(py);
         d.set_item("records_checked", r.records_checked)?;
         d.set_item("bytes_checked", r.bytes_checked)?;
@@ -419,9 +428,42 @@ fn compact_dict<'py>(py: Python<'py>, r: &kvstore::CompactReport) -> PyResult<Bo
     Ok(d)
 }
 
+/// Rebuilds a store's index from its segment files (every handle closed).
+#[pyfunction]
+#[pyo3(signature = (path, progress=None))]
+fn rebuild_index<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let cb = progress_fn(progress);
+    let r = py
+        .detach(|| kvstore::repair::rebuild_index(&path, &cb))
+        .py()?;
+    let d = PyDict::new(py);
+    d.set_item("segments", r.segments)?;
+    d.set_item("records", r.records)?;
+    d.set_item("blocks", r.blocks)?;
+    let damaged = PyList::empty(py);
+    for (segment, x) in r.damaged {
+        let e = PyDict::new(py);
+        e.set_item("segment", segment)?;
+        e.set_item("start", x.start)?;
+        e.set_item("end", x.end)?;
+        e.set_item("block_id", x.block_id.as_ref().map(kvstore::id::hex))?;
+        e.set_item("reason", x.reason)?;
+        damaged.append(e)?;
+    }
+    d.set_item("damaged", damaged)?;
+    d.set_item("skipped", r.skipped)?;
+    d.set_item("old_index", r.old_index)?;
+    Ok(d)
+}
+
 #[pymodule]
 fn _lib(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
+    m.add_function(wrap_pyfunction!(rebuild_index, m)?)?;
     m.add("FORMAT_VERSION", kvstore::format::FORMAT_VERSION)?;
     Ok(())
 }

@@ -113,7 +113,7 @@ impl SegmentInfo {
         b
     }
 
-    fn decode(b: &[u8]) -> Option<Self> {
+    pub fn decode(b: &[u8]) -> Option<Self> {
         if b.len() < 32 {
             return None;
         }
@@ -221,6 +221,18 @@ impl Index {
         });
         reg.insert(key, Arc::downgrade(&idx));
         Ok(idx)
+    }
+
+    /// Whether this process has the environment at `dir` open.
+    pub fn is_open_here(dir: &Path) -> bool {
+        let Ok(key) = dir.canonicalize() else {
+            return false;
+        };
+        registry()
+            .lock()
+            .expect("index registry")
+            .get(&key)
+            .is_some_and(|w| w.strong_count() > 0)
     }
 
     pub fn path(&self) -> &Path {

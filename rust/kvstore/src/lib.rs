@@ -18,6 +18,7 @@ mod io;
 mod known;
 pub mod layout;
 mod os;
+pub mod repair;
 pub mod scan;
 pub mod store;
 

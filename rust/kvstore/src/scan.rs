@@ -159,7 +159,7 @@ pub fn scan_segment<R: ReadAt + ?Sized>(
         len,
         meta_len,
         header: [0u8; RECORD_HEADER_LEN],
-        meta: Vec::with_capacity(meta_len),
+        meta: Vec::new(),
         chunk: Vec::new(),
         window: Vec::new(),
     };

@@ -335,7 +335,7 @@ fn now_ms() -> u64 {
 /// A MANIFEST is a few hundred bytes; anything past this is not one.
 const MANIFEST_MAX: u64 = 64 << 10;
 
-fn segment_path(dir: &Path, segment: u64) -> PathBuf {
+pub(crate) fn segment_path(dir: &Path, segment: u64) -> PathBuf {
     dir.join("segments").join(format!("{segment:016x}.kvseg"))
 }
 
@@ -590,7 +590,14 @@ impl Store {
     }
 
     pub fn verify(&self, progress: Progress<'_>) -> Result<VerifyReport> {
-        self.live()?.verify(progress)
+        self.live()?.verify(progress, false)
+    }
+
+    /// `verify`, and every damaged record found is taken out of the index
+    /// (a miss from now on, stored again by the next put of its tokens).
+    /// For an index that cannot be opened, see [`crate::repair`].
+    pub fn repair(&self, progress: Progress<'_>) -> Result<VerifyReport> {
+        self.live()?.verify(progress, true)
     }
 
     pub fn compact(&self, progress: Progress<'_>) -> Result<CompactReport> {
@@ -1746,8 +1753,8 @@ impl Inner {
     }
 
     /// Re-reads every indexed record and checks it; lists what is damaged.
-    /// Read-only: moves nothing.
-    fn verify(&self, progress: Progress<'_>) -> Result<VerifyReport> {
+    /// Read-only unless `repair`: then damaged records are quarantined.
+    fn verify(&self, progress: Progress<'_>, repair: bool) -> Result<VerifyReport> {
         let mut report = VerifyReport::default();
         let (blocks, segments, damaged) = {
             let txn = self.index.read()?;
@@ -1806,16 +1813,23 @@ impl Inner {
             let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
             match self.read_record(loc, id, None, &mut chunks, &mut scratch)? {
                 Ok(()) => {}
-                Err(fail) => report.damaged.push(Damage {
-                    block_id: id::hex(id),
-                    segment: loc.segment,
-                    offset: loc.offset,
-                    reason: match fail {
+                Err(fail) => {
+                    let reason = match fail {
                         ReadFail::Gone => "segment file is missing".into(),
                         ReadFail::Damaged(r) => r,
                         ReadFail::OtherTokens => unreachable!("verify passes no tokens"),
-                    },
-                }),
+                    };
+                    if repair {
+                        self.quarantine(id, loc, &reason)?;
+                        self.known.forget(id);
+                    }
+                    report.damaged.push(Damage {
+                        block_id: id::hex(id),
+                        segment: loc.segment,
+                        offset: loc.offset,
+                        reason,
+                    })
+                }
             }
             report.records_checked += 1;
             report.bytes_checked += loc.record_len;
@@ -2172,7 +2186,7 @@ impl Inner {
 }
 
 /// Waits for the store's LOCK (held only while a process creates or recovers).
-fn lock_with_timeout(f: &File, timeout: Duration) -> Result<()> {
+pub(crate) fn lock_with_timeout(f: &File, timeout: Duration) -> Result<()> {
     let start = Instant::now();
     loop {
         match f.try_lock() {

@@ -1,0 +1,187 @@
+//! Rebuilding the index from the segment files (`kvstore rebuild-index`,
+//! `kvstore verify --repair` on a store whose index cannot be opened).
+//!
+//! Segments are self-describing: every record carries its block id, token ids,
+//! lengths and checksums, so the block table can be recovered by scanning them
+//! ([`crate::scan`]). What lives only in the index is lost: sessions, pins,
+//! last-use times (set to the segment's modification time) and hit counters.
+//! The old index directory is kept beside the new one, renamed, never deleted.
+
+use crate::error::{Error, IoContext, Result};
+use crate::format::{self, Manifest};
+use crate::index::{Index, Location, SegmentInfo, SegmentState};
+use crate::io;
+use crate::scan::{self, DamagedRange};
+use crate::store::{lock_with_timeout, segment_path};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// What a rebuild found and did.
+#[derive(Clone, Debug, Default)]
+pub struct RebuildReport {
+    pub segments: u64,
+    /// Valid records found, and how many of them became index entries (a
+    /// block stored twice, by a dedupe race or a compaction, counts once).
+    pub records: u64,
+    pub blocks: u64,
+    /// Damaged ranges found (their blocks are misses; `verify` lists them).
+    pub damaged: Vec<(u64, DamagedRange)>,
+    /// Files in `segments/` that are not segments (left alone).
+    pub skipped: Vec<String>,
+    /// Where the previous index directory was moved, if there was one.
+    pub old_index: Option<String>,
+}
+
+/// Rebuilds `<dir>/index` from `<dir>/segments`. Every handle on the store, in
+/// every process, must be closed: a live writer (its segment locked) makes
+/// this `StoreLocked`.
+pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result<RebuildReport> {
+    let manifest_path = dir.join("MANIFEST");
+    let manifest = io::read_small(&manifest_path, 64 << 10)
+        .map_err(|e| Error::corrupt(&manifest_path, format!("cannot read it: {e}")))
+        .and_then(|b| Manifest::decode(&b).map_err(|r| Error::corrupt(&manifest_path, r)))?;
+    let layout = manifest
+        .layout()
+        .map_err(|e| Error::corrupt(&manifest_path, e.to_string()))?;
+    let lock = io::open_or_create(&dir.join("LOCK")).ctx(|| "the store's LOCK".into())?;
+    lock_with_timeout(&lock, Duration::from_secs(30))?;
+
+    let seg_dir = dir.join("segments");
+    io::ensure_dir(&seg_dir).ctx(|| format!("{}", seg_dir.display()))?;
+    let mut report = RebuildReport::default();
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(&seg_dir).ctx(|| format!("listing {}", seg_dir.display()))? {
+        let entry = entry.ctx(|| format!("listing {}", seg_dir.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        match name
+            .strip_suffix(".kvseg")
+            .and_then(|s| u64::from_str_radix(s, 16).ok())
+        {
+            Some(n) if segment_path(dir, n) == entry.path() => files.push(n),
+            _ => report.skipped.push(name),
+        }
+    }
+    files.sort_unstable();
+
+    // Hold every segment's lock: a writer still alive somewhere would append
+    // records the new index never hears of.
+    let mut held = Vec::new();
+    for &n in &files {
+        let path = segment_path(dir, n);
+        let f = match io::open_existing(&path, false) {
+            Ok(f) => f,
+            Err(e) => {
+                report.skipped.push(format!("{} ({e})", path.display()));
+                continue;
+            }
+        };
+        match f.try_lock() {
+            Ok(()) => held.push((n, f)),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(Error::StoreLocked(format!(
+                "segment {n:016x} is held by a live writer; close every handle on the store first"
+            )))
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(Error::from_io(format!("locking {}", path.display()), e))
+            }
+        }
+    }
+
+    // Move the old index aside (kept for inspection), then start a new one.
+    let index_dir = dir.join("index");
+    if Index::is_open_here(&index_dir) {
+        return Err(Error::StoreLocked(
+            "this process has the store open; close it before rebuilding its index".into(),
+        ));
+    }
+    if std::fs::symlink_metadata(&index_dir).is_ok() {
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let aside = dir.join(format!("index.old-{secs}"));
+        std::fs::rename(&index_dir, &aside).ctx(|| format!("moving {}", index_dir.display()))?;
+        report.old_index = Some(aside.display().to_string());
+    }
+    io::ensure_dir(&index_dir).ctx(|| format!("{}", index_dir.display()))?;
+    let index = Index::open(&index_dir, false, crate::index::DEFAULT_MAP_SIZE)?;
+
+    let mut blocks: HashMap<[u8; 32], Location> = HashMap::new();
+    let mut infos: Vec<(u64, SegmentInfo)> = Vec::new();
+    let total = held.len() as u64;
+    for (i, (n, file)) in held.iter().enumerate() {
+        let used_us = file
+            .metadata()
+            .ok()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(0);
+        let mut info = SegmentInfo {
+            state: SegmentState::Sealed,
+            ..SegmentInfo::new()
+        };
+        let scanned = scan::scan_segment(file, &layout, |r| {
+            report.records += 1;
+            let loc = Location {
+                segment: *n,
+                offset: r.offset,
+                record_len: r.record_len,
+                stored_len: r.header.stored_len,
+                used_us,
+            };
+            // Later segments hold the newer copy (compaction writes forward).
+            if let Some(old) = blocks.insert(r.header.block_id, loc) {
+                if let Some((_, i)) = infos.iter_mut().find(|(s, _)| *s == old.segment) {
+                    i.live_bytes -= old.record_len;
+                    i.live_records -= 1;
+                } else if old.segment == *n {
+                    info.live_bytes -= old.record_len;
+                    info.live_records -= 1;
+                }
+            }
+            info.live_bytes += r.record_len;
+            info.live_records += 1;
+        })
+        .ctx(|| format!("scanning segment {n:016x}"))?;
+        // Every byte of the file counts against the disk bound until
+        // compaction drops the dead and damaged ones.
+        info.committed_len = scanned.file_len.max(format::SEGMENT_HEADER_LEN as u64);
+        report
+            .damaged
+            .extend(scanned.damaged.into_iter().map(|d| (*n, d)));
+        infos.push((*n, info));
+        progress(i as u64 + 1, total);
+    }
+
+    let mut txn = index.write()?;
+    for (id, loc) in &blocks {
+        index.put_block(&mut txn, id, loc)?;
+    }
+    for (n, info) in &infos {
+        index.put_segment(&mut txn, *n, info)?;
+    }
+    for (n, d) in &report.damaged {
+        if let Some(id) = d.block_id.filter(|id| !blocks.contains_key(id)) {
+            let loc = Location {
+                segment: *n,
+                offset: d.start,
+                record_len: d.end - d.start,
+                stored_len: 0,
+                used_us: 0,
+            };
+            index.put_damaged(&mut txn, &id, &loc, &d.reason)?;
+        }
+    }
+    let next = files.last().map_or(1, |n| n + 1);
+    index.set_meta_u64(&mut txn, "next_segment", next)?;
+    index.bump_generation(&mut txn)?;
+    index.commit(txn, true)?;
+    report.segments = infos.len() as u64;
+    report.blocks = blocks.len() as u64;
+    drop(held);
+    drop(lock);
+    Ok(report)
+}

@@ -13,7 +13,12 @@ python3 -m pip install --quiet --editable '.[test]'
 step "rust: format, lints, tests"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test -p kvstore --locked
+cargo clippy -p kvstore --all-targets --all-features --locked -- -D warnings
+# With the fault-injection hooks: every test, plus crash, power loss and a
+# failed step at each durable step of a scripted workload (crash_points).
+cargo test -p kvstore --locked --features fault-injection -- --nocapture
+# A build whose block ids keep 16 bits: collisions are misses, never other KV.
+cargo test -p kvstore --locked --features test-short-ids --test collisions -- --nocapture
 
 step "python: lints, types, stubs"
 ruff check python tests benches

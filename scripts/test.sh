@@ -20,6 +20,9 @@ cargo test -p kvstore --locked --features fault-injection -- --nocapture
 # A build whose block ids keep 16 bits: collisions are misses, never other KV.
 cargo test -p kvstore --locked --features test-short-ids --test collisions -- --nocapture
 
+step "rust: fuzz the decoders and the segment scanner, 60 s per target"
+bash scripts/fuzz.sh
+
 step "python: lints, types, stubs"
 ruff check python tests benches
 ruff format --check python tests benches

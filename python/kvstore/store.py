@@ -12,6 +12,8 @@ layouts and "torch" for bfloat16/float8 layouts (numpy has no such dtypes).
 from __future__ import annotations
 
 import builtins
+import hashlib
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -25,6 +27,9 @@ from .errors import InvalidInput
 from .layout import Layout
 
 _U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+# Durations go to Rust as f64 seconds; Duration::from_secs_f64 panics at 2**64.
+_MAX_SECONDS = float(2**63)
 _NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
@@ -33,9 +38,20 @@ def _is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _check_dense_torch(x: Any, what: str) -> None:
+    """A strided tensor with data: sparse and meta tensors cannot be copied as bytes."""
+    import torch
+
+    if x.layout != torch.strided:
+        raise InvalidInput(f"{what}: expected a dense (strided) tensor, got layout {x.layout}")
+    if x.device.type == "meta":
+        raise InvalidInput(f"{what}: expected a tensor with data, got device {x.device}")
+
+
 def tokens_array(tokens: Any) -> np.ndarray:
     """Token ids as a contiguous uint32 array; raises InvalidInput otherwise."""
     if _is_torch(tokens):
+        _check_dense_torch(tokens, "tokens")
         tokens = tokens.detach().cpu().numpy()
     try:
         a = np.asarray(tokens)
@@ -80,36 +96,85 @@ def _check_shape(shape: tuple[int, ...], layout: Layout, what: str) -> int:
     return int(shape[2])
 
 
-def kv_bytes(kv: Any, layout: Layout, what: str = "kv") -> tuple[np.ndarray, int]:
-    """A `[L, 2, T, H, D]` tensor/array as a flat contiguous uint8 view (or copy) and T."""
+def kv_bytes(
+    kv: Any, layout: Layout, what: str = "kv", need: int | None = None
+) -> tuple[np.ndarray, int]:
+    """A `[L, 2, T, H, D]` tensor/array as a flat contiguous uint8 view (or copy) and T.
+
+    `need`: the tokens the caller will read. When a copy is needed anyway (not
+    contiguous, not on the CPU), only those are copied: a broadcast view of a huge T
+    must not be materialised whole.
+    """
     if _is_torch(kv):
         import torch
 
+        _check_dense_torch(kv, what)
         want = getattr(torch, layout.dtype, None)
         if kv.dtype != want:
             raise InvalidInput(f"{what}: expected dtype torch.{layout.dtype}, got {kv.dtype}")
         t = _check_shape(tuple(kv.shape), layout, what)
+        if need is not None and t > need and not (kv.device.type == "cpu" and kv.is_contiguous()):
+            kv, t = kv[:, :, :need], need
         cpu = kv.detach().to("cpu").contiguous()
         return cpu.reshape(-1).view(torch.uint8).numpy(), t
     if isinstance(kv, np.ndarray):
         if kv.dtype.name != layout.dtype:
             raise InvalidInput(f"{what}: expected dtype {layout.dtype}, got {kv.dtype}")
         t = _check_shape(kv.shape, layout, what)
-        return np.ascontiguousarray(kv).reshape(-1).view(np.uint8), t
+        if need is not None and t > need and not kv.flags.c_contiguous:
+            kv, t = kv[:, :, :need], need
+        # Big-endian input: store the values in native order (what get returns).
+        native = kv.dtype.newbyteorder("=")
+        return np.ascontiguousarray(kv, dtype=native).reshape(-1).view(np.uint8), t
     raise InvalidInput(f"{what}: expected a numpy array or torch tensor, got {type(kv).__name__}")
 
 
 def _out_bytes(out: Any, layout: Layout) -> tuple[np.ndarray, int]:
     """A writable flat uint8 view of a preallocated output; refuses a copy."""
     if _is_torch(out):
+        _check_dense_torch(out, "out")
         if out.device.type != "cpu":
             raise InvalidInput(f"out: expected a CPU tensor, got device {out.device}")
         if not out.is_contiguous():
             raise InvalidInput("out: expected a contiguous tensor")
-    elif isinstance(out, np.ndarray) and not (out.flags.c_contiguous and out.flags.writeable):
-        raise InvalidInput("out: expected a writable C-contiguous array")
+        start, nbytes = out.data_ptr(), out.numel() * out.element_size()
+    elif isinstance(out, np.ndarray):
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise InvalidInput("out: expected a writable C-contiguous array")
+        if not out.dtype.isnative:
+            raise InvalidInput(f"out: expected native byte order, got dtype {out.dtype.str}")
+        start, nbytes = out.__array_interface__["data"][0], out.nbytes
+    else:
+        start = nbytes = 0
+    # A tensor over the hot tier's read-only mapping (kvstore.torch.arena_view), or
+    # `.numpy()` of one, says it is writable: writing would kill the process.
+    pool = sys.modules.get("kvstore.torch")
+    if nbytes and pool is not None and pool._read_only_overlap(start, nbytes):
+        raise InvalidInput(
+            "out: expected writable memory, got a view of the read-only hot-tier mapping"
+        )
     flat, t = kv_bytes(out, layout, "out")
     return flat, t
+
+
+def _check_callable(progress: Any) -> None:
+    if progress is not None and not callable(progress):
+        raise InvalidInput(f"progress: expected a callable or None, got {type(progress).__name__}")
+
+
+def _check_seconds(name: str, value: Any, allow_zero: bool) -> None:
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+        and value < _MAX_SECONDS
+    )
+    if not ok:
+        kind = "non-negative" if allow_zero else "positive"
+        raise InvalidInput(
+            f"{name}: expected a {kind} number of seconds below 2**63, got {value!r}"
+        )
 
 
 class Store:
@@ -120,11 +185,21 @@ class Store:
     after it was opened: it raises StoreClosed there; open the store again.
     """
 
-    def __init__(self, raw: _lib.Store, layout: Layout, model: str, array: str) -> None:
+    def __init__(
+        self,
+        raw: _lib.Store,
+        layout: Layout,
+        model: str,
+        array: str,
+        tenant: bytes | None = None,
+    ) -> None:
         self._raw = raw
         self.layout = layout
         self.model = model
         self._array = array
+        # A digest of the salt (never the salt): lets in-process caches keyed by
+        # content (kvstore.torch.BlockPool) keep tenants apart as the store does.
+        self._tenant = tenant
 
     # -- properties -------------------------------------------------------------------------
 
@@ -154,7 +229,8 @@ class Store:
         (e.g. an adapter name): only a request with the same `extra` finds these blocks.
         """
         toks = tokens_array(tokens)
-        flat, t = kv_bytes(kv, self.layout)
+        b = self.layout.block_size
+        flat, t = kv_bytes(kv, self.layout, need=len(toks) // b * b)
         return self._raw.put(toks, flat, t, _extra(extra))
 
     def lookup(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
@@ -226,10 +302,14 @@ class Store:
         blocks pinned lower or not at all, and kept by `gc`, for `ttl` seconds (None:
         until `unpin`). Returns the tokens pinned. StoreFull if the hot tier is full of
         blocks pinned at `priority` or higher."""
-        if isinstance(priority, bool) or not isinstance(priority, int) or priority <= 0:
-            raise InvalidInput(f"priority: expected a positive int, got {priority!r}")
-        if ttl is not None and (not isinstance(ttl, (int, float)) or not ttl > 0):
-            raise InvalidInput(f"ttl: expected a positive number of seconds or None, got {ttl!r}")
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not 0 < priority <= _U64_MAX
+        ):
+            raise InvalidInput(f"priority: expected a positive int below 2**64, got {priority!r}")
+        if ttl is not None:
+            _check_seconds("ttl", ttl, allow_zero=False)
         return self._raw.pin(tokens_array(tokens), _extra(extra), priority, ttl)
 
     def unpin(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
@@ -267,7 +347,9 @@ class Store:
         if not isinstance(name, str):
             raise InvalidInput(f"name: expected str, got {type(name).__name__}")
         toks = tokens_array(tokens)
-        flat, t = kv_bytes(kv, self.layout)
+        b = self.layout.block_size
+        # The engine stores the full blocks of min(len(tokens), T) tokens.
+        flat, t = kv_bytes(kv, self.layout, need=len(toks) // b * b)
         return self._raw.save_session(name, toks, flat, t)
 
     def load_session(self, name: str, *, like: Any = None) -> tuple[Any, Any]:
@@ -319,10 +401,16 @@ class Store:
     def segments(self) -> list[dict[str, Any]]:
         return list(self._raw.segments())
 
-    def verify(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        return dict(self._raw.verify(progress))
+    def verify(
+        self, progress: Callable[[int, int], None] | None = None, repair: bool = False
+    ) -> dict[str, Any]:
+        """Re-reads every record. With `repair`, damaged ones leave the index (misses
+        from then on, stored again by the next put of their tokens)."""
+        _check_callable(progress)
+        return dict(self._raw.verify(progress, bool(repair)))
 
     def compact(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        _check_callable(progress)
         return dict(self._raw.compact(progress))
 
     def gc(
@@ -333,6 +421,17 @@ class Store:
     ) -> dict[str, Any]:
         """Evicts the oldest blocks (created more than `older_than` seconds ago, and
         until the live bytes fit `max_bytes`), then compacts."""
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool)
+            or not isinstance(max_bytes, int)
+            or not 0 <= max_bytes <= _U64_MAX
+        ):
+            raise InvalidInput(
+                f"max_bytes: expected a non-negative int below 2**64 or None, got {max_bytes!r}"
+            )
+        if older_than is not None:
+            _check_seconds("older_than", older_than, allow_zero=True)
+        _check_callable(progress)
         return dict(self._raw.gc(max_bytes, older_than, progress))
 
     def manifest(self) -> dict[str, Any]:
@@ -390,6 +489,12 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         raise InvalidInput("layout and model: give both (to open or create) or neither (to open)")
     if layout is not None and not isinstance(layout, Layout):
         raise InvalidInput(f"layout: expected kvstore.Layout, got {type(layout).__name__}")
+    if layout is not None:
+        for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(layout, field) > _U32_MAX:
+                raise InvalidInput(
+                    f"layout: expected {field} <= {_U32_MAX}, got {getattr(layout, field)}"
+                )
     if model is not None and (not isinstance(model, str) or not model):
         raise InvalidInput(f"model: expected a non-empty fingerprint string, got {model!r}")
     if isinstance(salt, str):
@@ -405,8 +510,15 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         ("hot_bytes", hot_bytes),
         ("index_bytes", index_bytes),
     ):
-        if value is not None and (not isinstance(value, int) or value <= 0):
-            raise InvalidInput(f"{name}: expected a positive int or None, got {value!r}")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _U64_MAX
+        ):
+            raise InvalidInput(
+                f"{name}: expected a positive int below 2**64 or None, got {value!r}"
+            )
+    for name, value in (("segment_bytes", segment_bytes), ("batch_window_ms", batch_window_ms)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _U64_MAX:
+            raise InvalidInput(f"{name}: expected a non-negative int below 2**64, got {value!r}")
     level = compression_level if compression == "zstd" else 0
     if compression == "zstd" and not 1 <= level <= 22:
         raise InvalidInput(f"compression_level: expected 1 to 22, got {level}")
@@ -430,7 +542,10 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     fingerprint = model if model is not None else raw.manifest()["fingerprint"]
     if array is None:
         array = "numpy" if actual.dtype in _NUMPY_DTYPES else "torch"
-    return Store(raw, actual, fingerprint, array)
+    tenant = None
+    if salt is not None:
+        tenant = hashlib.blake2b(bytes(salt), digest_size=16, person=b"kvstore-tenant").digest()
+    return Store(raw, actual, fingerprint, array, tenant)
 
 
 def _arena_dirs(hot_dir: str | os.PathLike[str] | None) -> list[Path]:
@@ -464,3 +579,17 @@ def remove_arena(
             arena.unlink()
             removed += 1
     return removed
+
+
+def rebuild_index(
+    path: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
+    """Rebuilds the store's index from its segment files, for an index that is lost or
+    damaged (`CorruptStore` on open). Every handle on the store must be closed.
+
+    Blocks come back; what only the index held does not: sessions, pins, last-use
+    times, hit counters. The old index directory is kept as `index.old-<time>`.
+    Returns segments, records, blocks, damaged (ranges) and old_index.
+    """
+    _check_callable(progress)
+    return dict(_lib.rebuild_index(os.fspath(path), progress))

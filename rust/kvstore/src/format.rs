@@ -88,6 +88,16 @@ pub fn decode_segment_header(h: &[u8]) -> Result<u64, String> {
             "segment header: version {version}, this build reads {SEGMENT_VERSION}"
         ));
     }
+    if u32_at(h, 12) != SEGMENT_HEADER_LEN as u32 {
+        return Err(format!(
+            "segment header: header length {}, expected {SEGMENT_HEADER_LEN}",
+            u32_at(h, 12)
+        ));
+    }
+    if u32_at(h, 28) != 0 {
+        // Not covered by the checksum, so it must hold its one valid value.
+        return Err("segment header: reserved bytes are not zero".into());
+    }
     Ok(u64_at(h, 16))
 }
 
@@ -176,8 +186,8 @@ pub fn decode_record_header(
     if flags & !KNOWN_FLAGS != 0 {
         return Err(format!("record header: unknown flags {flags:#x}"));
     }
-    if u32_at(h, 76) != 0 {
-        // Not covered by the header checksum, so it must hold its one valid value.
+    if u32_at(h, 76) != 0 || u32_at(h, 12) != 0 {
+        // Reserved: a header that decodes has one encoding.
         return Err("record header: reserved bytes are not zero".into());
     }
     let n_tokens = u32_at(h, 8);

@@ -332,6 +332,14 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+fn has_segment_files(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(".kvseg"))
+    })
+}
+
 /// A MANIFEST is a few hundred bytes; anything past this is not one.
 const MANIFEST_MAX: u64 = 64 << 10;
 
@@ -577,8 +585,8 @@ impl Store {
         let mut w = inner.writer.lock().expect("writer lock");
         inner.commit_pending(&mut w)?;
         drop(w);
-        inner.save_touches()?;
-        inner.save_counters()
+        inner.save_advisory();
+        Ok(())
     }
 
     pub fn stats(&self) -> Result<Stats> {
@@ -632,8 +640,8 @@ impl Store {
         let res = res.and_then(|_| inner.seal_active(&mut w));
         w.active = None;
         drop(w);
-        res.and_then(|_| inner.save_touches())
-            .and_then(|_| inner.save_counters())
+        inner.save_advisory();
+        res
     }
 }
 
@@ -738,6 +746,20 @@ impl Inner {
             opts.durability == Durability::None,
             opts.index_bytes,
         )?;
+        // An index that never handed out a segment number, beside segment
+        // files, was lost or replaced (an empty or new data.mdb). Opening it
+        // would show an empty store and, later, count the files as orphans.
+        let fresh = {
+            let txn = index.read()?;
+            index.meta_u64(&txn, "next_segment")? == 0
+        };
+        if fresh && has_segment_files(&dir.join("segments")) {
+            return Err(Error::corrupt(
+                dir.join("index"),
+                "the index knows no segments but segments/ holds segment files (index lost or \
+                 replaced); run `kvstore rebuild-index` to rebuild it from them",
+            ));
+        }
         let keyer = Keyer::new(&fingerprint, &layout, opts.salt.as_deref());
         let arena = match opts.hot_bytes {
             None => None,
@@ -918,7 +940,23 @@ impl Inner {
                 continue;
             }
             let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
-            let loc = self.append(&mut w, id, &tokens[i * b..(i + 1) * b], &chunks, true)?;
+            let loc = match self.append(&mut w, id, &tokens[i * b..(i + 1) * b], &chunks, true) {
+                Ok(loc) => loc,
+                Err(e) => {
+                    // A failed put publishes nothing: its records written so
+                    // far become dead bytes. (Blocks committed by a segment
+                    // roll inside this put stay: they are durable and sound.)
+                    let mine: std::collections::HashSet<&BlockId> =
+                        fresh.iter().map(|&j| &ids[j]).collect();
+                    w.pending.retain(|p| !mine.contains(&p.id));
+                    w.pending_ids.retain(|id, _| !mine.contains(id));
+                    w.pending_bytes = w.pending.iter().map(|p| p.loc.record_len).sum();
+                    if w.pending.is_empty() {
+                        w.oldest_pending = None;
+                    }
+                    return Err(e);
+                }
+            };
             fresh.push(i);
             let loc = Location {
                 used_us: t0.saturating_sub(i as u64),
@@ -1262,39 +1300,64 @@ impl Inner {
             }
         }
         drop(snap);
+        // Into the hot tier first; only what made it there is pinned in the
+        // index (what keeps blocks out of gc): a refused pin pins nothing.
+        let (pinned, refused) = match &self.arena {
+            Some(arena) => self.pin_hot(arena, tokens, &ids, &locs, priority, expires)?,
+            None => (locs.len(), None),
+        };
         let mut txn = self.index.write()?;
-        for id in &ids[..locs.len()] {
+        for id in &ids[..pinned] {
             self.index.put_pin(&mut txn, id, priority, expires)?;
         }
         self.index.commit(txn, self.durable())?;
-        if let Some(arena) = &self.arena {
-            let mut buf = vec![0u8; self.layout.block_bytes()];
-            let mut scratch = Vec::new();
-            for (i, (id, loc)) in ids.iter().zip(&locs).enumerate() {
-                if arena.pin(id, priority, expires)? {
-                    continue;
-                }
-                let block_tokens = &tokens[i * b..(i + 1) * b];
-                let mut chunks: Vec<&mut [u8]> =
-                    buf.chunks_mut(self.layout.chunk_bytes()).collect();
-                if self
-                    .read_record(loc, id, Some(block_tokens), &mut chunks, &mut scratch)?
-                    .is_err()
-                {
-                    return Ok(i * b); // damaged or compacted away: the pinned prefix ends here
-                }
-                let chunks: Vec<&[u8]> = buf.chunks(self.layout.chunk_bytes()).collect();
-                if arena.insert(id, block_tokens, &chunks, priority, expires, now_ms())?
-                    == Inserted::Full
-                {
-                    return Err(Error::StoreFull(format!(
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(pinned * b),
+        }
+    }
+
+    /// Pins the blocks at `locs` in the hot tier, loading those not there.
+    /// Returns how many of them are pinned (a prefix) and, if the hot tier
+    /// refused one, the `StoreFull` to report.
+    fn pin_hot(
+        &self,
+        arena: &Arena,
+        tokens: &[u32],
+        ids: &[BlockId],
+        locs: &[Location],
+        priority: u64,
+        expires: u64,
+    ) -> Result<(usize, Option<Error>)> {
+        let b = self.layout.block_size as usize;
+        let mut buf = vec![0u8; self.layout.block_bytes()];
+        let mut scratch = Vec::new();
+        for (i, (id, loc)) in ids.iter().zip(locs).enumerate() {
+            if arena.pin(id, priority, expires)? {
+                continue;
+            }
+            let block_tokens = &tokens[i * b..(i + 1) * b];
+            let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
+            if self
+                .read_record(loc, id, Some(block_tokens), &mut chunks, &mut scratch)?
+                .is_err()
+            {
+                return Ok((i, None)); // damaged or compacted away: the pinned prefix ends here
+            }
+            let chunks: Vec<&[u8]> = buf.chunks(self.layout.chunk_bytes()).collect();
+            if arena.insert(id, block_tokens, &chunks, priority, expires, now_ms())?
+                == Inserted::Full
+            {
+                return Ok((
+                    i,
+                    Some(Error::StoreFull(format!(
                         "the hot tier has no room for block {i} of this sequence: its slots hold \
                          blocks pinned at priority {priority} or higher"
-                    )));
-                }
+                    ))),
+                ));
             }
         }
-        Ok(locs.len() * b)
+        Ok((locs.len(), None))
     }
 
     fn unpin(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
@@ -1398,9 +1461,17 @@ impl Inner {
             t.times.len() >= TOUCHED_MAX || t.since.elapsed() >= TOUCHED_MAX_AGE
         };
         if due {
-            self.save_touches()?;
+            self.save_advisory();
         }
         Ok(())
+    }
+
+    /// Saves last-use times and hit counters, if it can: they only inform
+    /// eviction and statistics, so a full device or index map must not fail
+    /// a read, a flush or a close over them.
+    fn save_advisory(&self) {
+        let _ = self.save_touches();
+        let _ = self.save_counters();
     }
 
     /// Writes buffered last-use times to the index (not synced: losing them
@@ -1521,7 +1592,16 @@ impl Inner {
                             .expect("reader cache")
                             .remove(&loc.segment);
                     }
-                    Err(ReadFail::Gone | ReadFail::OtherTokens) => break 'blocks,
+                    Err(ReadFail::OtherTokens) => break 'blocks,
+                    Err(ReadFail::Gone) => {
+                        // Still pointing at a missing file after a fresh
+                        // look: lost, not compacted. Out of the index, so
+                        // the next put of these tokens stores it again.
+                        drop(snap.take());
+                        self.known.forget(id);
+                        self.quarantine(id, &loc, "segment file is missing")?;
+                        break 'blocks;
+                    }
                     Err(ReadFail::Damaged(reason)) => {
                         drop(snap.take());
                         self.known.forget(id);
@@ -2039,13 +2119,15 @@ impl Inner {
     /// writer's brand-new file is young, and locked a moment after creation.
     fn remove_orphans(&self) -> Result<()> {
         const ORPHAN_AGE: Duration = Duration::from_secs(60);
-        let known: std::collections::HashSet<u64> = {
+        let (known, next): (std::collections::HashSet<u64>, u64) = {
             let txn = self.index.read()?;
-            self.index
+            let known = self
+                .index
                 .all_segments(&txn)?
                 .into_iter()
                 .map(|(s, _)| s)
-                .collect()
+                .collect();
+            (known, self.index.meta_u64(&txn, "next_segment")?)
         };
         let Ok(entries) = std::fs::read_dir(self.dir.join("segments")) else {
             return Ok(());
@@ -2064,7 +2146,11 @@ impl Inner {
                 .ok()
                 .and_then(|m| m.elapsed().ok())
                 .is_none_or(|age| age < ORPHAN_AGE);
-            if known.contains(&n) || !meta.is_file() || young {
+            // An orphan's number was handed out (`next_segment` moved past
+            // it) before its writer died. A file numbered beyond that is not
+            // ours to judge: the index is older than the segments (restored
+            // from a backup?); `verify` and `rebuild-index` deal with it.
+            if known.contains(&n) || n >= next || !meta.is_file() || young {
                 continue;
             }
             if let Ok(f) = io::open_existing(&e.path(), false) {

@@ -25,8 +25,9 @@ Blocks added by decoding (`seq.reserve`, then `ops.write_kv` at
 `seq.slot_mapping`) belong to their sequence only; `pool.save(store, seq,
 tokens)` puts them into the store.
 
-The pool does not see a store's tenant salt: pools shared by tenants with
-different salts should give each tenant its own `namespace` in `load`.
+Keys include a digest of the store handle's tenant salt, so tenants with
+different salts sharing one pool never reuse each other's blocks (as in the
+store itself); `namespace` separates further when needed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ __all__ = ["BlockPool", "BlockTable", "PoolFull", "arena_view", "register_arena"
 # tensor's storage keeps the mmap (its owner) alive; the entry goes with the store.
 _ARENA_VIEWS: weakref.WeakKeyDictionary[Store, torch.Tensor] = weakref.WeakKeyDictionary()
 _REGISTERED: weakref.WeakKeyDictionary[Store, bool] = weakref.WeakKeyDictionary()
+# Address ranges of those read-only mappings, for as long as each mapping lives
+# (slices of a view outlive the view object and its store): `store.get(out=)`
+# refuses to write there (torch tensors carry no read-only flag; the write
+# would kill the process with SIGSEGV).
+_READ_ONLY: list[tuple[weakref.ref[mmap.mmap], int, int]] = []
+_READ_ONLY_LOCK = threading.Lock()
+
+
+def _read_only_overlap(start: int, nbytes: int) -> bool:
+    """Whether bytes `start .. start + nbytes` overlap a mapping made by `arena_view`."""
+    end = start + nbytes
+    with _READ_ONLY_LOCK:
+        _READ_ONLY[:] = [r for r in _READ_ONLY if r[0]() is not None]
+        return any(start < hi and lo < end for _, lo, hi in _READ_ONLY)
 
 
 def arena_view(store: Store) -> torch.Tensor | None:
@@ -77,6 +92,8 @@ def arena_view(store: Store) -> torch.Tensor | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that the buffer is read-only: we never write
         view = torch.frombuffer(mm, dtype=torch.uint8)
+    with _READ_ONLY_LOCK:
+        _READ_ONLY.append((weakref.ref(mm), view.data_ptr(), view.data_ptr() + length))
     _ARENA_VIEWS[store] = view
     return view
 
@@ -252,11 +269,13 @@ class BlockPool:
         self, store: Store, tokens: Any, *, extra: bytes | str | None = None, namespace: Any = None
     ) -> list[bytes]:
         """Content keys of the full blocks of `tokens`: a BLAKE2b chain over the model
-        fingerprint, `extra`, `namespace` and each block's token ids (u32 LE)."""
+        fingerprint, the handle's tenant (salt digest), `extra`, `namespace` and each
+        block's token ids (u32 LE)."""
         toks = tokens_array(tokens)
         b = self.layout.block_size
         root = hashlib.blake2b(digest_size=32)
-        scope = (store.model, self.layout._as_tuple(), _extra(extra), namespace)
+        tenant = getattr(store, "_tenant", None)
+        scope = (store.model, self.layout._as_tuple(), tenant, _extra(extra), namespace)
         root.update(repr(scope).encode())
         key = root.digest()
         keys = []

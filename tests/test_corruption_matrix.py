@@ -624,6 +624,9 @@ def _check_index(d: Path, template: Path, ctx: dict, case: dict) -> dict:
         for k, doc in enumerate(DOCS):
             try:
                 got = s.get(doc)
+            except kvstore.CorruptStore:
+                # LMDB found the damage on the way (MDB_CORRUPTED): a typed refusal.
+                return {"outcome": "refused-on-read"}
             except kvstore.KVStoreError as e:
                 return {"outcome": "get-error", "why": f"doc {k}: {type(e).__name__}: {e}"}
             if got.shape[2] == 0:
@@ -708,36 +711,19 @@ def _index_cases(template: Path, kind: str, rng: random.Random) -> list[dict]:
     return cases
 
 
-LMDB_SIGBUS = (
-    "engine: LMDB maps index/data.mdb as it is: a file shorter than its meta page's "
-    "last page (truncated anywhere past the meta pages) dies of SIGBUS on open"
-)
-LMDB_UNTYPED = (
-    "engine: MDB_CORRUPTED / MDB_PAGE_NOTFOUND surface as plain KVStoreError "
-    "('index: ...'): on open instead of CorruptStore, on get instead of a miss"
-)
-
-
-LMDB_META = (
-    "engine: flipped LMDB meta-page fields: page size (bytes 40..43) dies of SIGBUS; "
-    "main root (128..135) gives MDB_PAGE_NOTFOUND as a plain KVStoreError; last page "
-    "(140..143) StoreIOError ENOMEM or KVStoreError MDB_MAP_RESIZED; version (20..23) "
-    "StoreLocked ('another LMDB version'). Each should be CorruptStore"
-)
-
-
 @pytest.mark.parametrize(
     "kind",
     [
-        pytest.param("meta", marks=pytest.mark.xfail(strict=True, reason=LMDB_META)),
+        "meta",
         "flips",
-        pytest.param("zeroed", marks=pytest.mark.xfail(strict=True, reason=LMDB_UNTYPED)),
-        pytest.param("truncated", marks=pytest.mark.xfail(strict=True, reason=LMDB_SIGBUS)),
+        "zeroed",
+        "truncated",
     ],
 )
 def test_index_damage(templates, tmp_path, kind):
-    """A damaged index: CorruptStore on open, or every get a miss or the exact
-    bytes. Never a signal, a hang, an untyped error or wrong bytes."""
+    """A damaged index: CorruptStore on open (or on the read that meets the
+    damage), or every get a miss or the exact bytes. Never a signal, a hang, an
+    untyped error or wrong bytes."""
     template, ctx = templates["raw"]
     cases = _index_cases(template, kind, random.Random(13))
     results = _run(template, ctx, "_check_index", cases, tmp_path)
@@ -745,7 +731,7 @@ def test_index_damage(templates, tmp_path, kind):
     for r in results:
         if r["outcome"] not in ("served", "refused"):
             print(f"  {r['name']}: {r['outcome']} {r.get('why', '')}")
-    _assert_all(results, {"refused", "served", "served-with-misses"})
+    _assert_all(results, {"refused", "refused-on-read", "served", "served-with-misses"})
 
 
 @pytest.mark.parametrize("age", ["young", "old"])
@@ -879,30 +865,16 @@ def _arena_cases(template: Path, ctx: dict, region: str, rng: random.Random) -> 
     return cases
 
 
-ARENA_DATA_UNCHECKED = pytest.mark.xfail(
-    strict=True,
-    reason="engine: hot-tier slot data carries no checksum; a flipped or zeroed byte in "
-    "a slot's data is served as the block's KV (wrong bytes)",
-)
-
-
-ARENA_GEOMETRY = pytest.mark.xfail(
-    strict=True,
-    reason="engine: the arena's geometry words are trusted: a flipped data offset serves "
-    "another slot's bytes; a huge slot count overflows the size check and panics",
-)
-
-
 @pytest.mark.parametrize(
     "region",
     [
         "header-identity",
-        pytest.param("header-geometry", marks=ARENA_GEOMETRY),
+        "header-geometry",
         "slot-header",
-        pytest.param("slot-data", marks=ARENA_DATA_UNCHECKED),
+        "slot-data",
         "truncated",
         "zeroed-meta",
-        pytest.param("zeroed-data", marks=ARENA_DATA_UNCHECKED),
+        "zeroed-data",
     ],
 )
 def test_arena_damage(templates, tmp_path, region):

@@ -481,8 +481,9 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
       sizes it. It lives in `hot_dir`, else $KVSTORE_HOT_DIR, else a hugetlbfs mount
       with room, else /dev/shm, as `kvstore-<store id>.arena`, and outlives the
       processes (that is the point); `kvstore.remove_arena(path)` deletes it.
-    - `index_bytes`: bound on the LMDB index map (default 64 GiB, reserved virtually);
-      a full index raises StoreFull. The first handle of a process sets it.
+    - `index_bytes`: bound on the LMDB index map (at least 2 MiB; default 64 GiB,
+      reserved virtually). Puts raise StoreFull at three quarters of it (all but 1 MiB
+      at least), keeping the rest for gc. The first handle of a process sets it.
     - With `layout` and `model` both None, opens an existing store as its MANIFEST says.
     """
     if (layout is None) != (model is None):

@@ -193,15 +193,7 @@ impl Store {
         ttl_s: Option<f64>,
     ) -> PyResult<usize> {
         let t = slice(&tokens, "tokens")?;
-        let ttl = match ttl_s {
-            Some(s) if !(s.is_finite() && s > 0.0) => {
-                return Err(to_pyerr(kvstore::Error::InvalidInput(format!(
-                    "ttl: expected a positive number of seconds or None, got {s}"
-                ))))
-            }
-            Some(s) => Some(Duration::from_secs_f64(s)),
-            None => None,
-        };
+        let ttl = ttl_s.map(|s| seconds("ttl", s, true)).transpose()?;
         py.detach(|| self.engine.pin(t, extra, priority, ttl)).py()
     }
 
@@ -399,15 +391,9 @@ impl Store {
         older_than_s: Option<f64>,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let older = match older_than_s {
-            Some(s) if !(s.is_finite() && s >= 0.0) => {
-                return Err(to_pyerr(kvstore::Error::InvalidInput(format!(
-                    "older_than: expected a non-negative duration, got {s}s"
-                ))))
-            }
-            Some(s) => Some(Duration::from_secs_f64(s)),
-            None => None,
-        };
+        let older = older_than_s
+            .map(|s| seconds("older_than", s, false))
+            .transpose()?;
         let cb = progress_fn(progress);
         let r = py.detach(|| self.engine.gc(max_bytes, older, &cb)).py()?;
         let d = PyDict::new(py);
@@ -426,6 +412,21 @@ fn compact_dict<'py>(py: Python<'py>, r: &kvstore::CompactReport) -> PyResult<Bo
     d.set_item("bytes_before", r.bytes_before)?;
     d.set_item("bytes_after", r.bytes_after)?;
     Ok(d)
+}
+
+/// Seconds from Python as a `Duration`: `InvalidInput` when negative (or zero,
+/// if it must be `positive`), not finite, or too large to represent.
+fn seconds(what: &str, s: f64, positive: bool) -> PyResult<Duration> {
+    let sign_ok = if positive { s > 0.0 } else { s >= 0.0 };
+    sign_ok
+        .then(|| Duration::try_from_secs_f64(s).ok())
+        .flatten()
+        .ok_or_else(|| {
+            to_pyerr(kvstore::Error::InvalidInput(format!(
+                "{what}: expected a {} number of seconds, got {s}",
+                if positive { "positive" } else { "non-negative" }
+            )))
+        })
 }
 
 /// Rebuilds a store's index from its segment files (every handle closed).

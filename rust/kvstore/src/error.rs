@@ -99,6 +99,13 @@ impl From<heed::Error> for Error {
             heed::Error::Mdb(heed::MdbError::MapFull) => {
                 Error::StoreFull("the index map is full (LMDB MDB_MAP_FULL)".into())
             }
+            heed::Error::Mdb(
+                e @ (heed::MdbError::Corrupted
+                | heed::MdbError::PageNotFound
+                | heed::MdbError::Invalid
+                | heed::MdbError::BadValSize
+                | heed::MdbError::Incompatible),
+            ) => Error::corrupt("index", format!("LMDB reports damage: {e}")),
             heed::Error::Io(source) => Error::from_io("index".into(), source),
             heed::Error::Mdb(heed::MdbError::Other(code))
                 if code == rustix::io::Errno::NOSPC.raw_os_error() =>

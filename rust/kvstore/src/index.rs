@@ -146,6 +146,85 @@ pub struct Index {
     path: PathBuf,
 }
 
+/// LMDB trusts its data file: a page size, last page or root out of range
+/// makes it fault (SIGBUS past the end of the file) rather than fail. So the
+/// two meta pages are checked before LMDB maps the file: magic, version, page
+/// size, and that the newest meta's pages all lie inside the file. (Damage
+/// deeper in the tree LMDB reports itself, as MDB_CORRUPTED or
+/// MDB_PAGE_NOTFOUND, which become `CorruptStore`.)
+fn check_lmdb_file(path: &Path) -> std::result::Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    const MAGIC: u32 = 0xBEEF_C0DE;
+    const DATA_VERSION: u32 = 1;
+    const P_META: u16 = 0x08;
+    const P_INVALID: u64 = u64::MAX;
+    let file = match crate::io::open_existing(path, false) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()), // LMDB creates it
+        Err(e) => return Err(format!("cannot open it: {e}")),
+    };
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    if len == 0 {
+        return Ok(()); // created but never written: LMDB initialises it
+    }
+    let psize = rustix::param::page_size() as u64;
+    if len < 2 * psize {
+        return Err(format!("{len} bytes, shorter than its two meta pages"));
+    }
+    let mut newest: Option<(u64, u64, [u64; 2])> = None; // (txnid, last page, roots)
+    for i in 0..2u64 {
+        let mut p = [0u8; 152];
+        file.read_exact_at(&mut p, i * psize)
+            .map_err(|e| format!("reading meta page {i}: {e}"))?;
+        let u16_at = |at: usize| u16::from_le_bytes([p[at], p[at + 1]]);
+        let u32_at = |at: usize| u32::from_le_bytes(p[at..at + 4].try_into().expect("4 bytes"));
+        let u64_at = |at: usize| u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
+        // MDB_page header (16 bytes), then MDB_meta: magic, version, address,
+        // map size, two MDB_db of 48 bytes (md_pad of the first = page size,
+        // md_root at +40), last page, txn id.
+        if u16_at(10) & P_META == 0 || u32_at(16) != MAGIC || u32_at(20) != DATA_VERSION {
+            return Err(format!(
+                "meta page {i} is damaged (flags, magic or version)"
+            ));
+        }
+        if u64::from(u32_at(40)) != psize {
+            return Err(format!(
+                "meta page {i} gives a page size of {}, this system's is {psize}",
+                u32_at(40)
+            ));
+        }
+        if u64_at(32) > 1 << 46 {
+            return Err(format!(
+                "meta page {i} gives an absurd map size {}",
+                u64_at(32)
+            ));
+        }
+        let (last, txn) = (u64_at(136), u64_at(144));
+        if newest.is_none_or(|(t, _, _)| txn > t) {
+            newest = Some((txn, last, [u64_at(80), u64_at(128)]));
+        }
+    }
+    let (_, last, roots) = newest.expect("two meta pages read");
+    let need = last
+        .checked_add(1)
+        .and_then(|n| n.checked_mul(psize))
+        .ok_or_else(|| format!("last page {last} is absurd"))?;
+    if need > len {
+        return Err(format!(
+            "its last page ends at byte {need}, past the end of the file ({len} bytes): truncated"
+        ));
+    }
+    if roots.iter().any(|&r| r != P_INVALID && (r < 2 || r > last)) {
+        return Err(format!(
+            "a root page {roots:?} lies outside pages 2..={last}"
+        ));
+    }
+    Ok(())
+}
+
+/// Index bytes kept back from puts, at the least (see `nearly_full`).
+pub const INDEX_RESERVE: u64 = 1 << 20;
+
 /// Default virtual size reserved for the index map. LMDB grows the file only
 /// as needed; 64 GiB covers ~500M blocks.
 pub const DEFAULT_MAP_SIZE: u64 = 64 << 30;
@@ -178,6 +257,9 @@ impl Index {
                 }
                 _ => {}
             }
+        }
+        if let Err(reason) = check_lmdb_file(&key.join("data.mdb")) {
+            return Err(Error::corrupt(key.join("data.mdb"), reason));
         }
         // LMDB wants a multiple of the OS page size.
         let map_size =
@@ -221,6 +303,21 @@ impl Index {
         });
         reg.insert(key, Arc::downgrade(&idx));
         Ok(idx)
+    }
+
+    /// Whether the map is too full to take more entries. LMDB copies pages
+    /// on write, so even a delete needs free pages, and deletes free few
+    /// (half-empty pages stay): a quarter of the map, at least 1 MiB, is kept
+    /// back for gc, eviction, compaction and quarantines.
+    pub fn nearly_full(&self) -> Result<bool> {
+        let info = self.env.info();
+        let map = info.map_size as u64;
+        let limit = map - (map / 4).max(INDEX_RESERVE).min(map);
+        let psize = rustix::param::page_size() as u64;
+        if (info.last_page_number as u64 + 1) * psize <= limit {
+            return Ok(false); // never grew that far
+        }
+        Ok(self.env.non_free_pages_size()? > limit)
     }
 
     /// Whether this process has the environment at `dir` open.

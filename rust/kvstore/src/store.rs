@@ -92,8 +92,10 @@ pub struct Options {
     /// `KVSTORE_HOT_DIR` environment variable, else a hugetlbfs mount with
     /// room, else `/dev/shm`.
     pub hot_dir: Option<PathBuf>,
-    /// Virtual size of the LMDB index map: a bound on index bytes (a full map is
-    /// `StoreFull`). The first handle of a process to open the store sets it.
+    /// Virtual size of the LMDB index map (at least 2 MiB): a bound on index
+    /// bytes. Puts are `StoreFull` past three quarters of it (or past all but
+    /// 1 MiB, if less); the rest is kept for gc and eviction. The first handle of a process to open the store
+    /// sets it.
     pub index_bytes: u64,
 }
 
@@ -393,6 +395,13 @@ impl Store {
             return Err(Error::InvalidInput(format!(
                 "segment_bytes: expected at least 1 MiB, got {}",
                 opts.segment_bytes
+            )));
+        }
+        if opts.index_bytes < 2 * crate::index::INDEX_RESERVE {
+            // At least as much for entries as is kept back for gc.
+            return Err(Error::InvalidInput(format!(
+                "index_bytes: expected at least 2 MiB, got {}",
+                opts.index_bytes
             )));
         }
         let inner = Arc::new(Inner::open(dir, opts)?);
@@ -1204,6 +1213,13 @@ impl Inner {
     }
 
     fn publish_pending(&self, w: &Writer, segment: u64, committed_len: u64) -> Result<()> {
+        if self.index.nearly_full()? {
+            return Err(Error::StoreFull(
+                "the index map is nearly full (the rest is kept for gc); free blocks with gc, \
+                 or reopen with a larger index_bytes"
+                    .into(),
+            ));
+        }
         let mut txn = self.index.write()?;
         let mut live_bytes = 0i64;
         let mut live_records = 0i64;
@@ -1992,7 +2008,8 @@ impl Inner {
                     Err(ReadFail::Damaged(r)) => dropped.push((*id, *loc, r)),
                     Err(ReadFail::OtherTokens) => unreachable!("compaction passes no tokens"),
                 }
-                if out.pending_bytes >= 64 << 20 {
+                // Bounded transactions, as in `evict`.
+                if out.pending_bytes >= 64 << 20 || moved.len() >= 1024 {
                     self.publish_moves(&mut out, &mut moved)?;
                 }
                 done += 1;
@@ -2082,32 +2099,32 @@ impl Inner {
             fault::sync_data(&active.file)
                 .ctx(|| format!("fdatasync segment {}", active.segment))?;
         }
-        let mut txn = self.index.write()?;
-        for (id, old, new) in moved.iter() {
-            if self
-                .index
-                .get_block_rw(&txn, id)?
-                .is_some_and(|l| l.same_record(old))
-            {
-                self.index.move_block(
-                    &mut txn,
-                    id,
-                    &Location {
+        // Each move stands alone (its record is synced), so they may commit
+        // in several transactions.
+        self.in_batches(moved, |txn, batch| {
+            for (id, old, new) in batch {
+                if self
+                    .index
+                    .get_block_rw(txn, id)?
+                    .is_some_and(|l| l.same_record(old))
+                {
+                    let new = Location {
                         used_us: old.used_us,
                         ..*new
-                    },
-                )?;
-                self.index
-                    .add_live(&mut txn, old.segment, -(old.record_len as i64), -1)?;
-                self.index
-                    .add_live(&mut txn, new.segment, new.record_len as i64, 1)?;
+                    };
+                    self.index.move_block(txn, id, &new)?;
+                    self.index
+                        .add_live(txn, old.segment, -(old.record_len as i64), -1)?;
+                    self.index
+                        .add_live(txn, new.segment, new.record_len as i64, 1)?;
+                }
             }
-        }
-        if let Some(mut info) = self.index.get_segment(&txn, active.segment)? {
-            info.committed_len = active.len;
-            self.index.put_segment(&mut txn, active.segment, &info)?;
-        }
-        self.index.commit(txn, self.durable())?;
+            if let Some(mut info) = self.index.get_segment(txn, active.segment)? {
+                info.committed_len = active.len;
+                self.index.put_segment(txn, active.segment, &info)?;
+            }
+            Ok((0, 0))
+        })?;
         moved.clear();
         out.pending_bytes = 0;
         Ok(())
@@ -2197,7 +2214,8 @@ impl Inner {
         older_than: Option<Duration>,
         keep: &std::collections::HashSet<BlockId>,
     ) -> Result<(u64, u64)> {
-        self.save_touches()?;
+        // Best effort: fresher last-use times make a better choice.
+        let _ = self.save_touches();
         let (mut blocks, pinned) = {
             let txn = self.index.read()?;
             (
@@ -2219,25 +2237,52 @@ impl Inner {
             live -= loc.record_len;
             evict.push((*id, *loc));
         }
-        let (mut n, mut bytes) = (0, 0);
-        for batch in evict.chunks(4096) {
-            let mut txn = self.index.write()?;
+        self.in_batches(&evict, |txn, batch| {
+            let (mut n, mut bytes) = (0, 0);
             for (id, loc) in batch {
                 if self
                     .index
-                    .get_block_rw(&txn, id)?
+                    .get_block_rw(txn, id)?
                     .is_some_and(|l| l.same_record(loc))
                 {
-                    self.index.delete_block(&mut txn, id)?;
+                    self.index.delete_block(txn, id)?;
                     self.index
-                        .add_live(&mut txn, loc.segment, -(loc.record_len as i64), -1)?;
+                        .add_live(txn, loc.segment, -(loc.record_len as i64), -1)?;
                     n += 1;
                     bytes += loc.record_len;
                 }
             }
-            self.index.commit(txn, self.durable())?;
+            Ok((n, bytes))
+        })
+    }
+
+    /// Applies `apply` to `items` in index transactions of up to 4096 items,
+    /// halving the batch whenever the index map is full: LMDB copies every
+    /// page a transaction touches, so a big delete or move can need more free
+    /// pages than a full map has, while small ones free pages the next reuses.
+    /// Returns the sums of what `apply` returned for the committed batches.
+    fn in_batches<T>(
+        &self,
+        items: &[T],
+        mut apply: impl FnMut(&mut heed::RwTxn<'_>, &[T]) -> Result<(u64, u64)>,
+    ) -> Result<(u64, u64)> {
+        let (mut sum, mut size, mut rest) = ((0, 0), 4096, items);
+        while !rest.is_empty() {
+            let batch = &rest[..size.min(rest.len())];
+            let res = self.index.write().and_then(|mut txn| {
+                let r = apply(&mut txn, batch)?;
+                self.index.commit(txn, self.durable()).map(|_| r)
+            });
+            match res {
+                Ok((a, b)) => {
+                    sum = (sum.0 + a, sum.1 + b);
+                    rest = &rest[batch.len()..];
+                }
+                Err(Error::StoreFull(_)) if batch.len() > 1 => size = batch.len() / 2,
+                Err(e) => return Err(e),
+            }
         }
-        Ok((n, bytes))
+        Ok(sum)
     }
 
     /// Frees room for `need` more bytes under `limit` (`disk_bytes`): evicts

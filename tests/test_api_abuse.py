@@ -840,10 +840,15 @@ for _ in range(8):
         except kvstore.StoreClosed:
             code = 0
         if code == 0:
-            # a fresh handle works in the child, with the parent writing meanwhile
+            # reopening while the parent has the store open (and threads inside
+            # LMDB transactions) is refused, saying why: never a crash
             try:
                 with kvstore.open(path, layout=layout, model="m", durability="none") as c:
-                    assert_kv_equal(c.get(a), kv_for(layout, a))
+                    c.get(a)
+                print("child reopen: not refused", flush=True)
+                code = 2
+            except kvstore.StoreClosed as e:
+                code = 0 if "fork" in str(e) else 2
             except BaseException as e:
                 print("child reopen:", repr(e), flush=True)
                 code = 2
@@ -861,6 +866,7 @@ print("codes", codes, flush=True)
 
 def test_fork_while_other_threads_write(tmp_path):
     """fork() while threads of the parent are inside put/lookup (holding the engine's
-    locks): the child gets StoreClosed at once, not a deadlock, and can reopen."""
+    locks): the child gets StoreClosed at once, not a deadlock, and reopening is
+    refused with StoreClosed (the LMDB environment may be mid-transaction)."""
     out = _child_ok(_FORK_BUSY, tmp_path / "s", timeout=180)
     assert "codes [0, 0, 0, 0, 0, 0, 0, 0]" in out, out

@@ -1,5 +1,9 @@
 """fork() (SPEC 2): a child that touches a handle opened before the fork gets
 StoreClosed telling it to reopen, never corruption; the parent keeps working.
+Reopening in the child works when the parent had closed its handles before
+forking; while the parent has the store open it is refused (StoreClosed): the
+LMDB environment cannot cross fork() (another parent thread may have been in
+the middle of a write transaction).
 The fork happens in a helper process, not in pytest; the child reports through
 its exit code."""
 
@@ -21,6 +25,8 @@ s = kvstore.open(path, layout=layout, model="m", durability=durability)
 a = seq(0, 32)
 s.put(a, kv_for(layout, a))
 s.flush()
+if what == "reopen-closed":
+    s.close()
 
 pid = os.fork()
 if pid == 0:
@@ -45,15 +51,19 @@ if pid == 0:
         code = 3 if ("fork" in msg and "open" in msg) else 4
     except BaseException:
         code = 6
-    if what == "reopen" or code == 3:
-        # a new handle in the child works, and sees the parent's blocks
+    if what in ("reopen", "reopen-closed") or code == 3:
+        # a new handle in the child: works, and sees the parent's blocks, if the
+        # parent closed its handle before forking; else refused, saying why
         try:
             with kvstore.open(path, layout=layout, model="m", durability="none") as c:
                 assert_kv_equal(c.get(a), kv_for(layout, a))
                 b = seq(9000, 16)
                 c.put(b, kv_for(layout, b))
                 assert_kv_equal(c.get(b), kv_for(layout, b))
-            code = 3 if what != "reopen" else 7
+            code = 7 if what == "reopen-closed" else 8
+        except kvstore.StoreClosed as e:
+            refused = "fork" in str(e) and what != "reopen-closed"
+            code = (9 if what == "reopen" else 3) if refused else 8
         except BaseException as e:
             print("child reopen failed:", repr(e), flush=True)
             code = 8
@@ -61,13 +71,15 @@ if pid == 0:
 
 _, status = os.waitpid(pid, 0)
 code = os.waitstatus_to_exitcode(status)
+if what == "reopen-closed":
+    s = kvstore.open(path, layout=layout, model="m", durability=durability)
 # the parent's handle still works, reads and writes
 assert_kv_equal(s.get(a), kv_for(layout, a))
 c = seq(7000, 24)
 s.put(c, kv_for(layout, c))
 s.flush()
 assert_kv_equal(s.get(c), kv_for(layout, c))
-if what in ("reopen",) or code == 3:
+if code == 7:
     b = seq(9000, 16)
     assert s.lookup(b) == 16, "parent does not see the child's blocks"
     assert_kv_equal(s.get(b), kv_for(layout, b))
@@ -85,7 +97,7 @@ def test_handle_from_before_fork_raises_in_child(tmp_path, what, durability):
         4: "StoreClosed without telling the child to reopen after fork",
         5: "no exception: the child used the parent's handle",
         6: "another exception than StoreClosed",
-        8: "reopening in the child failed",
+        8: "reopening in the child did not refuse with StoreClosed naming fork",
     }.get(code, f"child exit code {code}\n{out}")
     _check_after(tmp_path / "s")
 
@@ -96,8 +108,15 @@ def test_close_in_child_leaves_parent_alone(tmp_path):
     _check_after(tmp_path / "s")
 
 
-def test_reopen_in_child(tmp_path):
+def test_reopen_in_child_while_the_parent_has_it_open_is_refused(tmp_path):
     out = run_child(FORK, tmp_path / "s", "batch", "reopen").stdout
+    code = int(out.split("child-exit")[1].split()[0])
+    assert code == 9, out
+    _check_after(tmp_path / "s")
+
+
+def test_reopen_in_child_after_the_parent_closed(tmp_path):
+    out = run_child(FORK, tmp_path / "s", "batch", "reopen-closed").stdout
     code = int(out.split("child-exit")[1].split()[0])
     assert code == 7, out
     _check_after(tmp_path / "s")

@@ -37,7 +37,8 @@ class StoreFull(KVStoreError):
 
 
 class StoreClosed(KVStoreError):
-    """The handle is closed, or was opened before a fork() in another process."""
+    """The handle is closed, or was opened before a fork() in another process, or the
+    store is reopened in a child forked while the parent had it open."""
 
 
 class StoreLocked(KVStoreError):

@@ -144,6 +144,8 @@ pub struct Index {
     meta: Db,
     nosync: bool,
     path: PathBuf,
+    /// The process that opened the environment.
+    pid: u32,
 }
 
 /// LMDB trusts its data file: a page size, last page or root out of range
@@ -243,6 +245,17 @@ impl Index {
         })?;
         let mut reg = registry().lock().expect("index registry");
         if let Some(idx) = reg.get(&key).and_then(Weak::upgrade) {
+            if idx.pid != std::process::id() {
+                // Inherited through fork(): LMDB's in-memory state may be
+                // mid-transaction (another thread of the parent was writing),
+                // and heed will not open the path twice in one process.
+                return Err(Error::StoreClosed(format!(
+                    "{} was open in the parent process when it forked: an LMDB \
+                     environment cannot cross fork(). Open the store only after forking \
+                     (or close every handle before), or start workers with 'spawn'",
+                    dir.display()
+                )));
+            }
             return Ok(idx);
         }
         // LMDB follows symlinks; we do not: a planted link could point the
@@ -300,6 +313,7 @@ impl Index {
             meta,
             nosync,
             path: key.clone(),
+            pid: std::process::id(),
         });
         reg.insert(key, Arc::downgrade(&idx));
         Ok(idx)

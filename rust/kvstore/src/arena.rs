@@ -21,12 +21,24 @@
 //! process's `flock`, so a crash at any instruction leaves nothing locked.
 //!
 //! Each slot has a version counter used as a seqlock. A writer makes it odd,
-//! fills id, tokens and data, then makes it even. Readers take no lock: they
-//! read an even version, compare the id and token ids, copy the data, and
-//! read the version again; a change means the copy may be torn or the slot
-//! reused, and the copy is thrown away (the caller falls back to the segment
-//! files). A writer that died mid-write leaves an odd version: readers skip
-//! the slot, and the next writer to visit the set reclaims it. No slot leaks.
+//! fills id, tokens, data and the data's checksum, then makes it even.
+//! Readers take no lock: they read an even version, compare the id and token
+//! ids, copy the data (checksumming it in the same pass), and read the
+//! version again; a change means the copy may be torn
+//! or the slot reused, and the copy is thrown away (the caller falls back to
+//! the segment files). A writer that died mid-write leaves an odd version:
+//! readers skip the slot, and the next writer to visit the set reclaims it.
+//! No slot leaks.
+//!
+//! # Damage
+//!
+//! The arena is a file anyone with the owner's uid can write, and memory can
+//! flip. Nothing read from it is trusted: the geometry in the header must be
+//! exactly what the layout and the file's size give (else the arena is
+//! refused), and a slot whose data does not match its checksum is a miss.
+//! The reader then reads the segments and re-inserts the block; the writer,
+//! finding the block present but damaged, rewrites the slot with the good
+//! bytes (keeping its pin).
 //!
 //! Eviction within a set: empty or torn slots first, then blocks whose pin
 //! has expired or was never set, lowest priority first, least recently used
@@ -39,11 +51,12 @@ use crate::os::SharedMap;
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"KVARENA\x01");
-const VERSION: u64 = 1;
+/// 2: slot headers carry a crc32c of the slot's data (`S_CRC`).
+const VERSION: u64 = 2;
 const HEADER_LEN: usize = 4096;
 const DATA_ALIGN: usize = 2 << 20;
 /// Slot data starts half a page past a page boundary. Callers' buffers
@@ -78,7 +91,25 @@ const S_STATE: usize = 40; // 0 empty, 1 holds a block
 const S_PRIORITY: usize = 48;
 const S_EXPIRES: usize = 56; // ms since the epoch; 0 = never
 const S_LAST_USED: usize = 64; // value of the arena's tick
-const S_TOKENS: usize = 72; // block_size × u32
+const S_CRC: usize = 72; // `data_crc` of the slot's data, zero-extended
+const S_TOKENS: usize = 80; // block_size × u32
+
+/// The slot checksum runs this many crc32c chains, chain `k` over the block's
+/// runs `k, k + LANES, k + 2 × LANES, …`: a reader computes all of them in the
+/// same pass as its copy (`SharedMap::read_crc32c`), which then runs as fast
+/// as a plain copy (one chain alone is slower than memory).
+const LANES: usize = 4;
+/// Piece size of the scratch buffer for checksumming a slot in place.
+const SCRATCH: usize = 64 << 10;
+
+/// The slot checksum from its lanes' crc32c: the crc32c of the lanes' values.
+fn fold(lanes: [u32; LANES]) -> u64 {
+    let mut bytes = [0u8; 4 * LANES];
+    for (b, lane) in bytes.chunks_exact_mut(4).zip(lanes) {
+        b.copy_from_slice(&lane.to_le_bytes());
+    }
+    u64::from(crc32c::crc32c(&bytes))
+}
 
 /// What kind of pages back the arena, as the kernel reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -136,44 +167,98 @@ pub struct Arena {
     slot_size: usize,
     data_off: usize,
     block_size: usize,
+    block_bytes: usize,
     chunk_bytes: usize,
     page_kind: PageKind,
+    /// Per slot, `version | 1` of the slot's contents whose checksum this
+    /// process checked for `locate` (0: none), so a block copied out by DMA
+    /// is checked once per process and version, not on every copy.
+    located: OnceLock<Box<[AtomicU64]>>,
 }
 
-fn round_up(x: usize, to: usize) -> usize {
-    x.div_ceil(to) * to
+/// Where everything lies in an arena: a function of the layout and the size
+/// alone, so an existing arena's header can be checked word for word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Geometry {
+    nslots: usize,
+    ways: usize,
+    slot_hdr: usize,
+    slot_size: usize,
+    data_off: usize,
+    total: usize,
+}
+
+impl Geometry {
+    /// The geometry of the largest arena for `layout` that fits in
+    /// `hot_bytes`, or `None` if not even one slot fits. `for_size(l,
+    /// g.total) == g` for every `g` this returns (tested below), which is
+    /// how an existing arena of any size is checked.
+    fn for_size(layout: &Layout, hot_bytes: u64) -> Option<Geometry> {
+        let slot_hdr = (S_TOKENS + 4 * layout.block_size as usize).next_multiple_of(64);
+        let slot_size = layout.block_bytes().next_multiple_of(64);
+        let per_slot = slot_hdr + slot_size;
+        let limit = usize::try_from(hot_bytes).unwrap_or(usize::MAX);
+        let mut nslots = limit.saturating_sub(HEADER_LEN) / per_slot;
+        // The mapping, rounding included, must fit in `hot_bytes` (at most a
+        // few thousand steps: the rounding adds at most ~4 MiB).
+        while nslots > 0 && Self::total_for(nslots, slot_hdr, slot_size).is_none_or(|t| t > limit) {
+            nslots -= 1;
+        }
+        if nslots >= WAYS {
+            nslots -= nslots % WAYS;
+        }
+        if nslots == 0 {
+            return None;
+        }
+        Some(Geometry {
+            nslots,
+            ways: WAYS.min(nslots),
+            slot_hdr,
+            slot_size,
+            data_off: Self::data_off_for(nslots, slot_hdr)?,
+            total: Self::total_for(nslots, slot_hdr, slot_size)?,
+        })
+    }
+
+    fn data_off_for(nslots: usize, slot_hdr: usize) -> Option<usize> {
+        nslots
+            .checked_mul(slot_hdr)?
+            .checked_add(HEADER_LEN)?
+            .checked_next_multiple_of(DATA_ALIGN)?
+            .checked_add(DATA_SKEW)
+    }
+
+    fn total_for(nslots: usize, slot_hdr: usize, slot_size: usize) -> Option<usize> {
+        Self::data_off_for(nslots, slot_hdr)?
+            .checked_add(nslots.checked_mul(slot_size)?)?
+            .checked_next_multiple_of(DATA_ALIGN)
+    }
+
+    /// The header words that describe it, as stored.
+    fn words(&self) -> [(usize, u64); 6] {
+        [
+            (H_NSLOTS, self.nslots as u64),
+            (H_WAYS, self.ways as u64),
+            (H_SLOT_HDR, self.slot_hdr as u64),
+            (H_SLOT_SIZE, self.slot_size as u64),
+            (H_DATA_OFF, self.data_off as u64),
+            (H_TOTAL, self.total as u64),
+        ]
+    }
 }
 
 /// Geometry of an arena of at most `hot_bytes` for `layout`.
-fn geometry(layout: &Layout, hot_bytes: u64) -> Result<(usize, usize, usize, usize, usize)> {
-    let slot_hdr = round_up(S_TOKENS + 4 * layout.block_size as usize, 64);
-    let slot_size = round_up(layout.block_bytes(), 64);
-    let per_slot = slot_hdr + slot_size;
-    let data_off_for = |n: usize| round_up(HEADER_LEN + n * slot_hdr, DATA_ALIGN) + DATA_SKEW;
-    let total_for = |n: usize| round_up(data_off_for(n) + n * slot_size, DATA_ALIGN);
-    let mut nslots = (hot_bytes as usize).saturating_sub(HEADER_LEN) / per_slot;
-    // The mapping, rounding included, must fit in `hot_bytes`.
-    while nslots > 0 && total_for(nslots) as u64 > hot_bytes {
-        nslots -= 1;
-    }
-    if nslots >= WAYS {
-        nslots -= nslots % WAYS;
-    }
-    if nslots == 0 {
-        return Err(Error::InvalidInput(format!(
+fn geometry(layout: &Layout, hot_bytes: u64) -> Result<Geometry> {
+    Geometry::for_size(layout, hot_bytes).ok_or_else(|| {
+        let slot_hdr = (S_TOKENS + 4 * layout.block_size as usize).next_multiple_of(64);
+        let one = Geometry::total_for(1, slot_hdr, layout.block_bytes().next_multiple_of(64));
+        Error::InvalidInput(format!(
             "hot_bytes: expected at least {} bytes (one {}-byte block, headers, 2 MiB alignment \
              for huge pages), got {hot_bytes}",
-            total_for(1),
+            one.unwrap_or(usize::MAX),
             layout.block_bytes()
-        )));
-    }
-    Ok((
-        nslots,
-        slot_hdr,
-        slot_size,
-        data_off_for(nslots),
-        total_for(nslots),
-    ))
+        ))
+    })
 }
 
 /// Where arenas live when the user names no directory: a hugetlbfs mount
@@ -198,6 +283,10 @@ pub fn default_dir(bytes: u64) -> PathBuf {
     PathBuf::from("/dev/shm")
 }
 
+/// How to get past an arena refused for its contents.
+const REMOVE: &str = "remove it (kvstore.remove_arena) to start a fresh one: processes that \
+                      have it mapped keep their mapping";
+
 fn refuse(path: &Path, reason: impl Into<String>) -> Error {
     Error::corrupt(path, format!("hot-tier arena refused: {}", reason.into()))
 }
@@ -207,7 +296,7 @@ impl Arena {
     /// does not exist. An existing arena of this store is adopted at its own
     /// size; anything else at that path is refused, never followed.
     pub fn open(path: &Path, layout: &Layout, tag: &[u8; 32], hot_bytes: u64) -> Result<Arena> {
-        let (nslots, slot_hdr, slot_size, data_off, total) = geometry(layout, hot_bytes)?;
+        let geo = geometry(layout, hot_bytes)?;
         let nofollow = rustix::fs::OFlags::NOFOLLOW.bits() as i32;
         let (file, created) = match std::fs::OpenOptions::new()
             .read(true)
@@ -271,13 +360,7 @@ impl Arena {
         // waits here until the creator has filled the header.
         file.lock()
             .ctx(|| format!("locking arena {}", path.display()))?;
-        let res = Self::init_or_adopt(
-            file,
-            path,
-            layout,
-            tag,
-            (nslots, slot_hdr, slot_size, data_off, total),
-        );
+        let res = Self::init_or_adopt(file, path, layout, tag, geo);
         if let Err(e) = &res {
             if created && !matches!(e, Error::CorruptStore { .. }) {
                 let _ = std::fs::remove_file(path);
@@ -291,7 +374,7 @@ impl Arena {
         path: &Path,
         layout: &Layout,
         tag: &[u8; 32],
-        geo: (usize, usize, usize, usize, usize),
+        geo: Geometry,
     ) -> Result<Arena> {
         // Decided here, under the lock, from the file itself (not from who
         // created it): the first process to hold the lock initialises it.
@@ -310,79 +393,33 @@ impl Arena {
             }
         }
         let fresh = len == 0;
-        let (nslots, slot_hdr, slot_size, data_off, total) = if fresh {
+        let geo = if fresh {
             // Reserve every page now: on a full tmpfs or an empty huge-page
             // pool this fails here, cleanly, instead of a SIGBUS on first touch.
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, geo.4 as u64)
-                .map_err(|e| {
-                    Error::StoreFull(format!(
-                        "cannot reserve {} bytes for the hot tier at {}: {e}",
-                        geo.4,
-                        path.display()
-                    ))
-                })?;
+            rustix::fs::fallocate(
+                &file,
+                rustix::fs::FallocateFlags::empty(),
+                0,
+                geo.total as u64,
+            )
+            .map_err(|e| {
+                Error::StoreFull(format!(
+                    "cannot reserve {} bytes for the hot tier at {}: {e}",
+                    geo.total,
+                    path.display()
+                ))
+            })?;
             geo
         } else {
-            if len < HEADER_LEN {
-                return Err(refuse(
-                    path,
-                    format!("it is {len} bytes, smaller than an arena header"),
-                ));
-            }
-            let head = read_header(&file, path)?;
-            let word = |off| head(off) as usize;
-            if word(H_MAGIC) as u64 != MAGIC || word(H_VERSION) as u64 != VERSION {
-                return Err(refuse(
-                    path,
-                    "it is not a kvstore arena (bad magic or version)",
-                ));
-            }
-            let their_tag: Vec<u8> = (0..4)
-                .flat_map(|i| (word(H_TAG + 8 * i) as u64).to_le_bytes())
-                .collect();
-            if their_tag != tag {
-                return Err(refuse(path, "it belongs to another store or layout"));
-            }
-            let g = (
-                word(H_NSLOTS),
-                word(H_SLOT_HDR),
-                word(H_SLOT_SIZE),
-                word(H_DATA_OFF),
-                word(H_TOTAL),
-            );
-            let sane = g.0 > 0
-                && word(H_WAYS) >= 1
-                && g.1 == geo.1
-                && g.2 == geo.2
-                && g.3 >= HEADER_LEN + g.0 * g.1
-                && g.4 >= g.3 + g.0 * g.2
-                && g.4 == len;
-            if !sane {
-                return Err(refuse(
-                    path,
-                    format!("its size ({len} bytes) or geometry does not match its header"),
-                ));
-            }
-            g
+            Self::check_existing(&file, path, layout, tag, len)?
         };
-        let map = SharedMap::new(&file, total).ctx(|| format!("mapping {}", path.display()))?;
+        let map = SharedMap::new(&file, geo.total).ctx(|| format!("mapping {}", path.display()))?;
         map.advise_huge_pages();
-        let ways = if fresh {
-            WAYS.min(nslots)
-        } else {
-            map.u64_at(H_WAYS).load(Ordering::Acquire) as usize
-        };
         if fresh {
-            for (off, v) in [
-                (H_MAGIC, MAGIC),
-                (H_VERSION, VERSION),
-                (H_NSLOTS, nslots as u64),
-                (H_WAYS, ways as u64),
-                (H_SLOT_HDR, slot_hdr as u64),
-                (H_SLOT_SIZE, slot_size as u64),
-                (H_DATA_OFF, data_off as u64),
-                (H_TOTAL, total as u64),
-            ] {
+            for (off, v) in [(H_MAGIC, MAGIC), (H_VERSION, VERSION)]
+                .into_iter()
+                .chain(geo.words())
+            {
                 map.u64_at(off).store(v, Ordering::Relaxed);
             }
             for i in 0..4 {
@@ -397,27 +434,80 @@ impl Arena {
             file,
             path: path.to_path_buf(),
             lock: Mutex::new(()),
-            nslots,
-            ways,
-            slot_hdr,
-            slot_size,
-            data_off,
+            nslots: geo.nslots,
+            ways: geo.ways,
+            slot_hdr: geo.slot_hdr,
+            slot_size: geo.slot_size,
+            data_off: geo.data_off,
             block_size: layout.block_size as usize,
+            block_bytes: layout.block_bytes(),
             chunk_bytes: layout.chunk_bytes(),
             page_kind,
+            located: OnceLock::new(),
         };
-        if !nslots.is_multiple_of(ways) {
-            return Err(refuse(
-                path,
-                "its slot count is not a multiple of its set size",
-            ));
-        }
         arena.reclaim_torn();
         arena
             .file
             .unlock()
             .ctx(|| format!("unlocking {}", path.display()))?;
         Ok(arena)
+    }
+
+    /// The geometry of an existing arena of `len` bytes, if its header is that
+    /// of an arena of this store and layout and every geometry word is exactly
+    /// what the layout and `len` give. No header word is used in arithmetic.
+    fn check_existing(
+        file: &File,
+        path: &Path,
+        layout: &Layout,
+        tag: &[u8; 32],
+        len: usize,
+    ) -> Result<Geometry> {
+        if len < HEADER_LEN {
+            return Err(refuse(
+                path,
+                format!("it is {len} bytes, smaller than an arena header"),
+            ));
+        }
+        let head = read_header(file, path)?;
+        if head(H_MAGIC) != MAGIC {
+            return Err(refuse(path, "it is not a kvstore arena (bad magic)"));
+        }
+        if head(H_VERSION) != VERSION {
+            return Err(refuse(
+                path,
+                format!(
+                    "it is in arena format {}, this kvstore uses format {VERSION} (made by \
+                     another kvstore version, or damaged); {REMOVE}",
+                    head(H_VERSION)
+                ),
+            ));
+        }
+        let their_tag: Vec<u8> = (0..4)
+            .flat_map(|i| head(H_TAG + 8 * i).to_le_bytes())
+            .collect();
+        if their_tag != tag {
+            return Err(refuse(path, "it belongs to another store or layout"));
+        }
+        let Some(geo) = Geometry::for_size(layout, len as u64).filter(|g| g.total == len) else {
+            return Err(refuse(
+                path,
+                format!("its size ({len} bytes) is not that of an arena of this layout; {REMOVE}"),
+            ));
+        };
+        for (off, want) in geo.words() {
+            if head(off) != want {
+                return Err(refuse(
+                    path,
+                    format!(
+                        "header word at byte {off} is {}; an arena of {len} bytes of this \
+                         layout has {want} there (damaged header); {REMOVE}",
+                        head(off)
+                    ),
+                ));
+            }
+        }
+        Ok(geo)
     }
 
     /// Empties every slot left half-written by a writer that died. Runs under
@@ -430,7 +520,7 @@ impl Arena {
                 self.map
                     .u64_at(self.hdr(slot) + S_STATE)
                     .store(0, Ordering::Relaxed);
-                v.store(version + 1, Ordering::Release);
+                v.store(version.wrapping_add(1), Ordering::Release);
             }
         }
     }
@@ -497,8 +587,9 @@ impl Arena {
     }
 
     /// Copies block `id` (whose token ids must be `tokens`) into `out`, the
-    /// block's `2L` runs. Lock-free; false on a miss or a concurrent change
-    /// (then `out` holds garbage and the caller reads the segments instead).
+    /// block's `2L` runs. Lock-free; false on a miss, a concurrent change or
+    /// damaged slot data (then `out` holds garbage and the caller reads the
+    /// segments instead).
     pub fn get(&self, id: &BlockId, tokens: &[u32], out: &mut [&mut [u8]]) -> bool {
         let Some((slot, version)) = self.holding(id) else {
             return false;
@@ -506,20 +597,78 @@ impl Arena {
         if !self.tokens_match(slot, tokens) {
             return false; // same id, other tokens: a collision is a miss
         }
-        let base = self.data(slot);
-        for (i, chunk) in out.iter_mut().enumerate() {
-            self.map.read(base + i * self.chunk_bytes, chunk);
+        if out.len() * self.chunk_bytes != self.block_bytes
+            || out.iter().any(|c| c.len() != self.chunk_bytes)
+        {
+            return false; // not this layout's block: never read past the slot
         }
-        self.confirm(slot, version)
+        let stored = self.stored_crc(slot);
+        let (base, run) = (self.data(slot), self.chunk_bytes);
+        let mut lanes = [0u32; LANES];
+        for (g, group) in out.chunks_exact_mut(LANES).enumerate() {
+            let group: &mut [&mut [u8]; LANES] = group.try_into().expect("LANES runs");
+            let offs = std::array::from_fn(|k| base + (g * LANES + k) * run);
+            lanes = self
+                .map
+                .read_crc32c(offs, group.each_mut().map(|c| &mut **c), lanes);
+        }
+        let done = out.len() / LANES * LANES;
+        for (i, chunk) in out.iter_mut().enumerate().skip(done) {
+            let [crc] = self
+                .map
+                .read_crc32c([base + i * run], [&mut **chunk], [lanes[i % LANES]]);
+            lanes[i % LANES] = crc;
+        }
+        fold(lanes) == stored && self.confirm(slot, version)
     }
 
     /// Where block `id` (with `tokens`) lies: `(slot, version, data offset)`,
     /// for a caller that copies it straight out of the mapping (a DMA). The
     /// copy is good only if `unchanged(slot, version)` still holds after it.
+    /// The slot's checksum is checked here, once per process and version: a
+    /// slot damaged later, without a write, is not noticed by this path.
     pub fn locate(&self, id: &BlockId, tokens: &[u32]) -> Option<(usize, u64, usize)> {
         let (slot, version) = self.holding(id)?;
-        (self.tokens_match(slot, tokens) && self.confirm(slot, version))
+        if !self.tokens_match(slot, tokens) {
+            return None;
+        }
+        let located = self
+            .located
+            .get_or_init(|| (0..self.nslots).map(|_| AtomicU64::new(0)).collect());
+        // `version` is even: `version | 1` is never 0.
+        if located[slot].load(Ordering::Relaxed) != version | 1 {
+            let stored = self.stored_crc(slot);
+            if self.data_crc(slot) != stored || !self.unchanged(slot, version) {
+                return None;
+            }
+            located[slot].store(version | 1, Ordering::Relaxed);
+        }
+        self.confirm(slot, version)
             .then(|| (slot, version, self.data(slot)))
+    }
+
+    fn stored_crc(&self, slot: usize) -> u64 {
+        self.map
+            .u64_at(self.hdr(slot) + S_CRC)
+            .load(Ordering::Relaxed)
+    }
+
+    /// The checksum of `slot`'s data as it is now (torn if a writer is at
+    /// it: readers check the version afterwards).
+    fn data_crc(&self, slot: usize) -> u64 {
+        let mut buf = vec![0u8; SCRATCH.min(self.chunk_bytes)];
+        let mut lanes = [0u32; LANES];
+        for i in 0..self.block_bytes / self.chunk_bytes {
+            let start = self.data(slot) + i * self.chunk_bytes;
+            let mut off = start;
+            while off < start + self.chunk_bytes {
+                let piece = &mut buf[..SCRATCH.min(start + self.chunk_bytes - off)];
+                self.map.read(off, piece);
+                lanes[i % LANES] = crc32c::crc32c_append(lanes[i % LANES], piece);
+                off += piece.len();
+            }
+        }
+        fold(lanes)
     }
 
     /// The slot holding block `id` and its (even) version, if any. Lock-free:
@@ -586,7 +735,8 @@ impl Arena {
     }
 
     /// Stores a block (its `2L` runs), evicting per the policy above.
-    /// `priority` 0 = unpinned; `expires_ms` 0 = never.
+    /// `priority` 0 = unpinned; `expires_ms` 0 = never. A copy of the block
+    /// already there whose data fails its checksum is rewritten in place.
     pub fn insert(
         &self,
         id: &BlockId,
@@ -596,13 +746,17 @@ impl Arena {
         expires_ms: u64,
         now_ms: u64,
     ) -> Result<Inserted> {
-        if tokens.len() != self.block_size || chunks.iter().any(|c| c.len() != self.chunk_bytes) {
+        if tokens.len() != self.block_size
+            || chunks.len() * self.chunk_bytes != self.block_bytes
+            || chunks.iter().any(|c| c.len() != self.chunk_bytes)
+        {
             return Err(Error::InvalidInput(
                 "arena insert: block of the wrong shape".into(),
             ));
         }
         self.write_locked(|| {
             let mut victim: Option<(usize, (u8, u64, u64))> = None;
+            let (mut priority, mut expires_ms) = (priority, expires_ms);
             for slot in self.set_of(id) {
                 let h = self.hdr(slot);
                 let version = self.map.u64_at(h + S_VERSION).load(Ordering::Relaxed);
@@ -612,8 +766,20 @@ impl Arena {
                     && self.id_matches(slot, id)
                     && self.tokens_match(slot, tokens)
                 {
-                    self.raise_pin(slot, priority, expires_ms);
-                    return Inserted::Present;
+                    // Under the write lock the data cannot change under us.
+                    if self.data_crc(slot) == self.stored_crc(slot) {
+                        self.raise_pin(slot, priority, expires_ms);
+                        return Inserted::Present;
+                    }
+                    // Damaged: rewrite it with these bytes, keeping the
+                    // higher of its pin and the one asked for.
+                    let p = self.map.u64_at(h + S_PRIORITY).load(Ordering::Relaxed);
+                    if priority == 0 || priority < p {
+                        priority = p;
+                        expires_ms = self.map.u64_at(h + S_EXPIRES).load(Ordering::Relaxed);
+                    }
+                    victim = Some((slot, (0, 0, 0)));
+                    break;
                 }
                 // Rank: torn or empty first, then evictable by priority, then LRU.
                 let rank = if version & 1 == 1 || !used {
@@ -640,7 +806,8 @@ impl Arena {
             };
             let h = self.hdr(slot);
             let v = self.map.u64_at(h + S_VERSION).load(Ordering::Relaxed);
-            let odd = if v & 1 == 1 { v + 2 } else { v + 1 };
+            // Versions are read from shared memory: wrap, never overflow.
+            let odd = v.wrapping_add(if v & 1 == 1 { 2 } else { 1 });
             self.map.u64_at(h + S_VERSION).store(odd, Ordering::Relaxed);
             fence(Ordering::Release);
             self.map.u64_at(h + S_STATE).store(0, Ordering::Relaxed);
@@ -655,10 +822,22 @@ impl Arena {
                     .u32_at(h + S_TOKENS + 4 * j)
                     .store(*t, Ordering::Relaxed);
             }
-            let base = self.data(slot);
-            for (i, c) in chunks.iter().enumerate() {
-                self.map.write(base + i * self.chunk_bytes, c);
+            let (base, run) = (self.data(slot), self.chunk_bytes);
+            let mut lanes = [0u32; LANES];
+            for (g, group) in chunks.chunks_exact(LANES).enumerate() {
+                let group: &[&[u8]; LANES] = group.try_into().expect("LANES runs");
+                let offs = std::array::from_fn(|k| base + (g * LANES + k) * run);
+                lanes = self.map.write_crc32c(offs, *group, lanes);
             }
+            for (i, c) in chunks.iter().enumerate().skip(chunks.len() / LANES * LANES) {
+                let [crc] = self
+                    .map
+                    .write_crc32c([base + i * run], [c], [lanes[i % LANES]]);
+                lanes[i % LANES] = crc;
+            }
+            self.map
+                .u64_at(h + S_CRC)
+                .store(fold(lanes), Ordering::Relaxed);
             self.map
                 .u64_at(h + S_PRIORITY)
                 .store(priority, Ordering::Relaxed);
@@ -671,7 +850,7 @@ impl Arena {
             self.map.u64_at(h + S_STATE).store(1, Ordering::Relaxed);
             self.map
                 .u64_at(h + S_VERSION)
-                .store(odd + 1, Ordering::Release);
+                .store(odd.wrapping_add(1), Ordering::Release);
             if rank.0 == 1 {
                 self.map.u64_at(H_EVICTIONS).fetch_add(1, Ordering::Relaxed);
             }
@@ -788,4 +967,84 @@ fn page_kind_of(addr: usize) -> PageKind {
         }
     }
     kind
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::DType;
+
+    /// An existing arena is checked against the geometry its own size gives:
+    /// that must be the geometry it was created with, for any `hot_bytes`.
+    #[test]
+    fn geometry_is_recovered_from_the_size_alone() {
+        let layouts = [
+            Layout::new(2, 2, 64, DType::Float16, 16).unwrap(),
+            Layout::new(1, 1, 8, DType::Float16, 16).unwrap(),
+            Layout::new(32, 8, 128, DType::Float16, 16).unwrap(),
+            Layout::new(3, 1, 24, DType::Float32, 7).unwrap(),
+        ];
+        for layout in &layouts {
+            let mut hot = 1u64 << 20;
+            while hot < 1 << 36 {
+                for h in [hot - 1, hot, hot + 4097, hot * 3 / 2 + 12345] {
+                    if let Some(g) = Geometry::for_size(layout, h) {
+                        assert!(g.total as u64 <= h);
+                        assert!(g.nslots.is_multiple_of(g.ways));
+                        assert!(g.data_off >= HEADER_LEN + g.nslots * g.slot_hdr);
+                        assert!(g.total >= g.data_off + g.nslots * g.slot_size);
+                        assert_eq!(Geometry::for_size(layout, g.total as u64), Some(g), "{h}");
+                    }
+                }
+                hot = hot * 5 / 4;
+            }
+            // Sizes no arena has: no overflow, no panic.
+            for h in [0, 1, 4096, u64::MAX, u64::MAX / 2, (1 << 63) + 12345] {
+                let _ = Geometry::for_size(layout, h);
+            }
+        }
+    }
+
+    /// The fused copies + checksums give what a copy and `crc32c_append` give,
+    /// for any number of lanes, length (tails included) and alignment.
+    #[test]
+    fn read_crc32c_is_copy_then_crc32c() {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(1 << 16).unwrap();
+        let map = SharedMap::new(&file, 1 << 16).unwrap();
+        let bytes: Vec<u8> = (0..1u32 << 16)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        map.write(0, &bytes);
+        for len in [0, 1, 7, 8, 9, 63, 64, 1000, 4099] {
+            for skew in [0, 1, 5, 8] {
+                let offs: [usize; 4] = std::array::from_fn(|k| skew + k * 5000 + 3 * k);
+                let seeds = [0, 1, 0xdead_beef, u32::MAX];
+                let mut bufs = [(); 4].map(|_| vec![0u8; len + 3]);
+                let dsts = bufs.each_mut().map(|b| &mut b[skew % 3..skew % 3 + len]);
+                let got = map.read_crc32c(offs, dsts, seeds);
+                for k in 0..4 {
+                    let want = &bytes[offs[k]..offs[k] + len];
+                    assert_eq!(&bufs[k][skew % 3..skew % 3 + len], want);
+                    assert_eq!(
+                        got[k],
+                        crc32c::crc32c_append(seeds[k], want),
+                        "{len} {skew} {k}"
+                    );
+                }
+                let mut one = vec![0u8; len];
+                let [c] = map.read_crc32c([offs[2]], [&mut one[..]], [7]);
+                assert_eq!(c, crc32c::crc32c_append(7, &bytes[offs[2]..offs[2] + len]));
+                // And back: written at other offsets, same checksums.
+                let back: [usize; 4] = std::array::from_fn(|k| 30_000 + skew + k * 5003);
+                let srcs = bufs.each_ref().map(|b| &b[skew % 3..skew % 3 + len]);
+                assert_eq!(map.write_crc32c(back, srcs, seeds), got);
+                for k in 0..4 {
+                    let mut check = vec![0u8; len];
+                    map.read(back[k], &mut check);
+                    assert_eq!(check, bytes[offs[k]..offs[k] + len]);
+                }
+            }
+        }
+    }
 }

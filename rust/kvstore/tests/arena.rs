@@ -317,3 +317,219 @@ fn too_small_hot_bytes_is_invalid_input() {
         "nothing left behind"
     );
 }
+
+/// The arena file of a closed (or open: tmpfs keeps a mapping and the file
+/// coherent) store, read and damaged through ordinary file I/O.
+struct RawArena {
+    file: std::fs::File,
+}
+
+// Header and slot header offsets (arena.rs).
+const H_NSLOTS: u64 = 16;
+const H_SLOT_HDR: u64 = 32;
+const H_SLOT_SIZE: u64 = 40;
+const H_DATA_OFF: u64 = 48;
+const S_STATE: u64 = 40;
+const S_CRC: u64 = 72;
+
+impl RawArena {
+    fn open(hot_dir: &Path) -> RawArena {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(arena_file(hot_dir))
+            .unwrap();
+        RawArena { file }
+    }
+
+    fn word(&self, off: u64) -> u64 {
+        let mut b = [0u8; 8];
+        self.file.read_exact_at(&mut b, off).unwrap();
+        u64::from_le_bytes(b)
+    }
+
+    fn flip(&self, off: u64, mask: u8) {
+        let mut b = [0u8; 1];
+        self.file.read_exact_at(&mut b, off).unwrap();
+        self.file.write_all_at(&[b[0] ^ mask], off).unwrap();
+    }
+
+    fn slot_hdr(&self, slot: u64) -> u64 {
+        4096 + slot * self.word(H_SLOT_HDR)
+    }
+
+    fn slot_data(&self, slot: u64) -> u64 {
+        self.word(H_DATA_OFF) + slot * self.word(H_SLOT_SIZE)
+    }
+
+    /// The slots holding a block, in slot order.
+    fn used(&self) -> Vec<u64> {
+        (0..self.word(H_NSLOTS))
+            .filter(|&s| self.word(self.slot_hdr(s) + S_STATE) == 1)
+            .collect()
+    }
+}
+
+#[test]
+fn damaged_header_geometry_is_refused_never_trusted() {
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let t = seq(10, 64);
+    {
+        let s = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+        s.put(&t, &kv_for(&t), 64, b"").unwrap();
+    }
+    let raw = RawArena::open(hot.path());
+    // Every bit of every geometry word: slot count, ways, slot header and
+    // slot sizes, data offset, total. Among them the data offset + 1 (which
+    // served another slot's bytes) and slot count + 2^59 (which overflowed a
+    // size check and panicked).
+    for at in 16..64 {
+        for bit in 0..8 {
+            raw.flip(at, 1 << bit);
+            match Store::open(dir.path(), opts(hot.path(), 4 << 20)) {
+                Err(Error::CorruptStore { reason, .. }) => {
+                    assert!(reason.contains("arena"), "byte {at} bit {bit}: {reason}")
+                }
+                Err(e) => panic!("byte {at} bit {bit}: expected CorruptStore, got {e}"),
+                Ok(_) => panic!("byte {at} bit {bit}: damaged geometry accepted"),
+            }
+            raw.flip(at, 1 << bit);
+        }
+    }
+    // Undamaged again: adopted, and every block is served from it.
+    let s = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+    assert_eq!(get(&s, &t), 64);
+    let st = s.stats().unwrap();
+    assert_eq!((st.hot_hit_blocks, st.disk_hit_blocks), (4, 0));
+}
+
+#[test]
+fn arena_of_another_format_version_is_refused() {
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    drop(Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap());
+    let raw = RawArena::open(hot.path());
+    raw.file.write_all_at(&1u64.to_le_bytes(), 8).unwrap();
+    match Store::open(dir.path(), opts(hot.path(), 4 << 20)) {
+        Err(Error::CorruptStore { reason, .. }) => {
+            assert!(reason.contains("arena format 1"), "{reason}")
+        }
+        Err(e) => panic!("expected CorruptStore, got {e}"),
+        Ok(_) => panic!("an arena of format 1 was adopted"),
+    }
+}
+
+/// Puts 4 blocks through a hot store, damages the slot of one of them with
+/// `damage(raw, slot)`, and checks that a store opened afterwards serves it
+/// from the segments (a hot-tier miss), repairs the slot, and then serves
+/// it from the arena again.
+fn damaged_slot_is_a_miss_then_repaired(seed: u32, damage: impl Fn(&RawArena, u64)) {
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let t = seq(seed, 64);
+    {
+        let s = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+        s.put(&t, &kv_for(&t), 64, b"").unwrap();
+    }
+    let raw = RawArena::open(hot.path());
+    let used = raw.used();
+    assert_eq!(used.len(), 4);
+    damage(&raw, used[1]);
+    let s = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+    // The copy-out path (DMA) refuses the damaged slot too.
+    let located = s.hot_blocks(&t, b"").unwrap();
+    assert_eq!(located.iter().filter(|l| l.is_none()).count(), 1);
+    assert_eq!(get(&s, &t), 64, "served bit-exact");
+    let st = s.stats().unwrap();
+    assert_eq!(
+        (st.hot_hit_blocks, st.disk_hit_blocks),
+        (3, 1),
+        "the damaged block is a hot-tier miss"
+    );
+    // The disk read re-inserted it: the writer rewrote the damaged slot.
+    assert_eq!(get(&s, &t), 64);
+    let st = s.stats().unwrap();
+    assert_eq!((st.hot_hit_blocks, st.disk_hit_blocks), (7, 1), "repaired");
+    assert!(s.hot_blocks(&t, b"").unwrap().iter().all(|l| l.is_some()));
+    assert_eq!(raw.used(), used, "repaired in place");
+}
+
+#[test]
+fn flipped_slot_data_byte_is_a_miss() {
+    for (k, (at, bit)) in [(0, 0), (1, 3), (5000, 7), (16383, 4)]
+        .into_iter()
+        .enumerate()
+    {
+        damaged_slot_is_a_miss_then_repaired(20 + k as u32, |raw, slot| {
+            raw.flip(raw.slot_data(slot) + at, 1 << bit)
+        });
+    }
+}
+
+#[test]
+fn zeroed_slot_data_page_is_a_miss() {
+    damaged_slot_is_a_miss_then_repaired(30, |raw, slot| {
+        let page = raw.slot_data(slot).next_multiple_of(4096);
+        raw.file.write_all_at(&[0u8; 4096], page).unwrap();
+    });
+}
+
+#[test]
+fn flipped_slot_checksum_is_a_miss() {
+    damaged_slot_is_a_miss_then_repaired(31, |raw, slot| {
+        raw.flip(raw.slot_hdr(slot) + S_CRC + 2, 0x10)
+    });
+}
+
+#[test]
+fn slot_damaged_while_the_store_is_open_is_a_miss() {
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let t = seq(32, 64);
+    let s = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+    s.put(&t, &kv_for(&t), 64, b"").unwrap();
+    assert_eq!(get(&s, &t), 64);
+    assert_eq!(s.stats().unwrap().hot_hit_blocks, 4);
+    // Written through the file, seen through this process's mapping.
+    let raw = RawArena::open(hot.path());
+    let slot = raw.used()[2];
+    raw.flip(raw.slot_data(slot) + 777, 0x40);
+    assert_eq!(get(&s, &t), 64, "served bit-exact");
+    let st = s.stats().unwrap();
+    assert_eq!((st.hot_hit_blocks, st.disk_hit_blocks), (7, 1));
+    assert_eq!(get(&s, &t), 64);
+    assert_eq!(s.stats().unwrap().hot_hit_blocks, 11, "repaired");
+}
+
+#[test]
+fn blocks_of_any_run_count_round_trip_through_the_arena() {
+    // 2L runs per block: 2, 6 and 10 are not multiples of the checksum's
+    // lane count (4), 8 is; runs of 7 × 24 × 4 bytes are not multiples of 8.
+    for (layers, heads, dim, dtype, bs) in [
+        (1, 1, 64, DType::Float16, 16),
+        (3, 2, 24, DType::Float32, 7),
+        (4, 1, 8, DType::BFloat16, 16),
+        (5, 1, 8, DType::Float16, 3),
+    ] {
+        let layout = Layout::new(layers, heads, dim, dtype, bs).unwrap();
+        let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let o = Options {
+            layout: Some(layout),
+            ..opts(hot.path(), 4 << 20)
+        };
+        let n = 4 * bs as usize;
+        let t = seq(40 + layers, n);
+        let kv: Vec<u8> = (0..layout.kv_bytes(n).unwrap())
+            .map(|i| (i * 131 + layers as usize) as u8)
+            .collect();
+        let a = Store::open(dir.path(), o.clone()).unwrap();
+        a.put(&t, &kv, n, b"").unwrap();
+        let b = Store::open(dir.path(), o).unwrap();
+        let mut out = vec![0u8; kv.len()];
+        assert_eq!(b.get_into(&t, b"", &mut out, n).unwrap(), n);
+        assert!(out == kv, "{layers} layers: wrong bytes");
+        let st = b.stats().unwrap();
+        assert_eq!(
+            (st.hot_hit_blocks, st.disk_hit_blocks),
+            (4, 0),
+            "{layers} layers"
+        );
+    }
+}

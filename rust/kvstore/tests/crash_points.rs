@@ -24,8 +24,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod common;
+use common::{kv_for, prefix_matches, seq, NO_PROGRESS};
+
 const CHILD_ENV: &str = "KVSTORE_CRASH_CHILD";
-const NO_PROGRESS: &(dyn Fn(u64, u64) + Sync) = &|_, _| {};
 
 /// 128 KiB blocks of 4 tokens: eight records fill the smallest segment.
 fn layout() -> Layout {
@@ -45,39 +47,16 @@ fn opts(hot_dir: Option<&Path>) -> Options {
     }
 }
 
-/// KV bytes that depend only on (position, token), like a model's.
-fn kv_for(l: &Layout, tokens: &[u32]) -> Vec<u8> {
-    let t = tokens.len();
-    let tb = l.token_bytes();
-    let mut out = vec![0u8; l.kv_bytes(t).unwrap()];
-    for lk in 0..(l.num_layers as usize * 2) {
-        for (pos, tok) in tokens.iter().enumerate() {
-            let start = (lk * t + pos) * tb;
-            for (j, b) in out[start..start + tb].iter_mut().enumerate() {
-                let x = ((*tok as u64) * 2654435761) ^ ((pos as u64) << 20) ^ ((lk as u64) << 40);
-                *b = ((x ^ j as u64).wrapping_mul(0x9E3779B97F4A7C15) >> 56) as u8;
-            }
-        }
-    }
-    out
-}
-
-fn run(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 50_000)
-        .collect()
-}
-
 /// The workload's sequences: several share prefixes (deduplicated blocks).
 fn sequences() -> Vec<Vec<u32>> {
-    let s0 = run(1, 12);
-    let s1 = [&s0[..8], &run(2, 8)[..]].concat();
-    let s2 = run(3, 16);
-    let s3 = [&s2[..4], &run(4, 12)[..]].concat();
-    let s4 = run(5, 10);
-    let s5 = [&s1[..], &run(6, 4)[..]].concat();
-    let s6 = run(7, 12);
-    let s7 = [&s6[..8], &run(8, 8)[..]].concat();
+    let s0 = seq(1, 12);
+    let s1 = [&s0[..8], &seq(2, 8)[..]].concat();
+    let s2 = seq(3, 16);
+    let s3 = [&s2[..4], &seq(4, 12)[..]].concat();
+    let s4 = seq(5, 10);
+    let s5 = [&s1[..], &seq(6, 4)[..]].concat();
+    let s6 = seq(7, 12);
+    let s7 = [&s6[..8], &seq(8, 8)[..]].concat();
     vec![s0, s1, s2, s3, s4, s5, s6, s7]
 }
 
@@ -179,7 +158,7 @@ fn crash_child() {
             Err(e) => {
                 say(format!("err {k} {}", kind(&e)));
                 // Writes after a failed fdatasync must keep failing.
-                let extra = run(99, 8);
+                let extra = seq(99, 8);
                 let again = store.put(&extra, &kv_for(&layout(), &extra), 8, b"");
                 say(format!("after {}", again.err().map_or("ok", |e| kind(&e))));
                 break;
@@ -290,13 +269,8 @@ fn observe(dir: &Path, hot: Option<&Path>) -> Result<State, String> {
         if m != n {
             return Err(format!("stored_prefix {n} but get returned {m} tokens"));
         }
-        let expect = kv_for(&l, &s[..m]);
-        let tb = l.token_bytes();
-        for lk in 0..(l.num_layers as usize * 2) {
-            let got = &out[lk * s.len() * tb..lk * s.len() * tb + m * tb];
-            if got != &expect[lk * m * tb..(lk + 1) * m * tb] {
-                return Err("WRONG BYTES returned by get".into());
-            }
+        if !prefix_matches(&l, &out, s.len(), &s, m) {
+            return Err("WRONG BYTES returned by get".into());
         }
         prefix.push(n);
     }
@@ -313,7 +287,7 @@ fn observe(dir: &Path, hot: Option<&Path>) -> Result<State, String> {
         return Err(format!("verify found a problem: {p}"));
     }
     // Still writable, and the new block reads back.
-    let fresh = run(1234, 8);
+    let fresh = seq(1234, 8);
     store
         .put(&fresh, &kv_for(&l, &fresh), 8, b"")
         .map_err(|e| format!("put after recovery failed: {e}"))?;

@@ -7,7 +7,8 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
-const NO_PROGRESS: &(dyn Fn(u64, u64) + Sync) = &|_, _| {};
+mod common;
+use common::{kv_for, prefix_matches, seq, NO_PROGRESS};
 
 fn layout() -> Layout {
     Layout::new(2, 2, 4, DType::Float16, 4).unwrap()
@@ -22,26 +23,6 @@ fn opts(durability: Durability) -> Options {
     }
 }
 
-/// KV bytes that depend only on (position, token), like a model's.
-fn kv_for(l: &Layout, tokens: &[u32]) -> Vec<u8> {
-    let t = tokens.len();
-    let tb = l.token_bytes();
-    let mut out = vec![0u8; l.kv_bytes(t).unwrap()];
-    for lk in 0..(l.num_layers as usize * 2) {
-        for (pos, tok) in tokens.iter().enumerate() {
-            let start = (lk * t + pos) * tb;
-            for (j, b) in out[start..start + tb].iter_mut().enumerate() {
-                let x = ((*tok as u64) * 2654435761)
-                    ^ ((pos as u64) << 20)
-                    ^ ((lk as u64) << 40)
-                    ^ j as u64;
-                *b = (x.wrapping_mul(0x9E3779B97F4A7C15) >> 56) as u8;
-            }
-        }
-    }
-    out
-}
-
 fn get(store: &Store, tokens: &[u32]) -> (usize, Vec<u8>) {
     let l = store.layout().unwrap();
     let mut out = vec![0u8; l.kv_bytes(tokens.len()).unwrap()];
@@ -51,19 +32,7 @@ fn get(store: &Store, tokens: &[u32]) -> (usize, Vec<u8>) {
 
 /// The first `m` tokens of a `[L, 2, T, H, D]` buffer must equal the reference.
 fn assert_prefix_eq(l: &Layout, got: &[u8], t: usize, tokens: &[u32], m: usize) {
-    let expect = kv_for(l, &tokens[..m]);
-    let tb = l.token_bytes();
-    for lk in 0..(l.num_layers as usize * 2) {
-        let g = &got[lk * t * tb..lk * t * tb + m * tb];
-        let e = &expect[lk * m * tb..(lk + 1) * m * tb];
-        assert!(g == e, "wrong bytes in layer/kv run {lk}");
-    }
-}
-
-fn seq(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 50_000)
-        .collect()
+    assert!(prefix_matches(l, got, t, tokens, m), "wrong bytes");
 }
 
 #[test]

@@ -112,3 +112,45 @@ def _raise_in_child(path):
 
     with kvstore.open(path, layout=small_layout(), model="m", durability="none") as s:
         s.load_session("ghost")
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("op", ["gc", "verify", "rebuild_index"])
+def test_progress_callback_exception_is_raised_after_the_work(tmp_path, op):
+    """A progress callback that raises (Ctrl-C in the CLI) is not swallowed: the
+    work, which cannot stop half way, completes, then the exception is raised."""
+    from conftest import kv_for
+
+    layout = small_layout()
+    path = tmp_path / "s"
+    calls = []
+
+    def progress(done, total):
+        calls.append(done)
+        raise _Stop(f"{done}/{total}")
+
+    seqs = [seq(1000 * i, 64) for i in range(8)]
+    with kvstore.open(path, layout=layout, model="m", durability="sync") as s:
+        for t in seqs:
+            s.put(t, kv_for(layout, t))
+        live = s.stats()["live_bytes"]
+    # closed: its segment is sealed, so gc's compaction rewrites it
+    with pytest.raises(_Stop):
+        if op == "rebuild_index":
+            kvstore.rebuild_index(path, progress=progress)
+        else:
+            with kvstore.open(path) as s:
+                if op == "gc":
+                    s.gc(max_bytes=live // 2, progress=progress)
+                else:
+                    s.verify(progress=progress)
+    assert len(calls) == 1, "the callback is not called again once it raised"
+    with kvstore.open(path) as s:
+        assert s.verify()["damaged"] == []
+        kept = [t for t in seqs if s.lookup(t) == 64]
+        assert len(kept) == (4 if op == "gc" else 8), "the work was done in full"
+        for t in kept:
+            np.testing.assert_array_equal(s.get(t), kv_for(layout, t))

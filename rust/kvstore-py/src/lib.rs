@@ -27,19 +27,44 @@ fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str) -> P
     })
 }
 
-/// Calls a Python progress callback at most ten times a second (and at the end).
-fn progress_fn(cb: Option<Py<PyAny>>) -> impl Fn(u64, u64) + Sync {
-    let last = std::sync::Mutex::new(None::<Instant>);
-    move |done, total| {
-        let Some(cb) = &cb else { return };
-        let mut last = last.lock().expect("progress lock");
+/// A Python progress callback, called at most ten times a second (and at the
+/// end). The engine cannot stop half way through a compaction or a rebuild, so
+/// an exception the callback raises (Ctrl-C included) silences it and is
+/// raised once the work is done (`finish`).
+struct Progress {
+    cb: Option<Py<PyAny>>,
+    last: std::sync::Mutex<Option<Instant>>,
+    error: std::sync::Mutex<Option<PyErr>>,
+}
+
+impl Progress {
+    fn new(cb: Option<Py<PyAny>>) -> Self {
+        Progress {
+            cb,
+            last: std::sync::Mutex::new(None),
+            error: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn call(&self, done: u64, total: u64) {
+        let Some(cb) = &self.cb else { return };
+        let mut last = self.last.lock().expect("progress lock");
         if done < total && last.is_some_and(|t| t.elapsed() < Duration::from_millis(100)) {
             return;
         }
         *last = Some(Instant::now());
-        Python::attach(|py| {
-            let _ = cb.call1(py, (done, total));
-        });
+        let mut error = self.error.lock().expect("progress error lock");
+        if error.is_none() {
+            *error = Python::attach(|py| cb.call1(py, (done, total)).err());
+        }
+    }
+
+    /// The operation's result, unless the callback raised: then its exception.
+    fn finish<T>(&self, result: PyResult<T>) -> PyResult<T> {
+        match self.error.lock().expect("progress error lock").take() {
+            Some(e) => Err(e),
+            None => result,
+        }
     }
 }
 
@@ -345,16 +370,17 @@ impl Store {
         progress: Option<Py<PyAny>>,
         repair: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let cb = progress_fn(progress);
-        let r = py
-            .detach(|| {
+        let p = Progress::new(progress);
+        let r = p.finish(
+            py.detach(|| {
                 if repair {
-                    self.engine.repair(&cb)
+                    self.engine.repair(&|d, t| p.call(d, t))
                 } else {
-                    self.engine.verify(&cb)
+                    self.engine.verify(&|d, t| p.call(d, t))
                 }
             })
-            .py()?;
+            .py(),
+        )?;
         let d = PyDict::new(py);
         d.set_item("records_checked", r.records_checked)?;
         d.set_item("bytes_checked", r.bytes_checked)?;
@@ -378,8 +404,8 @@ impl Store {
         py: Python<'py>,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let cb = progress_fn(progress);
-        let r = py.detach(|| self.engine.compact(&cb)).py()?;
+        let p = Progress::new(progress);
+        let r = p.finish(py.detach(|| self.engine.compact(&|d, t| p.call(d, t))).py())?;
         compact_dict(py, &r)
     }
 
@@ -394,8 +420,11 @@ impl Store {
         let older = older_than_s
             .map(|s| seconds("older_than", s, false))
             .transpose()?;
-        let cb = progress_fn(progress);
-        let r = py.detach(|| self.engine.gc(max_bytes, older, &cb)).py()?;
+        let p = Progress::new(progress);
+        let r = p.finish(
+            py.detach(|| self.engine.gc(max_bytes, older, &|d, t| p.call(d, t)))
+                .py(),
+        )?;
         let d = PyDict::new(py);
         d.set_item("blocks_evicted", r.blocks_evicted)?;
         d.set_item("bytes_evicted", r.bytes_evicted)?;
@@ -437,10 +466,11 @@ fn rebuild_index<'py>(
     path: PathBuf,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let cb = progress_fn(progress);
-    let r = py
-        .detach(|| kvstore::repair::rebuild_index(&path, &cb))
-        .py()?;
+    let p = Progress::new(progress);
+    let r = p.finish(
+        py.detach(|| kvstore::repair::rebuild_index(&path, &|d, t| p.call(d, t)))
+            .py(),
+    )?;
     let d = PyDict::new(py);
     d.set_item("segments", r.segments)?;
     d.set_item("records", r.records)?;

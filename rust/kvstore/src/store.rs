@@ -1788,7 +1788,12 @@ impl Inner {
     // ------------------------------------------------------------ inspection
 
     fn stats(&self) -> Result<Stats> {
-        let txn = self.index.read()?;
+        // This handle's commits happen under the writer lock: holding it while
+        // the snapshot is taken makes `blocks` and `pending_blocks` agree.
+        let (txn, pending) = {
+            let w = self.writer.lock().expect("writer lock");
+            (self.index.read()?, w.pending.len() as u64)
+        };
         let segs = self.index.all_segments(&txn)?;
         let blocks = self.index.block_count(&txn)?;
         let live_bytes: u64 = segs.iter().map(|(_, i)| i.live_bytes).sum();
@@ -1800,7 +1805,6 @@ impl Inner {
             .sum();
         let headers = segs.len() as u64 * format::SEGMENT_HEADER_LEN as u64;
         let c = &self.counters;
-        let pending = self.writer.lock().expect("writer lock").pending.len() as u64;
         Ok(Stats {
             blocks,
             sessions: self.index.sessions(&txn, &self.tag)?.len() as u64,

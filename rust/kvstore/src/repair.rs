@@ -8,12 +8,12 @@
 //! The old index directory is kept beside the new one, renamed, never deleted.
 
 use crate::error::{Error, IoContext, Result};
-use crate::format::{self, Manifest};
+use crate::format;
 use crate::index::{Index, Location, SegmentInfo, SegmentState};
 use crate::io;
 use crate::scan::{self, DamagedRange};
-use crate::store::{lock_with_timeout, segment_path};
-use std::collections::HashMap;
+use crate::store::{lock_with_timeout, read_manifest, segment_number, segment_path};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -38,9 +38,12 @@ pub struct RebuildReport {
 /// this `StoreLocked`.
 pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result<RebuildReport> {
     let manifest_path = dir.join("MANIFEST");
-    let manifest = io::read_small(&manifest_path, 64 << 10)
-        .map_err(|e| Error::corrupt(&manifest_path, format!("cannot read it: {e}")))
-        .and_then(|b| Manifest::decode(&b).map_err(|r| Error::corrupt(&manifest_path, r)))?;
+    let manifest = read_manifest(&manifest_path)?.ok_or_else(|| {
+        Error::corrupt(
+            &manifest_path,
+            "missing: the layout lives only there, so the index cannot be rebuilt",
+        )
+    })?;
     let layout = manifest
         .layout()
         .map_err(|e| Error::corrupt(&manifest_path, e.to_string()))?;
@@ -53,13 +56,11 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
     let mut files = Vec::new();
     for entry in std::fs::read_dir(&seg_dir).ctx(|| format!("listing {}", seg_dir.display()))? {
         let entry = entry.ctx(|| format!("listing {}", seg_dir.display()))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        match name
-            .strip_suffix(".kvseg")
-            .and_then(|s| u64::from_str_radix(s, 16).ok())
-        {
+        match segment_number(&entry.file_name()) {
             Some(n) if segment_path(dir, n) == entry.path() => files.push(n),
-            _ => report.skipped.push(name),
+            _ => report
+                .skipped
+                .push(entry.file_name().to_string_lossy().into_owned()),
         }
     }
     files.sort_unstable();
@@ -109,7 +110,7 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
     let index = Index::open(&index_dir, false, crate::index::DEFAULT_MAP_SIZE)?;
 
     let mut blocks: HashMap<[u8; 32], Location> = HashMap::new();
-    let mut infos: Vec<(u64, SegmentInfo)> = Vec::new();
+    let mut infos: BTreeMap<u64, SegmentInfo> = BTreeMap::new();
     let total = held.len() as u64;
     for (i, (n, file)) in held.iter().enumerate() {
         let used_us = file
@@ -119,41 +120,41 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
             .map(|d| d.as_micros() as u64)
             .unwrap_or(0);
-        let mut info = SegmentInfo {
-            state: SegmentState::Sealed,
-            ..SegmentInfo::new()
-        };
         let scanned = scan::scan_segment(file, &layout, |r| {
             report.records += 1;
-            let loc = Location {
-                segment: *n,
-                offset: r.offset,
-                record_len: r.record_len,
-                stored_len: r.header.stored_len,
-                used_us,
-            };
-            // Later segments hold the newer copy (compaction writes forward).
-            if let Some(old) = blocks.insert(r.header.block_id, loc) {
-                if let Some((_, i)) = infos.iter_mut().find(|(s, _)| *s == old.segment) {
-                    i.live_bytes -= old.record_len;
-                    i.live_records -= 1;
-                } else if old.segment == *n {
-                    info.live_bytes -= old.record_len;
-                    info.live_records -= 1;
-                }
-            }
-            info.live_bytes += r.record_len;
-            info.live_records += 1;
+            // A block stored twice keeps its last copy: later segments hold
+            // the newer one (compaction writes forward).
+            blocks.insert(
+                r.header.block_id,
+                Location {
+                    segment: *n,
+                    offset: r.offset,
+                    record_len: r.record_len,
+                    stored_len: r.header.stored_len,
+                    used_us,
+                },
+            );
         })
         .ctx(|| format!("scanning segment {n:016x}"))?;
         // Every byte of the file counts against the disk bound until
         // compaction drops the dead and damaged ones.
-        info.committed_len = scanned.file_len.max(format::SEGMENT_HEADER_LEN as u64);
+        let info = SegmentInfo {
+            state: SegmentState::Sealed,
+            committed_len: scanned.file_len.max(format::SEGMENT_HEADER_LEN as u64),
+            live_bytes: 0,
+            live_records: 0,
+        };
         report
             .damaged
             .extend(scanned.damaged.into_iter().map(|d| (*n, d)));
-        infos.push((*n, info));
+        infos.insert(*n, info);
         progress(i as u64 + 1, total);
+    }
+    // Live figures follow from which copy of each block the index keeps.
+    for loc in blocks.values() {
+        let info = infos.get_mut(&loc.segment).expect("scanned segment");
+        info.live_bytes += loc.record_len;
+        info.live_records += 1;
     }
 
     let mut txn = index.write()?;

@@ -345,6 +345,37 @@ fn has_segment_files(dir: &Path) -> bool {
 /// A MANIFEST is a few hundred bytes; anything past this is not one.
 const MANIFEST_MAX: u64 = 64 << 10;
 
+/// Reads and checks a store's MANIFEST; `None` if there is none. A symlink,
+/// a FIFO or an absurd size is not a MANIFEST we wrote: `CorruptStore`.
+pub(crate) fn read_manifest(path: &Path) -> Result<Option<Manifest>> {
+    match io::read_small(path, MANIFEST_MAX) {
+        Ok(bytes) => Manifest::decode(&bytes)
+            .map(Some)
+            .map_err(|r| Error::corrupt(path, r)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e)
+            if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error())
+                || matches!(
+                    e.kind(),
+                    std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput
+                ) =>
+        {
+            Err(Error::corrupt(path, e.to_string()))
+        }
+        Err(e) => Err(Error::Io {
+            context: format!("reading {}", path.display()),
+            source: e,
+        }),
+    }
+}
+
+/// The number of a segment file from its name (`<16 hex digits>.kvseg`).
+pub(crate) fn segment_number(name: &std::ffi::OsStr) -> Option<u64> {
+    name.to_str()?
+        .strip_suffix(".kvseg")
+        .and_then(|s| u64::from_str_radix(s, 16).ok())
+}
+
 pub(crate) fn segment_path(dir: &Path, segment: u64) -> PathBuf {
     dir.join("segments").join(format!("{segment:016x}.kvseg"))
 }
@@ -688,9 +719,9 @@ impl Inner {
             .ctx(|| format!("lock file in {}", dir.display()))?;
         lock_with_timeout(&lock, Duration::from_secs(30))?;
         let manifest_path = dir.join("MANIFEST");
-        let manifest = match io::read_small(&manifest_path, MANIFEST_MAX) {
-            Ok(bytes) => Manifest::decode(&bytes).map_err(|r| Error::corrupt(&manifest_path, r))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        let manifest = match read_manifest(&manifest_path)? {
+            Some(m) => m,
+            None => {
                 let (Some(fp), Some(layout), true) = (&opts.fingerprint, &opts.layout, opts.create)
                 else {
                     return Err(Error::InvalidInput(format!(
@@ -717,22 +748,6 @@ impl Inner {
                 io::write_atomic(&manifest_path, &m.encode())
                     .ctx(|| format!("writing {}", manifest_path.display()))?;
                 m
-            }
-            // A symlink, a FIFO, an absurd size: not a MANIFEST we wrote.
-            Err(e)
-                if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error())
-                    || matches!(
-                        e.kind(),
-                        std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput
-                    ) =>
-            {
-                return Err(Error::corrupt(&manifest_path, e.to_string()));
-            }
-            Err(e) => {
-                return Err(Error::Io {
-                    context: format!("reading {}", manifest_path.display()),
-                    source: e,
-                })
             }
         };
         let layout = manifest
@@ -2154,11 +2169,7 @@ impl Inner {
             return Ok(());
         };
         for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(n) = name
-                .strip_suffix(".kvseg")
-                .and_then(|s| u64::from_str_radix(s, 16).ok())
-            else {
+            let Some(n) = segment_number(&e.file_name()) else {
                 continue;
             };
             let Ok(meta) = e.metadata() else { continue };

@@ -317,6 +317,18 @@ enum ReadFail {
     OtherTokens,
 }
 
+impl ReadFail {
+    /// Why the record is unusable for its block (the reason `verify` lists
+    /// and the index keeps); `None` when it is sound but for other tokens.
+    fn damage(self) -> Option<String> {
+        match self {
+            ReadFail::Gone => Some("segment file is missing".into()),
+            ReadFail::Damaged(r) => Some(r),
+            ReadFail::OtherTokens => None,
+        }
+    }
+}
+
 /// Segment files a handle keeps open for reads.
 const MAX_OPEN_SEGMENTS: usize = 256;
 
@@ -1623,20 +1635,16 @@ impl Inner {
                             .expect("reader cache")
                             .remove(&loc.segment);
                     }
-                    Err(ReadFail::OtherTokens) => break 'blocks,
-                    Err(ReadFail::Gone) => {
-                        // Still pointing at a missing file after a fresh
-                        // look: lost, not compacted. Out of the index, so
-                        // the next put of these tokens stores it again.
-                        drop(snap.take());
-                        self.known.forget(id);
-                        self.quarantine(id, &loc, "segment file is missing")?;
-                        break 'blocks;
-                    }
-                    Err(ReadFail::Damaged(reason)) => {
-                        drop(snap.take());
-                        self.known.forget(id);
-                        self.quarantine(id, &loc, &reason)?;
+                    Err(fail) => {
+                        // Damaged, or still pointing at a missing file after
+                        // a fresh look (lost, not compacted): out of the
+                        // index, so the next put of these tokens stores it
+                        // again. Another sequence's record is just a miss.
+                        if let Some(reason) = fail.damage() {
+                            drop(snap.take());
+                            self.known.forget(id);
+                            self.quarantine(id, &loc, &reason)?;
+                        }
                         break 'blocks;
                     }
                 }
@@ -1929,11 +1937,7 @@ impl Inner {
             match self.read_record(loc, id, None, &mut chunks, &mut scratch)? {
                 Ok(()) => {}
                 Err(fail) => {
-                    let reason = match fail {
-                        ReadFail::Gone => "segment file is missing".into(),
-                        ReadFail::Damaged(r) => r,
-                        ReadFail::OtherTokens => unreachable!("verify passes no tokens"),
-                    };
+                    let reason = fail.damage().expect("verify passes no tokens");
                     if repair {
                         self.quarantine(id, loc, &reason)?;
                         self.known.forget(id);
@@ -2021,11 +2025,11 @@ impl Inner {
                         out.pending_bytes += new.record_len;
                         moved.push((*id, *loc, new));
                     }
-                    Err(ReadFail::Gone) => {
-                        dropped.push((*id, *loc, "segment file is missing".into()))
-                    }
-                    Err(ReadFail::Damaged(r)) => dropped.push((*id, *loc, r)),
-                    Err(ReadFail::OtherTokens) => unreachable!("compaction passes no tokens"),
+                    Err(fail) => dropped.push((
+                        *id,
+                        *loc,
+                        fail.damage().expect("compaction passes no tokens"),
+                    )),
                 }
                 // Bounded transactions, as in `evict`.
                 if out.pending_bytes >= 64 << 20 || moved.len() >= 1024 {

@@ -207,6 +207,9 @@ fn check_lmdb_file(path: &Path) -> std::result::Result<(), String> {
         }
     }
     let (_, last, roots) = newest.expect("two meta pages read");
+    // The length after the meta pages: a commit by another process between
+    // the two reads only grows the file (LMDB writes its pages, then the meta).
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
     let need = last
         .checked_add(1)
         .and_then(|n| n.checked_mul(psize))
@@ -271,7 +274,17 @@ impl Index {
                 _ => {}
             }
         }
-        if let Err(reason) = check_lmdb_file(&key.join("data.mdb")) {
+        // Other processes may be committing as we read (a meta page read
+        // half-written): a verdict of damage must repeat before it counts.
+        let mut verdict = check_lmdb_file(&key.join("data.mdb"));
+        for _ in 0..3 {
+            if verdict.is_ok() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            verdict = check_lmdb_file(&key.join("data.mdb"));
+        }
+        if let Err(reason) = verdict {
             return Err(Error::corrupt(key.join("data.mdb"), reason));
         }
         // LMDB wants a multiple of the OS page size.

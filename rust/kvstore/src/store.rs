@@ -498,6 +498,15 @@ impl Store {
         self.live()?.put(tokens, kv, kv_tokens, extra)
     }
 
+    /// The ids of the full blocks of `tokens` (keyed by this handle's model,
+    /// layout and salt), as connectors and block pools name blocks.
+    pub fn block_ids(&self, tokens: &[u32], extra: &[u8]) -> Result<Vec<BlockId>> {
+        let inner = self.live()?;
+        Ok(inner
+            .keyer
+            .chain(tokens, inner.layout.block_size as usize, extra))
+    }
+
     /// Longest stored prefix of `tokens`, in tokens; counted as hits and misses.
     pub fn lookup(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
         let inner = self.live()?;

@@ -110,7 +110,7 @@ impl Store {
             create,
             hot_bytes,
             hot_dir,
-            index_bytes: index_bytes.unwrap_or(kvstore::index::DEFAULT_MAP_SIZE),
+            index_bytes: index_bytes.unwrap_or(kvstore::DEFAULT_INDEX_BYTES),
             ..Options::default()
         };
         let p = path.clone();
@@ -468,7 +468,7 @@ fn rebuild_index<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let p = Progress::new(progress);
     let r = p.finish(
-        py.detach(|| kvstore::repair::rebuild_index(&path, &|d, t| p.call(d, t)))
+        py.detach(|| kvstore::rebuild_index(&path, &|d, t| p.call(d, t)))
             .py(),
     )?;
     let d = PyDict::new(py);
@@ -481,7 +481,7 @@ fn rebuild_index<'py>(
         e.set_item("segment", segment)?;
         e.set_item("start", x.start)?;
         e.set_item("end", x.end)?;
-        e.set_item("block_id", x.block_id.as_ref().map(kvstore::id::hex))?;
+        e.set_item("block_id", x.block_id.as_ref().map(kvstore::block_id_hex))?;
         e.set_item("reason", x.reason)?;
         damaged.append(e)?;
     }
@@ -495,6 +495,6 @@ fn rebuild_index<'py>(
 fn _lib(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_function(wrap_pyfunction!(rebuild_index, m)?)?;
-    m.add("FORMAT_VERSION", kvstore::format::FORMAT_VERSION)?;
+    m.add("FORMAT_VERSION", kvstore::FORMAT_VERSION)?;
     Ok(())
 }

@@ -114,12 +114,16 @@ fn fold(lanes: [u32; LANES]) -> u64 {
 /// What kind of pages back the arena, as the kernel reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PageKind {
+    /// A hugetlbfs mapping (explicit huge pages).
     HugeTlb,
+    /// Transparent huge pages (`MADV_HUGEPAGE`).
     TransparentHuge,
+    /// Normal 4 KiB pages.
     Normal,
 }
 
 impl PageKind {
+    /// The name `stats()` and `kvstore info` show.
     pub fn name(&self) -> &'static str {
         match self {
             PageKind::HugeTlb => "hugetlb",
@@ -143,16 +147,24 @@ pub enum Inserted {
 /// Figures of the hot tier.
 #[derive(Clone, Debug, Default)]
 pub struct ArenaStats {
+    /// The arena file.
     pub path: String,
+    /// Bytes mapped.
     pub bytes: u64,
+    /// Block slots in the arena.
     pub slots: u64,
+    /// Slots holding a block.
     pub slots_used: u64,
+    /// Slots holding a block pinned and not expired.
     pub slots_pinned: u64,
+    /// Blocks evicted to make room, since the arena was created.
     pub evictions: u64,
+    /// Blocks stored, since the arena was created.
     pub inserts: u64,
     /// Slots a writer is filling right now, or that one left half-written
     /// when it died (reclaimed by the next open or insert in their set).
     pub slots_torn: u64,
+    /// What backs the mapping: `hugetlb`, `thp` or `normal`.
     pub page_kind: String,
 }
 
@@ -270,9 +282,7 @@ pub fn default_dir(bytes: u64) -> PathBuf {
             let (_, dir, fs) = (f.next(), f.next(), f.next());
             if fs == Some("hugetlbfs") {
                 if let Some(dir) = dir {
-                    let free = rustix::fs::statvfs(dir)
-                        .map(|s| s.f_bavail * s.f_bsize)
-                        .unwrap_or(0);
+                    let free = rustix::fs::statvfs(dir).map_or(0, |s| s.f_bavail * s.f_bsize);
                     if free >= bytes {
                         return PathBuf::from(dir);
                     }
@@ -527,10 +537,6 @@ impl Arena {
 
     pub fn path(&self) -> &Path {
         &self.path
-    }
-
-    pub fn page_kind(&self) -> &PageKind {
-        &self.page_kind
     }
 
     /// Start address and length of the mapping (for `cudaHostRegister`).
@@ -804,59 +810,74 @@ impl Arena {
             let Some((slot, rank)) = victim else {
                 return Inserted::Full;
             };
-            let h = self.hdr(slot);
-            let v = self.map.u64_at(h + S_VERSION).load(Ordering::Relaxed);
-            // Versions are read from shared memory: wrap, never overflow.
-            let odd = v.wrapping_add(if v & 1 == 1 { 2 } else { 1 });
-            self.map.u64_at(h + S_VERSION).store(odd, Ordering::Relaxed);
-            fence(Ordering::Release);
-            self.map.u64_at(h + S_STATE).store(0, Ordering::Relaxed);
-            for i in 0..4 {
-                let w = u64::from_le_bytes(id[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-                self.map
-                    .u64_at(h + S_ID + 8 * i)
-                    .store(w, Ordering::Relaxed);
-            }
-            for (j, t) in tokens.iter().enumerate() {
-                self.map
-                    .u32_at(h + S_TOKENS + 4 * j)
-                    .store(*t, Ordering::Relaxed);
-            }
-            let (base, run) = (self.data(slot), self.chunk_bytes);
-            let mut lanes = [0u32; LANES];
-            for (g, group) in chunks.chunks_exact(LANES).enumerate() {
-                let group: &[&[u8]; LANES] = group.try_into().expect("LANES runs");
-                let offs = std::array::from_fn(|k| base + (g * LANES + k) * run);
-                lanes = self.map.write_crc32c(offs, *group, lanes);
-            }
-            for (i, c) in chunks.iter().enumerate().skip(chunks.len() / LANES * LANES) {
-                let [crc] = self
-                    .map
-                    .write_crc32c([base + i * run], [c], [lanes[i % LANES]]);
-                lanes[i % LANES] = crc;
-            }
-            self.map
-                .u64_at(h + S_CRC)
-                .store(fold(lanes), Ordering::Relaxed);
-            self.map
-                .u64_at(h + S_PRIORITY)
-                .store(priority, Ordering::Relaxed);
-            self.map
-                .u64_at(h + S_EXPIRES)
-                .store(expires_ms, Ordering::Relaxed);
-            self.map
-                .u64_at(h + S_LAST_USED)
-                .store(self.tick(), Ordering::Relaxed);
-            self.map.u64_at(h + S_STATE).store(1, Ordering::Relaxed);
-            self.map
-                .u64_at(h + S_VERSION)
-                .store(odd.wrapping_add(1), Ordering::Release);
+            self.write_slot(slot, id, tokens, chunks, priority, expires_ms);
             if rank.0 == 1 {
                 self.map.u64_at(H_EVICTIONS).fetch_add(1, Ordering::Relaxed);
             }
             self.map.u64_at(H_INSERTS).fetch_add(1, Ordering::Relaxed);
             Inserted::Stored
         })
+    }
+
+    /// Writes a block into `slot` under the slot's seqlock (odd version
+    /// while torn, then even), its data checksummed in the same pass. The
+    /// caller holds the arena's write lock.
+    fn write_slot(
+        &self,
+        slot: usize,
+        id: &BlockId,
+        tokens: &[u32],
+        chunks: &[&[u8]],
+        priority: u64,
+        expires_ms: u64,
+    ) {
+        let h = self.hdr(slot);
+        let v = self.map.u64_at(h + S_VERSION).load(Ordering::Relaxed);
+        // Versions are read from shared memory: wrap, never overflow.
+        let odd = v.wrapping_add(if v & 1 == 1 { 2 } else { 1 });
+        self.map.u64_at(h + S_VERSION).store(odd, Ordering::Relaxed);
+        fence(Ordering::Release);
+        self.map.u64_at(h + S_STATE).store(0, Ordering::Relaxed);
+        for i in 0..4 {
+            let w = u64::from_le_bytes(id[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+            self.map
+                .u64_at(h + S_ID + 8 * i)
+                .store(w, Ordering::Relaxed);
+        }
+        for (j, t) in tokens.iter().enumerate() {
+            self.map
+                .u32_at(h + S_TOKENS + 4 * j)
+                .store(*t, Ordering::Relaxed);
+        }
+        let (base, run) = (self.data(slot), self.chunk_bytes);
+        let mut lanes = [0u32; LANES];
+        for (g, group) in chunks.chunks_exact(LANES).enumerate() {
+            let group: &[&[u8]; LANES] = group.try_into().expect("LANES runs");
+            let offs = std::array::from_fn(|k| base + (g * LANES + k) * run);
+            lanes = self.map.write_crc32c(offs, *group, lanes);
+        }
+        for (i, c) in chunks.iter().enumerate().skip(chunks.len() / LANES * LANES) {
+            let [crc] = self
+                .map
+                .write_crc32c([base + i * run], [c], [lanes[i % LANES]]);
+            lanes[i % LANES] = crc;
+        }
+        self.map
+            .u64_at(h + S_CRC)
+            .store(fold(lanes), Ordering::Relaxed);
+        self.map
+            .u64_at(h + S_PRIORITY)
+            .store(priority, Ordering::Relaxed);
+        self.map
+            .u64_at(h + S_EXPIRES)
+            .store(expires_ms, Ordering::Relaxed);
+        self.map
+            .u64_at(h + S_LAST_USED)
+            .store(self.tick(), Ordering::Relaxed);
+        self.map.u64_at(h + S_STATE).store(1, Ordering::Relaxed);
+        self.map
+            .u64_at(h + S_VERSION)
+            .store(odd.wrapping_add(1), Ordering::Release);
     }
 
     fn raise_pin(&self, slot: usize, priority: u64, expires_ms: u64) {
@@ -1020,7 +1041,7 @@ mod tests {
             for skew in [0, 1, 5, 8] {
                 let offs: [usize; 4] = std::array::from_fn(|k| skew + k * 5000 + 3 * k);
                 let seeds = [0, 1, 0xdead_beef, u32::MAX];
-                let mut bufs = [(); 4].map(|_| vec![0u8; len + 3]);
+                let mut bufs = [(); 4].map(|()| vec![0u8; len + 3]);
                 let dsts = bufs.each_mut().map(|b| &mut b[skew % 3..skew % 3 + len]);
                 let got = map.read_crc32c(offs, dsts, seeds);
                 for k in 0..4 {

@@ -34,7 +34,12 @@ pub enum Error {
     /// The store's own metadata (MANIFEST, index) is damaged or not a kvstore.
     /// Never raised for a damaged block: that is a miss.
     #[error("corrupt store at {path}: {reason}")]
-    CorruptStore { path: PathBuf, reason: String },
+    CorruptStore {
+        /// The damaged file or directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 
     /// A session name that does not exist.
     #[error("no session named {0:?}")]
@@ -49,8 +54,10 @@ pub enum Error {
     /// An operating-system I/O error, with what was being done.
     #[error("{context}: {source}")]
     Io {
+        /// What was being done.
         context: String,
         #[source]
+        /// The operating system's error.
         source: std::io::Error,
     },
 

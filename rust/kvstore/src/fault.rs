@@ -15,10 +15,6 @@
 //!
 //! Without the feature every hook is an empty inline function.
 
-use std::fs::File;
-use std::io;
-use std::path::Path;
-
 /// A durable step of the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -30,6 +26,7 @@ pub enum Op {
 }
 
 /// What happens at the armed step.
+#[cfg(feature = "fault-injection")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     /// The step fails with EIO (the process goes on).
@@ -80,7 +77,9 @@ mod imp {
     static STATE: Mutex<Option<State>> = Mutex::new(None);
 
     fn with<R>(f: impl FnOnce(&mut State) -> R) -> R {
-        let mut g = STATE.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = STATE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         f(g.get_or_insert_with(State::default))
     }
 
@@ -123,7 +122,7 @@ mod imp {
             path: path_of(file),
             // A file first seen now: what it holds was there before the
             // workload (or survived the last crash), so count it as durable.
-            durable_len: file.metadata().map(|m| m.len()).unwrap_or(0),
+            durable_len: file.metadata().map_or(0, |m| m.len()),
             dirty: false,
             new_entry: false,
         }))
@@ -171,7 +170,7 @@ mod imp {
     }
 
     pub fn synced(file: &File) {
-        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let len = file.metadata().map_or(0, |m| m.len());
         with(|s| {
             if let Some(t) = track(s, file) {
                 t.durable_len = len;
@@ -212,7 +211,7 @@ mod imp {
         with(|s| {
             for t in s.files.values_mut() {
                 if t.path == from {
-                    t.path = to.clone();
+                    t.path.clone_from(&to);
                 }
             }
             s.renames.push((from, to));
@@ -273,7 +272,7 @@ mod imp {
             let Ok(f) = std::fs::OpenOptions::new().write(true).open(&t.path) else {
                 continue;
             };
-            let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+            let len = f.metadata().map_or(0, |m| m.len());
             if len <= t.durable_len {
                 continue;
             }
@@ -303,19 +302,20 @@ mod imp {
     use std::io;
     use std::path::Path;
 
-    #[inline(always)]
+    #[inline]
+    #[allow(clippy::unnecessary_wraps)] // the same signature as with the feature
     pub fn before(_: Op, _: Option<&File>) -> io::Result<()> {
         Ok(())
     }
-    #[inline(always)]
+    #[inline]
     pub fn wrote(_: &File) {}
-    #[inline(always)]
+    #[inline]
     pub fn synced(_: &File) {}
-    #[inline(always)]
+    #[inline]
     pub fn created(_: &File) {}
-    #[inline(always)]
+    #[inline]
     pub fn renamed(_: &Path, _: &Path) {}
-    #[inline(always)]
+    #[inline]
     pub fn dir_synced(_: &Path) {}
 }
 
@@ -323,41 +323,3 @@ mod imp {
 pub use imp::{arm, count_only, steps, trace};
 
 pub(crate) use imp::{before, created, dir_synced, renamed, synced, wrote};
-
-/// A hooked `fdatasync`.
-pub(crate) fn sync_data(file: &File) -> io::Result<()> {
-    before(Op::Sync, Some(file))?;
-    file.sync_data()?;
-    synced(file);
-    Ok(())
-}
-
-/// A hooked `fsync` (data and metadata: used after a truncation).
-pub(crate) fn sync_all(file: &File) -> io::Result<()> {
-    before(Op::Sync, Some(file))?;
-    file.sync_all()?;
-    synced(file);
-    Ok(())
-}
-
-/// A hooked truncation (counts as a write).
-pub(crate) fn set_len(file: &File, len: u64) -> io::Result<()> {
-    before(Op::Write, Some(file))?;
-    file.set_len(len)?;
-    wrote(file);
-    Ok(())
-}
-
-/// A hooked unlink.
-pub(crate) fn remove_file(path: &Path) -> io::Result<()> {
-    before(Op::Unlink, None)?;
-    std::fs::remove_file(path)
-}
-
-/// A hooked rename.
-pub(crate) fn rename(from: &Path, to: &Path) -> io::Result<()> {
-    before(Op::Rename, None)?;
-    std::fs::rename(from, to)?;
-    renamed(from, to);
-    Ok(())
-}

@@ -6,6 +6,7 @@
 //! encode alike, and nothing depends on a per-process seed.
 
 use crate::layout::Layout;
+use std::fmt::Write;
 
 /// 32-byte block id.
 pub type BlockId = [u8; 32];
@@ -24,6 +25,9 @@ pub struct Keyer {
 }
 
 impl Keyer {
+    /// The keyer of one store handle: its key is derived from the model fingerprint, the
+    /// layout and the tenant salt, so blocks of different models, layouts or tenants never
+    /// share ids.
     pub fn new(fingerprint: &str, layout: &Layout, salt: Option<&[u8]>) -> Self {
         let mut material = Vec::new();
         let fp = fingerprint.as_bytes();
@@ -100,8 +104,11 @@ impl Keyer {
 }
 
 /// Lower-case hex of an id, as the CLI prints it.
-pub fn hex(id: &BlockId) -> String {
-    id.iter().map(|b| format!("{b:02x}")).collect()
+pub fn hex(id: &[u8]) -> String {
+    id.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 #[cfg(test)]

@@ -143,7 +143,6 @@ pub struct Index {
     pins: Db,
     meta: Db,
     nosync: bool,
-    path: PathBuf,
     /// The process that opened the environment.
     pid: u32,
 }
@@ -152,15 +151,15 @@ pub struct Index {
 /// makes it fault (SIGBUS past the end of the file) rather than fail. So the
 /// two meta pages are checked before LMDB maps the file: magic, version, page
 /// size, and that the newest meta's pages all lie inside the file. (Damage
-/// deeper in the tree LMDB reports itself, as MDB_CORRUPTED or
-/// MDB_PAGE_NOTFOUND, which become `CorruptStore`.)
+/// deeper in the tree LMDB reports itself, as `MDB_CORRUPTED` or
+/// `MDB_PAGE_NOTFOUND`, which become `CorruptStore`.)
 fn check_lmdb_file(path: &Path) -> std::result::Result<(), String> {
     use std::os::unix::fs::FileExt;
     const MAGIC: u32 = 0xBEEF_C0DE;
     const DATA_VERSION: u32 = 1;
     const P_META: u16 = 0x08;
     const P_INVALID: u64 = u64::MAX;
-    let file = match crate::io::open_existing(path, false) {
+    let file = match crate::fs::open_existing(path, false) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()), // LMDB creates it
         Err(e) => return Err(format!("cannot open it: {e}")),
@@ -291,8 +290,7 @@ impl Index {
         let map_size =
             usize::try_from(map_size.div_ceil(4096).max(16) * 4096).unwrap_or(usize::MAX);
         let env = os::open_lmdb(&key, map_size, nosync).map_err(|e| match e {
-            heed::Error::Mdb(heed::MdbError::Invalid)
-            | heed::Error::Mdb(heed::MdbError::Corrupted) => {
+            heed::Error::Mdb(heed::MdbError::Invalid | heed::MdbError::Corrupted) => {
                 Error::corrupt(&key, format!("index cannot be opened: {e}"))
             }
             // Another LMDB version holds the lock file: the `lmdb` Python
@@ -325,7 +323,6 @@ impl Index {
             pins,
             meta,
             nosync,
-            path: key.clone(),
             pid: std::process::id(),
         });
         reg.insert(key, Arc::downgrade(&idx));
@@ -359,10 +356,6 @@ impl Index {
             .is_some_and(|w| w.strong_count() > 0)
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     pub fn read(&self) -> Result<RoTxn<'_, WithoutTls>> {
         Ok(self.env.read_txn()?)
     }
@@ -394,9 +387,77 @@ impl Index {
         Ok(self.blocks.get(txn, id)?.and_then(Location::decode))
     }
 
-    /// Adds the entry of a block that has none.
-    pub fn put_block(&self, txn: &mut RwTxn<'_>, id: &BlockId, loc: &Location) -> Result<()> {
-        Ok(self.blocks.put(txn, id, &loc.encode())?)
+    /// Publishes the record at `loc` as block `id`'s entry, if the block has
+    /// none, and counts it live in its segment. Returns false, changing
+    /// nothing, when the block already has an entry (another writer stored it
+    /// first; this copy is dead bytes). A block stored again after being found
+    /// damaged is no longer listed as damage.
+    pub fn insert_block(&self, txn: &mut RwTxn<'_>, id: &BlockId, loc: &Location) -> Result<bool> {
+        if self.get_block_rw(txn, id)?.is_some() {
+            return Ok(false);
+        }
+        self.blocks.put(txn, id, &loc.encode())?;
+        self.clear_damaged(txn, id)?;
+        self.add_live(txn, loc.segment, loc.record_len.cast_signed(), 1)?;
+        Ok(true)
+    }
+
+    /// Removes block `id`'s entry if it still names the record at `at` (a
+    /// writer may have moved or replaced it since `at` was read), and counts
+    /// the record dead. Bumps the generation: cached locations are stale.
+    pub fn delete_block_if_at(
+        &self,
+        txn: &mut RwTxn<'_>,
+        id: &BlockId,
+        at: &Location,
+    ) -> Result<bool> {
+        if !self.get_block_rw(txn, id)?.is_some_and(|l| l.same_record(at)) {
+            return Ok(false);
+        }
+        self.blocks.delete(txn, id)?;
+        self.bump_generation(txn)?;
+        self.add_live(txn, at.segment, -at.record_len.cast_signed(), -1)?;
+        Ok(true)
+    }
+
+    /// [`Index::delete_block_if_at`], and the record is listed as damaged
+    /// with `reason` (a miss from now on; the next put stores it again).
+    pub fn quarantine_if_at(
+        &self,
+        txn: &mut RwTxn<'_>,
+        id: &BlockId,
+        at: &Location,
+        reason: &str,
+    ) -> Result<bool> {
+        let removed = self.delete_block_if_at(txn, id, at)?;
+        if removed {
+            self.put_damaged(txn, id, at, reason)?;
+        }
+        Ok(removed)
+    }
+
+    /// Points block `id` at its new copy `new` if it still names the record
+    /// at `old` (compaction), keeping its last-use time; live counts move
+    /// with it. Bumps the generation: cached locations are stale.
+    pub fn move_block_if_at(
+        &self,
+        txn: &mut RwTxn<'_>,
+        id: &BlockId,
+        old: &Location,
+        new: &Location,
+    ) -> Result<bool> {
+        let Some(now) = self.get_block_rw(txn, id)?.filter(|l| l.same_record(old)) else {
+            return Ok(false);
+        };
+        let new = Location {
+            used_us: now.used_us,
+            ..*new
+        };
+        self.blocks.put(txn, id, &new.encode())?;
+        self.bump_generation(txn)?;
+        self.add_live(txn, old.segment, -old.record_len.cast_signed(), -1)?;
+        self.add_live(txn, new.segment, new.record_len.cast_signed(), 1)?;
+        Ok(true)
     }
 
     /// Refreshes a block's last-use time (never moves it back). The record
@@ -411,19 +472,6 @@ impl Index {
         Ok(())
     }
 
-    /// Points an existing entry at a new copy of its record (compaction).
-    /// Bumps the generation: cached locations are stale from now on.
-    pub fn move_block(&self, txn: &mut RwTxn<'_>, id: &BlockId, loc: &Location) -> Result<()> {
-        self.blocks.put(txn, id, &loc.encode())?;
-        self.bump_generation(txn)
-    }
-
-    /// Removes an entry. Bumps the generation: cached locations are stale.
-    pub fn delete_block(&self, txn: &mut RwTxn<'_>, id: &BlockId) -> Result<bool> {
-        let found = self.blocks.delete(txn, id)?;
-        self.bump_generation(txn)?;
-        Ok(found)
-    }
 
     /// Counts changes that remove or move block entries, or delete segment
     /// files; see `known.rs` for why readers rely on it.
@@ -531,8 +579,17 @@ impl Index {
         Ok(out)
     }
 
-    /// Adjusts a segment's live accounting (after a block is added or dropped).
-    pub fn add_live(&self, txn: &mut RwTxn<'_>, seg: u64, bytes: i64, records: i64) -> Result<()> {
+    /// Sets how much of a segment file its committed entries cover,
+    /// registering the segment if it is not yet.
+    pub fn set_committed_len(&self, txn: &mut RwTxn<'_>, seg: u64, len: u64) -> Result<()> {
+        let mut info = self.get_segment(txn, seg)?.unwrap_or_default();
+        info.committed_len = len;
+        self.put_segment(txn, seg, &info)
+    }
+
+    /// Adjusts a segment's live accounting; only the block mutations above
+    /// call it, so the counts always follow the `blocks` table.
+    fn add_live(&self, txn: &mut RwTxn<'_>, seg: u64, bytes: i64, records: i64) -> Result<()> {
         if let Some(mut info) = self.get_segment(txn, seg)? {
             info.live_bytes = info.live_bytes.saturating_add_signed(bytes);
             info.live_records = info.live_records.saturating_add_signed(records);
@@ -548,8 +605,7 @@ impl Index {
             .meta
             .get(txn, name.as_bytes())?
             .and_then(|v| v.try_into().ok())
-            .map(u64::from_le_bytes)
-            .unwrap_or(0))
+            .map_or(0, u64::from_le_bytes))
     }
 
     pub fn set_meta_u64(&self, txn: &mut RwTxn<'_>, name: &str, v: u64) -> Result<()> {
@@ -643,10 +699,5 @@ impl Index {
             out.push((String::from_utf8_lossy(&k[16..]).into_owned(), v.len() / 4));
         }
         Ok(out)
-    }
-
-    /// Number of sessions of every tenant (for the CLI, which has no salt).
-    pub fn session_count(&self, txn: &RoTxn<'_>) -> Result<u64> {
-        Ok(self.sessions.len(txn)?)
     }
 }

@@ -19,7 +19,7 @@ use std::sync::RwLock;
 /// At most this many entries (~10 MiB); the cache is cleared when full.
 const CAPACITY: usize = 1 << 17;
 
-/// Block ids are already uniform hashes: use their bytes, skip SipHash.
+/// Block ids are already uniform hashes: use their bytes, skip `SipHash`.
 #[derive(Default)]
 struct IdHasher(u64);
 

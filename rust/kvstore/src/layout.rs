@@ -5,9 +5,13 @@ use crate::error::{Error, Result};
 /// Element type of the KV tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// IEEE half precision.
     Float16,
+    /// bfloat16.
     BFloat16,
+    /// IEEE single precision.
     Float32,
+    /// fp8 e4m3 (`float8_e4m3fn`).
     Float8E4M3,
 }
 
@@ -31,6 +35,7 @@ impl DType {
         }
     }
 
+    /// Parses a dtype name as torch spells it (`float16`, `bfloat16`, ...).
     pub fn parse(name: &str) -> Result<Self> {
         Ok(match name {
             "float16" | "half" | "fp16" => DType::Float16,
@@ -50,10 +55,15 @@ impl DType {
 /// A block is logically `[L, 2, B, H, D]`, K at index 0 and V at index 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
+    /// Transformer layers `L`.
     pub num_layers: u32,
+    /// KV heads `H` (fewer than query heads with GQA).
     pub num_kv_heads: u32,
+    /// Head dimension `D`.
     pub head_dim: u32,
+    /// Element type.
     pub dtype: DType,
+    /// Tokens per block `B`.
     pub block_size: u32,
 }
 
@@ -89,11 +99,11 @@ impl Layout {
                 )));
             }
         }
-        let bytes = (num_layers as u128)
+        let bytes = u128::from(num_layers)
             * 2
-            * (block_size as u128)
-            * (num_kv_heads as u128)
-            * (head_dim as u128)
+            * u128::from(block_size)
+            * u128::from(num_kv_heads)
+            * u128::from(head_dim)
             * (dtype.size() as u128);
         if bytes > MAX_BLOCK_BYTES as u128 {
             return Err(Error::InvalidInput(format!(

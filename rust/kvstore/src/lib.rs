@@ -3,28 +3,65 @@
 //!
 //! A block is the KV of `block_size` consecutive tokens for every layer
 //! (`[L, 2, B, H, D]`). Its id is a keyed BLAKE3 chain over the token ids
-//! ([`id`]), so equal prefixes share blocks and different models, layouts or
+//! (`id`), so equal prefixes share blocks and different models, layouts or
 //! tenants never do. Blocks are appended to checksummed segment files
-//! ([`format`]) and indexed in LMDB ([`index`]); [`store::Store`] ties it
+//! (`format`, `record`) and indexed in LMDB (`index`); [`Store`] ties it
 //! together. This crate knows nothing of Python: `kvstore-py` binds it.
+//!
+//! The modules follow the data flow, from the caller down to the disk:
+//!
+//! ```text
+//! Store (store/)  put ─▶ writer ─▶ record ─▶ fs ─▶ segment files
+//!                 read ◀─ record ◀─ fs       index (LMDB)   arena (shared memory)
+//! ```
+//!
+//! Only the types of the public API are exported below. The decoders, the
+//! index and the scanner are reachable by the crate's own tests and fuzz
+//! targets through the hidden `__internal_whitebox` feature, never by users.
 
-pub mod arena;
-pub mod error;
+#![warn(missing_docs)]
+
+/// Declares modules that are private, except with the `__internal_whitebox`
+/// feature (tests and fuzz targets), where they are public and hidden.
+macro_rules! internal_mods {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "__internal_whitebox")]
+        #[doc(hidden)]
+        #[allow(missing_docs)]
+        pub mod $name;
+        #[cfg(not(feature = "__internal_whitebox"))]
+        mod $name;
+    )*};
+}
+
+internal_mods!(format, index, record, scan);
+
+mod arena;
+mod clock;
+mod dir;
+mod error;
+#[cfg(feature = "fault-injection")]
+#[allow(missing_docs)]
 pub mod fault;
-pub mod format;
-pub mod id;
-pub mod index;
-mod io;
+#[cfg(not(feature = "fault-injection"))]
+mod fault;
+mod fs;
+mod id;
 mod known;
-pub mod layout;
+mod layout;
 mod os;
-pub mod repair;
-pub mod scan;
-pub mod store;
+mod repair;
+mod store;
 
+pub use arena::{ArenaStats, PageKind};
 pub use error::{Error, Result};
-pub use id::{BlockId, Keyer};
+pub use format::{Manifest, FORMAT_VERSION};
+pub use id::{hex as block_id_hex, BlockId, Keyer};
+pub use index::DEFAULT_MAP_SIZE as DEFAULT_INDEX_BYTES;
 pub use layout::{DType, Layout};
+pub use repair::{rebuild_index, RebuildReport};
+pub use scan::DamagedRange;
 pub use store::{
-    CompactReport, Damage, Durability, GcReport, Options, SegmentReport, Stats, Store, VerifyReport,
+    CompactReport, Damage, Durability, GcReport, Options, Progress, SegmentReport, Stats, Store,
+    VerifyReport,
 };

@@ -75,6 +75,7 @@ impl SharedMap {
         );
     }
 
+    #[allow(clippy::cast_ptr_alignment)] // checked by `check`
     pub fn u64_at(&self, off: usize) -> &AtomicU64 {
         self.check(off, 8, 8);
         // SAFETY: in bounds and 8-aligned (checked above; the mapping is
@@ -84,6 +85,7 @@ impl SharedMap {
         unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
     }
 
+    #[allow(clippy::cast_ptr_alignment)] // checked by `check`
     pub fn u32_at(&self, off: usize) -> &AtomicU32 {
         self.check(off, 4, 4);
         // SAFETY: as in `u64_at`, with 4-byte alignment.
@@ -100,7 +102,7 @@ impl SharedMap {
         // any value is valid, and a torn copy is detected and dropped by the
         // seqlock protocol in `arena.rs`.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.map.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+            std::ptr::copy_nonoverlapping(self.map.as_ptr().add(off), dst.as_mut_ptr(), dst.len());
         }
     }
 
@@ -123,7 +125,7 @@ impl SharedMap {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("sse4.2") {
             let src = offs.map(|off| self.map.as_ptr().wrapping_add(off));
-            let dst = dsts.map(|d| d.as_mut_ptr());
+            let dst = dsts.map(<[u8]>::as_mut_ptr);
             // SAFETY: the CPU has SSE 4.2 (checked above). Every source range
             // is in bounds (checked) and outside every `dst`, Rust slices of
             // `len` bytes each, borrowed mutably (so distinct). As in `read`,
@@ -159,7 +161,7 @@ impl SharedMap {
         }
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("sse4.2") {
-            let src = srcs.map(|s| s.as_ptr());
+            let src = srcs.map(<[u8]>::as_ptr);
             let dst = offs.map(|off| self.map.as_mut_ptr().wrapping_add(off));
             // SAFETY: the CPU has SSE 4.2 (checked above). Every destination
             // range is in bounds (checked), no two overlap (checked), and
@@ -183,7 +185,7 @@ impl SharedMap {
         // SAFETY: in bounds (checked); `src` is outside the mapping. Readers
         // of this range check the slot version around their copy.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len())
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len());
         }
     }
 }

@@ -7,23 +7,26 @@
 //! last-use times (set to the segment's modification time) and hit counters.
 //! The old index directory is kept beside the new one, renamed, never deleted.
 
+use crate::dir::{segment_number, StoreDir};
 use crate::error::{Error, IoContext, Result};
 use crate::format;
+use crate::fs;
 use crate::index::{Index, Location, SegmentInfo, SegmentState};
-use crate::io;
 use crate::scan::{self, DamagedRange};
-use crate::store::{lock_with_timeout, read_manifest, segment_number, segment_path};
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
 use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// What a rebuild found and did.
 #[derive(Clone, Debug, Default)]
 pub struct RebuildReport {
+    /// Segment files scanned into the new index.
     pub segments: u64,
     /// Valid records found, and how many of them became index entries (a
     /// block stored twice, by a dedupe race or a compaction, counts once).
     pub records: u64,
+    /// Blocks in the new index.
     pub blocks: u64,
     /// Damaged ranges found (their blocks are misses; `verify` lists them).
     pub damaged: Vec<(u64, DamagedRange)>,
@@ -33,31 +36,18 @@ pub struct RebuildReport {
     pub old_index: Option<String>,
 }
 
-/// Rebuilds `<dir>/index` from `<dir>/segments`. Every handle on the store, in
-/// every process, must be closed: a live writer (its segment locked) makes
-/// this `StoreLocked`.
-pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result<RebuildReport> {
-    let manifest_path = dir.join("MANIFEST");
-    let manifest = read_manifest(&manifest_path)?.ok_or_else(|| {
-        Error::corrupt(
-            &manifest_path,
-            "missing: the layout lives only there, so the index cannot be rebuilt",
-        )
-    })?;
-    let layout = manifest
-        .layout()
-        .map_err(|e| Error::corrupt(&manifest_path, e.to_string()))?;
-    let lock = io::open_or_create(&dir.join("LOCK")).ctx(|| "the store's LOCK".into())?;
-    lock_with_timeout(&lock, Duration::from_secs(30))?;
-
-    let seg_dir = dir.join("segments");
-    io::ensure_dir(&seg_dir).ctx(|| format!("{}", seg_dir.display()))?;
-    let mut report = RebuildReport::default();
+/// Lists the segment files (anything else goes to `report.skipped`) and
+/// takes each one's lock: a writer still alive somewhere would append
+/// records the new index never hears of. Returns them in segment order, and
+/// the next segment number to hand out (past every file, opened or not).
+fn lock_segments(sd: &StoreDir, report: &mut RebuildReport) -> Result<(Vec<(u64, File)>, u64)> {
+    let seg_dir = sd.segments_dir();
+    fs::ensure_dir(&seg_dir).ctx(|| format!("{}", seg_dir.display()))?;
     let mut files = Vec::new();
     for entry in std::fs::read_dir(&seg_dir).ctx(|| format!("listing {}", seg_dir.display()))? {
         let entry = entry.ctx(|| format!("listing {}", seg_dir.display()))?;
         match segment_number(&entry.file_name()) {
-            Some(n) if segment_path(dir, n) == entry.path() => files.push(n),
+            Some(n) if sd.segment_path(n) == entry.path() => files.push(n),
             _ => report
                 .skipped
                 .push(entry.file_name().to_string_lossy().into_owned()),
@@ -65,12 +55,10 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
     }
     files.sort_unstable();
 
-    // Hold every segment's lock: a writer still alive somewhere would append
-    // records the new index never hears of.
     let mut held = Vec::new();
     for &n in &files {
-        let path = segment_path(dir, n);
-        let f = match io::open_existing(&path, false) {
+        let path = sd.segment_path(n);
+        let f = match fs::open_existing(&path, false) {
             Ok(f) => f,
             Err(e) => {
                 report.skipped.push(format!("{} ({e})", path.display()));
@@ -90,8 +78,32 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
         }
     }
 
+    let next = files.last().map_or(1, |n| n + 1);
+    Ok((held, next))
+}
+
+/// Rebuilds `<dir>/index` from `<dir>/segments`. Every handle on the store, in
+/// every process, must be closed: a live writer (its segment locked) makes
+/// this `StoreLocked`.
+pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result<RebuildReport> {
+    let sd = StoreDir::new(dir);
+    let manifest_path = sd.manifest_path();
+    let manifest = sd.read_manifest()?.ok_or_else(|| {
+        Error::corrupt(
+            &manifest_path,
+            "missing: the layout lives only there, so the index cannot be rebuilt",
+        )
+    })?;
+    let layout = manifest
+        .layout()
+        .map_err(|e| Error::corrupt(&manifest_path, e.to_string()))?;
+    let lock = sd.lock()?;
+
+    let mut report = RebuildReport::default();
+    let (held, next) = lock_segments(&sd, &mut report)?;
+
     // Move the old index aside (kept for inspection), then start a new one.
-    let index_dir = dir.join("index");
+    let index_dir = sd.index_dir();
     if Index::is_open_here(&index_dir) {
         return Err(Error::StoreLocked(
             "this process has the store open; close it before rebuilding its index".into(),
@@ -100,13 +112,12 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
     if std::fs::symlink_metadata(&index_dir).is_ok() {
         let secs = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+            .map_or(0, |d| d.as_secs());
         let aside = dir.join(format!("index.old-{secs}"));
         std::fs::rename(&index_dir, &aside).ctx(|| format!("moving {}", index_dir.display()))?;
         report.old_index = Some(aside.display().to_string());
     }
-    io::ensure_dir(&index_dir).ctx(|| format!("{}", index_dir.display()))?;
+    fs::ensure_dir(&index_dir).ctx(|| format!("{}", index_dir.display()))?;
     let index = Index::open(&index_dir, false, crate::index::DEFAULT_MAP_SIZE)?;
 
     let mut blocks: HashMap<[u8; 32], Location> = HashMap::new();
@@ -118,8 +129,7 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
             .ok()
             .and_then(|m| m.modified().ok())
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map(|d| d.as_micros() as u64)
-            .unwrap_or(0);
+            .map_or(0, |d| d.as_micros() as u64);
         let scanned = scan::scan_segment(file, &layout, |r| {
             report.records += 1;
             // A block stored twice keeps its last copy: later segments hold
@@ -150,19 +160,14 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
         infos.insert(*n, info);
         progress(i as u64 + 1, total);
     }
-    // Live figures follow from which copy of each block the index keeps.
-    for loc in blocks.values() {
-        let info = infos.get_mut(&loc.segment).expect("scanned segment");
-        info.live_bytes += loc.record_len;
-        info.live_records += 1;
-    }
-
+    // Segments first: the index counts each block it takes in as live in
+    // its segment, so live figures follow from which copy it keeps.
     let mut txn = index.write()?;
-    for (id, loc) in &blocks {
-        index.put_block(&mut txn, id, loc)?;
-    }
     for (n, info) in &infos {
         index.put_segment(&mut txn, *n, info)?;
+    }
+    for (id, loc) in &blocks {
+        index.insert_block(&mut txn, id, loc)?;
     }
     for (n, d) in &report.damaged {
         if let Some(id) = d.block_id.filter(|id| !blocks.contains_key(id)) {
@@ -176,7 +181,6 @@ pub fn rebuild_index(dir: &Path, progress: crate::store::Progress<'_>) -> Result
             index.put_damaged(&mut txn, &id, &loc, &d.reason)?;
         }
     }
-    let next = files.last().map_or(1, |n| n + 1);
     index.set_meta_u64(&mut txn, "next_segment", next)?;
     index.bump_generation(&mut txn)?;
     index.commit(txn, true)?;

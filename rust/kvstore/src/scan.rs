@@ -13,7 +13,8 @@
 //! or hold the writer's lock on an active one: bytes a live writer appends
 //! meanwhile are not seen, and a record it is halfway through looks torn.
 
-use crate::format::{self, RecordHeader, RECORD_HEADER_LEN, RECORD_MAGIC, SEGMENT_HEADER_LEN};
+use crate::format::{self, SEGMENT_HEADER_LEN};
+use crate::record::{self, RecordHeader, RECORD_HEADER_LEN, RECORD_MAGIC};
 use crate::id::BlockId;
 use crate::layout::Layout;
 use std::fs::File;
@@ -79,6 +80,7 @@ pub struct ScannedRecord {
 /// A run of bytes that holds no valid record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DamagedRange {
+    /// First byte of the range.
     pub start: u64,
     /// Exclusive: the next valid record, the torn tail, or the end of the file.
     pub end: u64,
@@ -111,37 +113,10 @@ pub struct ScanReport {
 
 impl ScanReport {
     /// Every byte accounted for by the header and valid records.
+    #[cfg(any(test, feature = "__internal_whitebox"))]
     pub fn is_clean(&self) -> bool {
         self.segment.is_some() && self.damaged.is_empty() && self.torn_tail.is_none()
     }
-}
-
-/// Checks what a read of this store would also insist on, beyond what
-/// [`format::decode_record_header`] checks: the layout's token count and raw
-/// length, and a compression flag that agrees with the lengths (a stored
-/// length equal to the raw length always means "raw").
-pub fn check_record_shape(h: &RecordHeader, layout: &Layout) -> Result<(), String> {
-    if h.n_tokens != layout.block_size {
-        return Err(format!(
-            "record has {} tokens, the layout {}",
-            h.n_tokens, layout.block_size
-        ));
-    }
-    if h.raw_len != layout.block_bytes() as u64 {
-        return Err(format!(
-            "record raw length {} differs from the layout's {}",
-            h.raw_len,
-            layout.block_bytes()
-        ));
-    }
-    let compressed = h.flags & format::FLAG_ZSTD != 0;
-    if compressed == (h.stored_len == h.raw_len) {
-        return Err("record compression flag disagrees with its lengths".into());
-    }
-    if !compressed && h.stored_crc != h.raw_crc {
-        return Err("raw record has two different payload checksums".into());
-    }
-    Ok(())
 }
 
 /// Scans a whole segment, calling `on_record` for each valid record in file
@@ -267,7 +242,7 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
             return Ok(None);
         }
         self.r.read_exact_at(&mut self.header, pos)?;
-        let header = match decode_checked(&self.header, self.layout) {
+        let header = match record::decode_checked(&self.header, self.layout) {
             Ok(h) => h,
             Err(reason) => return Ok(Some(Err(reason))),
         };
@@ -284,7 +259,7 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
             pos + RECORD_HEADER_LEN as u64,
         )?;
         Ok(Some(
-            format::check_meta(&header, &self.meta).map(|_| header),
+            record::check_meta(&header, &self.meta).map(|()| header),
         ))
     }
 
@@ -341,7 +316,7 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
         Ok(Step::Record(ScannedRecord {
             offset: pos,
             record_len,
-            tokens: format::record_tokens(&self.meta).collect(),
+            tokens: record::tokens(&self.meta).collect(),
             header,
         }))
     }
@@ -368,7 +343,7 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
                 .position(|w| w == RECORD_MAGIC)
             {
                 let j = i + k;
-                if decode_checked(&self.window[j..j + RECORD_HEADER_LEN], self.layout).is_ok()
+                if record::decode_checked(&self.window[j..j + RECORD_HEADER_LEN], self.layout).is_ok()
                     && matches!(self.read_meta(base + j as u64)?, Some(Ok(_)))
                 {
                     return Ok(Some(base + j as u64));
@@ -381,21 +356,15 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
     }
 }
 
-/// Decodes a fixed record header with the layout's bounds and shape.
-fn decode_checked(h: &[u8], layout: &Layout) -> Result<RecordHeader, String> {
-    let header = format::decode_record_header(h, layout.block_size, layout.block_bytes() as u64)?;
-    check_record_shape(&header, layout)?;
-    Ok(header)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{encode_record_meta, encode_segment_header, FLAG_SHUFFLE, FLAG_ZSTD};
+    use crate::format::encode_segment_header;
+    use crate::record::{encode_meta as encode_record_meta, FLAG_SHUFFLE, FLAG_ZSTD};
     use crate::layout::DType;
     use std::cell::Cell;
 
-    /// 1 layer, 1 head, head_dim 4, fp16, 2 tokens: 32-byte blocks.
+    /// 1 layer, 1 head, `head_dim` 4, fp16, 2 tokens: 32-byte blocks.
     fn layout() -> Layout {
         Layout::new(1, 1, 4, DType::Float16, 2).unwrap()
     }
@@ -420,7 +389,7 @@ mod tests {
         let raw_len = layout.block_bytes();
         for k in 0..n {
             let id = [k + 1; 32];
-            let tokens: Vec<u32> = (0..layout.block_size).map(|t| t + 100 * k as u32).collect();
+            let tokens: Vec<u32> = (0..layout.block_size).map(|t| t + 100 * u32::from(k)).collect();
             let raw = payload(k, raw_len);
             let raw_crc = crc32c::crc32c(&raw);
             let (flags, stored) = if k % 3 == 2 {
@@ -464,7 +433,7 @@ mod tests {
         if let Some(t) = report.torn_tail {
             spans.push((t, report.file_len));
         }
-        spans.sort();
+        spans.sort_unstable();
         let mut at = 0;
         for (s, e) in spans {
             assert_eq!(s, at, "gap or overlap at {at}: {report:?}");
@@ -733,7 +702,7 @@ mod tests {
         bytes[b.records[0].0 as usize] = b'X';
         let rest = bytes.split_off(b.records[1].0 as usize);
         // Magics that straddle every window boundary, none of them a record.
-        for _ in 0..(3 * RESYNC_WINDOW / 4 + 1) {
+        for _ in 0..=(3 * RESYNC_WINDOW / 4) {
             bytes.extend_from_slice(&RECORD_MAGIC);
         }
         bytes.extend_from_slice(b"KV");

@@ -257,9 +257,7 @@ fn hostile_arena_files_are_refused_and_not_followed() {
 }
 
 fn rustix_is_root() -> bool {
-    std::fs::metadata("/proc/self")
-        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-        .unwrap_or(false)
+    std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
 }
 
 #[test]
@@ -388,7 +386,7 @@ fn damaged_header_geometry_is_refused_never_trusted() {
             raw.flip(at, 1 << bit);
             match Store::open(dir.path(), opts(hot.path(), 4 << 20)) {
                 Err(Error::CorruptStore { reason, .. }) => {
-                    assert!(reason.contains("arena"), "byte {at} bit {bit}: {reason}")
+                    assert!(reason.contains("arena"), "byte {at} bit {bit}: {reason}");
                 }
                 Err(e) => panic!("byte {at} bit {bit}: expected CorruptStore, got {e}"),
                 Ok(_) => panic!("byte {at} bit {bit}: damaged geometry accepted"),
@@ -411,7 +409,7 @@ fn arena_of_another_format_version_is_refused() {
     raw.file.write_all_at(&1u64.to_le_bytes(), 8).unwrap();
     match Store::open(dir.path(), opts(hot.path(), 4 << 20)) {
         Err(Error::CorruptStore { reason, .. }) => {
-            assert!(reason.contains("arena format 1"), "{reason}")
+            assert!(reason.contains("arena format 1"), "{reason}");
         }
         Err(e) => panic!("expected CorruptStore, got {e}"),
         Ok(_) => panic!("an arena of format 1 was adopted"),
@@ -448,7 +446,11 @@ fn damaged_slot_is_a_miss_then_repaired(seed: u32, damage: impl Fn(&RawArena, u6
     assert_eq!(get(&s, &t), 64);
     let st = s.stats().unwrap();
     assert_eq!((st.hot_hit_blocks, st.disk_hit_blocks), (7, 1), "repaired");
-    assert!(s.hot_blocks(&t, b"").unwrap().iter().all(|l| l.is_some()));
+    assert!(s
+        .hot_blocks(&t, b"")
+        .unwrap()
+        .iter()
+        .all(std::option::Option::is_some));
     assert_eq!(raw.used(), used, "repaired in place");
 }
 
@@ -459,7 +461,7 @@ fn flipped_slot_data_byte_is_a_miss() {
         .enumerate()
     {
         damaged_slot_is_a_miss_then_repaired(20 + k as u32, |raw, slot| {
-            raw.flip(raw.slot_data(slot) + at, 1 << bit)
+            raw.flip(raw.slot_data(slot) + at, 1 << bit);
         });
     }
 }
@@ -475,7 +477,7 @@ fn zeroed_slot_data_page_is_a_miss() {
 #[test]
 fn flipped_slot_checksum_is_a_miss() {
     damaged_slot_is_a_miss_then_repaired(31, |raw, slot| {
-        raw.flip(raw.slot_hdr(slot) + S_CRC + 2, 0x10)
+        raw.flip(raw.slot_hdr(slot) + S_CRC + 2, 0x10);
     });
 }
 

@@ -8,8 +8,8 @@
 use kvstore::{DType, Durability, Keyer, Layout, Options, Store};
 use std::collections::HashMap;
 
-mod common;
-use common::{kv_for, prefix_matches, NO_PROGRESS};
+mod support;
+use support::{kv_for, prefix_matches, NO_PROGRESS};
 
 fn layout() -> Layout {
     Layout::new(1, 1, 8, DType::Float16, 4).unwrap()

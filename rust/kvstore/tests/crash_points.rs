@@ -26,8 +26,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-mod common;
-use common::{kv_for, prefix_matches, seq, NO_PROGRESS};
+mod support;
+use support::{kv_for, prefix_matches, seq, NO_PROGRESS};
 
 const CHILD_ENV: &str = "KVSTORE_CRASH_CHILD";
 

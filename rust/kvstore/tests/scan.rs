@@ -4,6 +4,7 @@
 
 use kvstore::format::{self, Manifest};
 use kvstore::index::Location;
+use kvstore::record;
 use kvstore::scan::{scan_segment, ScanReport, ScannedRecord};
 use kvstore::{DType, Durability, Layout, Options, Store};
 use std::path::{Path, PathBuf};
@@ -44,7 +45,7 @@ fn v1_fixture_scans_clean() {
         records += found.len();
         compressed += found
             .iter()
-            .filter(|r| r.header.flags & format::FLAG_ZSTD != 0)
+            .filter(|r| r.header.flags & record::FLAG_ZSTD != 0)
             .count();
     }
     assert_eq!(records, 2 + 3 + 4);
@@ -92,7 +93,7 @@ fn store_segments_scan_clean() {
         assert_eq!(report.segment, Some(*n));
         for r in &found {
             assert_eq!(r.tokens.len(), 4);
-            if r.header.flags & format::FLAG_ZSTD != 0 {
+            if r.header.flags & record::FLAG_ZSTD != 0 {
                 zstd += 1;
             } else {
                 raw += 1;
@@ -117,8 +118,8 @@ fn record(layout: &Layout, k: u8, compressed: bool) -> Vec<u8> {
         raw.clone()
     };
     assert!(stored.len() < raw.len() || !compressed);
-    let flags = if compressed { format::FLAG_ZSTD } else { 0 };
-    let mut r = format::encode_record_meta(
+    let flags = if compressed { record::FLAG_ZSTD } else { 0 };
+    let mut r = record::encode_meta(
         flags,
         &[k; 32],
         &[u32::from(k), 7],

@@ -7,8 +7,8 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
-mod common;
-use common::{kv_for, prefix_matches, seq, NO_PROGRESS};
+mod support;
+use support::{kv_for, prefix_matches, seq, NO_PROGRESS};
 
 fn layout() -> Layout {
     Layout::new(2, 2, 4, DType::Float16, 4).unwrap()
@@ -571,7 +571,7 @@ fn rebuild_index_from_segments() {
         Ok(_) => panic!("a garbled index opened"),
     }
 
-    let report = kvstore::repair::rebuild_index(dir.path(), NO_PROGRESS).unwrap();
+    let report = kvstore::rebuild_index(dir.path(), NO_PROGRESS).unwrap();
     assert_eq!(report.segments, 1);
     assert_eq!(report.blocks, 40 * 3 - 1);
     assert_eq!(report.damaged.len(), 1, "{:?}", report.damaged);

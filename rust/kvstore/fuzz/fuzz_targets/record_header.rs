@@ -4,25 +4,25 @@
 //! also tried with its checksum fixed up, so the fuzzer gets past it.
 #![no_main]
 
-use kvstore::format::{self, RECORD_HEADER_LEN};
+use kvstore::record::{self, RECORD_HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fn check(data: &[u8]) {
     let l = kvstore_fuzz::layout();
     let (max_tokens, max_stored) = (l.block_size, l.block_bytes() as u64);
-    let Ok(h) = format::decode_record_header(data, max_tokens, max_stored) else {
+    let Ok(h) = record::decode_header(data, max_tokens, max_stored) else {
         return;
     };
     assert!(h.n_tokens <= max_tokens && h.stored_len <= max_stored);
     let Some(meta) = data.get(..h.meta_len()) else {
         return;
     };
-    if format::check_meta(&h, meta).is_err() {
+    if record::check_meta(&h, meta).is_err() {
         return;
     }
-    let tokens: Vec<u32> = format::record_tokens(meta).collect();
+    let tokens: Vec<u32> = record::tokens(meta).collect();
     assert_eq!(tokens.len(), h.n_tokens as usize);
-    let again = format::encode_record_meta(
+    let again = record::encode_meta(
         h.flags,
         &h.block_id,
         &tokens,
@@ -32,7 +32,7 @@ fn check(data: &[u8]) {
         h.raw_crc,
     );
     assert_eq!(again, meta, "a meta that checks re-encodes differently");
-    let _ = kvstore::scan::check_record_shape(&h, &l);
+    let _ = kvstore::record::check_shape(&h, &l);
 }
 
 fuzz_target!(|data: &[u8]| {

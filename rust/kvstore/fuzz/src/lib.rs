@@ -2,7 +2,8 @@
 //! invariants every segment scan must keep, and a builder of valid segments
 //! that a fuzz input then damages in ways a checksum must catch.
 
-use kvstore::format::{self, FLAG_SHUFFLE, FLAG_ZSTD, SEGMENT_HEADER_LEN};
+use kvstore::format::{self, SEGMENT_HEADER_LEN};
+use kvstore::record::{self, FLAG_SHUFFLE, FLAG_ZSTD};
 use kvstore::scan::{self, ScanReport, ScannedRecord};
 use kvstore::{BlockId, DType, Layout};
 
@@ -44,15 +45,15 @@ pub fn scan_checked(bytes: &[u8]) -> (ScanReport, Vec<ScannedRecord>) {
         assert!(end <= len, "record past the end: {r:?}");
         assert_eq!(r.record_len, r.header.record_len());
         prev_end = end;
-        scan::check_record_shape(&r.header, &l).expect("shape");
+        record::check_shape(&r.header, &l).expect("shape");
         let rec = &bytes[r.offset as usize..end as usize];
         let (meta, payload) = rec.split_at(r.header.meta_len());
         assert_eq!(
-            format::decode_record_header(meta, l.block_size, l.block_bytes() as u64).as_ref(),
+            record::decode_header(meta, l.block_size, l.block_bytes() as u64).as_ref(),
             Ok(&r.header)
         );
-        format::check_meta(&r.header, meta).expect("meta checksum");
-        assert!(format::record_tokens(meta).eq(r.tokens.iter().copied()));
+        record::check_meta(&r.header, meta).expect("meta checksum");
+        assert!(record::tokens(meta).eq(r.tokens.iter().copied()));
         assert_eq!(crc32c::crc32c(payload), r.header.stored_crc);
     }
     match found.last() {
@@ -137,7 +138,7 @@ pub fn damaged_segment(data: &[u8]) {
         } else {
             (0, raw.clone())
         };
-        let meta = format::encode_record_meta(
+        let meta = record::encode_meta(
             flags,
             &id,
             &tokens,

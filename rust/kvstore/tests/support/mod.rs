@@ -16,11 +16,11 @@ pub fn kv_for(l: &Layout, tokens: &[u32]) -> Vec<u8> {
         for (pos, tok) in tokens.iter().enumerate() {
             let start = (lk * t + pos) * tb;
             for (j, b) in out[start..start + tb].iter_mut().enumerate() {
-                let x = ((*tok as u64) * 2654435761)
+                let x = (u64::from(*tok) * 2_654_435_761)
                     ^ ((pos as u64) << 20)
                     ^ ((lk as u64) << 40)
                     ^ j as u64;
-                *b = (x.wrapping_mul(0x9E3779B97F4A7C15) >> 56) as u8;
+                *b = (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8;
             }
         }
     }

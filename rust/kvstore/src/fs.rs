@@ -1,4 +1,8 @@
-//! Positional vectored I/O and the file-system steps that make writes durable.
+//! Every file-system step of the engine: positional vectored I/O, opening
+//! files safely (no symlinks, no FIFOs, private modes), and the steps that
+//! make writes durable (fdatasync, fsync, truncation, rename, unlink,
+//! directory sync). Each durable step passes through a [`crate::fault`] hook,
+//! so crash tests can fail, kill or power off the process at it.
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::io::{self, IoSlice, IoSliceMut, Read};
@@ -170,12 +174,50 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let f = create_new(&tmp)?;
     let res = (|| {
         write_all_at(&f, &mut [IoSlice::new(bytes)], 0)?;
-        fault::sync_all(&f)?;
-        fault::rename(&tmp, path)?;
+        sync_all(&f)?;
+        rename(&tmp, path)?;
         sync_dir(dir)
     })();
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     res
+}
+
+/// A hooked `fdatasync`.
+pub fn sync_data(file: &File) -> io::Result<()> {
+    fault::before(fault::Op::Sync, Some(file))?;
+    file.sync_data()?;
+    fault::synced(file);
+    Ok(())
+}
+
+/// A hooked `fsync` (data and metadata: used after a truncation).
+pub fn sync_all(file: &File) -> io::Result<()> {
+    fault::before(fault::Op::Sync, Some(file))?;
+    file.sync_all()?;
+    fault::synced(file);
+    Ok(())
+}
+
+/// A hooked truncation (counts as a write).
+pub fn set_len(file: &File, len: u64) -> io::Result<()> {
+    fault::before(fault::Op::Write, Some(file))?;
+    file.set_len(len)?;
+    fault::wrote(file);
+    Ok(())
+}
+
+/// A hooked unlink.
+pub fn remove_file(path: &Path) -> io::Result<()> {
+    fault::before(fault::Op::Unlink, None)?;
+    std::fs::remove_file(path)
+}
+
+/// A hooked rename.
+pub fn rename(from: &Path, to: &Path) -> io::Result<()> {
+    fault::before(fault::Op::Rename, None)?;
+    std::fs::rename(from, to)?;
+    fault::renamed(from, to);
+    Ok(())
 }

@@ -1,0 +1,115 @@
+//! The record codec and the segment scanner, against memcpy of the same
+//! bytes in the same run (the floor any codec pays to move a block).
+//!
+//! `cargo bench -p kvstore --bench codec`
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvstore::format;
+use kvstore::record::{self, Mismatch};
+use kvstore::scan;
+use kvstore::{BlockId, DType, Layout};
+use std::hint::black_box;
+
+/// A model-like block: 4 layers, 8 KV heads of 128, bf16, 16 tokens (256 KiB).
+fn layout() -> Layout {
+    Layout::new(4, 8, 128, DType::BFloat16, 16).expect("layout")
+}
+
+/// KV-like bf16 bytes: small values around zero, so exponents repeat (what
+/// byte-plane zstd exploits) while mantissas look random.
+fn kv_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let v = ((x % 2001) as f32 - 1000.0) / 4000.0;
+        out.extend_from_slice(&v.to_bits().to_le_bytes()[2..4]);
+    }
+    out.truncate(n);
+    out
+}
+
+fn block(layout: &Layout, seed: u64) -> (BlockId, Vec<u32>, Vec<u8>) {
+    let tokens: Vec<u32> = (0..layout.block_size).map(|t| t + seed as u32).collect();
+    let mut id = [0u8; 32];
+    id[..8].copy_from_slice(&seed.to_le_bytes());
+    (id, tokens, kv_bytes(layout.block_bytes(), seed))
+}
+
+fn encode_decode(c: &mut Criterion) {
+    let l = layout();
+    let (id, tokens, kv) = block(&l, 7);
+    let chunks: Vec<&[u8]> = kv.chunks(l.chunk_bytes()).collect();
+    let mut g = c.benchmark_group("record");
+    g.throughput(Throughput::Bytes(l.block_bytes() as u64));
+    let mut dst = vec![0u8; kv.len()];
+    g.bench_function("memcpy", |b| {
+        b.iter(|| dst.copy_from_slice(black_box(&kv)));
+    });
+    for level in [0, 1, 3] {
+        g.bench_with_input(BenchmarkId::new("encode", level), &level, |b, &level| {
+            b.iter(|| record::encode(&l, level, &id, &tokens, black_box(&chunks)).expect("encode"));
+        });
+        let rec = record::encode(&l, level, &id, &tokens, &chunks).expect("encode");
+        let bytes: Vec<u8> = rec.slices().iter().flat_map(|s| s.to_vec()).collect();
+        let meta_len = record::meta_len(&l);
+        let (meta, stored) = bytes.split_at(meta_len);
+        let mut out = vec![0u8; l.block_bytes()];
+        let mut scratch = Vec::new();
+        g.bench_with_input(BenchmarkId::new("check+decode", level), &level, |b, _| {
+            b.iter(|| {
+                let h = match record::check_read(&l, meta, &id, stored.len() as u64, Some(&tokens))
+                {
+                    Ok(h) => h,
+                    Err(Mismatch::Damaged(r)) => panic!("{r}"),
+                    Err(Mismatch::OtherTokens) => panic!("other tokens"),
+                };
+                let mut runs: Vec<&mut [u8]> = out.chunks_mut(l.chunk_bytes()).collect();
+                if h.flags & record::FLAG_ZSTD == 0 {
+                    for (dst, src) in runs.iter_mut().zip(stored.chunks(l.chunk_bytes())) {
+                        dst.copy_from_slice(src);
+                    }
+                    record::check_raw(&h, &runs).expect("raw");
+                } else {
+                    record::decode_compressed(&l, &h, stored, &mut runs, &mut scratch)
+                        .expect("decode");
+                }
+            });
+        });
+    }
+    g.finish();
+}
+
+fn scanner(c: &mut Criterion) {
+    let l = layout();
+    let n = 64;
+    let mut segment = format::encode_segment_header(1).to_vec();
+    for seed in 0..n {
+        let (id, tokens, kv) = block(&l, seed);
+        let chunks: Vec<&[u8]> = kv.chunks(l.chunk_bytes()).collect();
+        let rec = record::encode(&l, 0, &id, &tokens, &chunks).expect("encode");
+        for s in rec.slices() {
+            segment.extend_from_slice(&s);
+        }
+    }
+    let mut g = c.benchmark_group("scan");
+    g.throughput(Throughput::Bytes(segment.len() as u64));
+    let mut copy = vec![0u8; segment.len()];
+    g.bench_function("memcpy", |b| {
+        b.iter(|| copy.copy_from_slice(black_box(&segment)));
+    });
+    g.bench_function("segment_of_64_raw_records", |b| {
+        b.iter(|| {
+            let mut found = 0;
+            let report =
+                scan::scan_segment(black_box(&segment[..]), &l, |_| found += 1).expect("scan");
+            assert!(report.damaged.is_empty() && found == n);
+        });
+    });
+    g.finish();
+}
+
+criterion_group!(benches, encode_decode, scanner);
+criterion_main!(benches);

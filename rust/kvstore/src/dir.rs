@@ -1,0 +1,158 @@
+//! The store directory: where each file lives, segment file names, the
+//! MANIFEST, and the lock files.
+//!
+//! ```text
+//! <store>/MANIFEST         format version, fingerprint, layout, store id
+//! <store>/LOCK             held while a process creates, recovers or rebuilds
+//! <store>/COMPACT.lock     held by the one compaction or gc running
+//! <store>/index/           the LMDB environment
+//! <store>/segments/<16 hex digits>.kvseg
+//! ```
+
+use crate::error::{Error, IoContext, Result};
+use crate::format::{self, Manifest};
+use crate::fs;
+use crate::layout::Layout;
+use std::ffi::OsStr;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// A MANIFEST is a few hundred bytes; anything past this is not one.
+const MANIFEST_MAX: u64 = 64 << 10;
+
+/// How long an opener waits for another process creating or recovering.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Paths inside one store directory.
+#[derive(Clone, Debug)]
+pub(crate) struct StoreDir {
+    root: PathBuf,
+}
+
+impl StoreDir {
+    pub fn new(root: &Path) -> Self {
+        StoreDir {
+            root: root.to_path_buf(),
+        }
+    }
+
+    pub fn manifest_path(&self) -> PathBuf {
+        self.root.join("MANIFEST")
+    }
+
+    pub fn index_dir(&self) -> PathBuf {
+        self.root.join("index")
+    }
+
+    pub fn segments_dir(&self) -> PathBuf {
+        self.root.join("segments")
+    }
+
+    pub fn segment_path(&self, segment: u64) -> PathBuf {
+        self.segments_dir().join(format!("{segment:016x}.kvseg"))
+    }
+
+    /// Whether `segments/` holds any segment file.
+    pub fn has_segment_files(&self) -> bool {
+        std::fs::read_dir(self.segments_dir()).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().ends_with(".kvseg"))
+        })
+    }
+
+    /// Reads and checks the MANIFEST; `None` if there is none. A symlink, a
+    /// FIFO or an absurd size is not a MANIFEST we wrote: `CorruptStore`.
+    pub fn read_manifest(&self) -> Result<Option<Manifest>> {
+        let path = self.manifest_path();
+        match fs::read_small(&path, MANIFEST_MAX) {
+            Ok(bytes) => Manifest::decode(&bytes)
+                .map(Some)
+                .map_err(|r| Error::corrupt(&path, r)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e)
+                if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error())
+                    || matches!(
+                        e.kind(),
+                        std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput
+                    ) =>
+            {
+                Err(Error::corrupt(&path, e.to_string()))
+            }
+            Err(e) => Err(Error::Io {
+                context: format!("reading {}", path.display()),
+                source: e,
+            }),
+        }
+    }
+
+    /// Writes the MANIFEST of a new store (atomically) and returns it.
+    pub fn create_manifest(&self, fingerprint: &str, layout: &Layout) -> Result<Manifest> {
+        let mut rnd = [0u8; 16];
+        getrandom::fill(&mut rnd).map_err(|e| Error::Io {
+            context: "store id".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let m = Manifest {
+            format_version: format::FORMAT_VERSION,
+            fingerprint: fingerprint.to_string(),
+            num_layers: layout.num_layers,
+            num_kv_heads: layout.num_kv_heads,
+            head_dim: layout.head_dim,
+            dtype: layout.dtype.name().to_string(),
+            block_size: layout.block_size,
+            created_unix: crate::clock::now_ms() / 1000,
+            store_id: crate::id::hex(&rnd),
+        };
+        let path = self.manifest_path();
+        fs::write_atomic(&path, &m.encode()).ctx(|| format!("writing {}", path.display()))?;
+        Ok(m)
+    }
+
+    /// Takes the store's LOCK, waiting while another process creates,
+    /// recovers or rebuilds the store. Released when the file is dropped.
+    pub fn lock(&self) -> Result<File> {
+        let lock = fs::open_or_create(&self.root.join("LOCK"))
+            .ctx(|| format!("lock file in {}", self.root.display()))?;
+        let start = Instant::now();
+        loop {
+            match lock.try_lock() {
+                Ok(()) => return Ok(lock),
+                Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < LOCK_TIMEOUT => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(Error::StoreLocked(format!(
+                        "another process has held the store's LOCK for over {}s",
+                        LOCK_TIMEOUT.as_secs()
+                    )))
+                }
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(Error::Io {
+                        context: "locking the store".into(),
+                        source: e,
+                    })
+                }
+            }
+        }
+    }
+
+    /// The store-wide compaction lock (one compaction or gc at a time), or
+    /// `StoreLocked` at once if another holds it.
+    pub fn compaction_lock(&self) -> Result<File> {
+        let lock = fs::open_or_create(&self.root.join("COMPACT.lock"))
+            .ctx(|| "compaction lock".to_string())?;
+        lock.try_lock().map_err(|_| {
+            Error::StoreLocked("another compaction or gc is running on this store".into())
+        })?;
+        Ok(lock)
+    }
+}
+
+/// The number of a segment file from its name (`<16 hex digits>.kvseg`).
+pub(crate) fn segment_number(name: &OsStr) -> Option<u64> {
+    name.to_str()?
+        .strip_suffix(".kvseg")
+        .and_then(|s| u64::from_str_radix(s, 16).ok())
+}

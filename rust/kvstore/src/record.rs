@@ -1,0 +1,434 @@
+//! One block's record: encoding (checksums, optional zstd over byte planes),
+//! decoding and every check a record must pass before its bytes are served.
+//! The write path, reads, `verify`, compaction and the segment scanner all go
+//! through here, so a record means the same thing to each of them. The byte
+//! layout is drawn in [`crate::format`]; `tests/golden.rs` pins it.
+
+use crate::error::{Error, Result};
+use crate::format::{u16_at, u32_at, u64_at};
+use crate::id::BlockId;
+use crate::layout::Layout;
+use std::io::IoSlice;
+
+pub const RECORD_MAGIC: [u8; 4] = *b"KVRC";
+pub const RECORD_VERSION: u16 = 1;
+pub const RECORD_HEADER_LEN: usize = 80;
+
+pub const FLAG_ZSTD: u16 = 1;
+pub const FLAG_SHUFFLE: u16 = 2;
+const KNOWN_FLAGS: u16 = FLAG_ZSTD | FLAG_SHUFFLE;
+
+/// The fixed-size part of a record, decoded and checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordHeader {
+    pub flags: u16,
+    pub n_tokens: u32,
+    pub stored_len: u64,
+    pub raw_len: u64,
+    pub block_id: BlockId,
+    pub stored_crc: u32,
+    pub raw_crc: u32,
+    pub header_crc: u32,
+}
+
+impl RecordHeader {
+    /// Bytes of header + tokens, i.e. the offset of the payload in the record.
+    pub fn meta_len(&self) -> usize {
+        RECORD_HEADER_LEN + 4 * self.n_tokens as usize
+    }
+    /// Bytes of the whole record.
+    pub fn record_len(&self) -> u64 {
+        self.meta_len() as u64 + self.stored_len
+    }
+}
+
+/// Encodes header + token ids (everything before the payload).
+pub fn encode_meta(
+    flags: u16,
+    block_id: &BlockId,
+    tokens: &[u32],
+    stored_len: u64,
+    raw_len: u64,
+    stored_crc: u32,
+    raw_crc: u32,
+) -> Vec<u8> {
+    let mut m = vec![0u8; RECORD_HEADER_LEN + 4 * tokens.len()];
+    m[0..4].copy_from_slice(&RECORD_MAGIC);
+    m[4..6].copy_from_slice(&RECORD_VERSION.to_le_bytes());
+    m[6..8].copy_from_slice(&flags.to_le_bytes());
+    m[8..12].copy_from_slice(&(tokens.len() as u32).to_le_bytes());
+    m[16..24].copy_from_slice(&stored_len.to_le_bytes());
+    m[24..32].copy_from_slice(&raw_len.to_le_bytes());
+    m[32..64].copy_from_slice(block_id);
+    m[64..68].copy_from_slice(&stored_crc.to_le_bytes());
+    m[68..72].copy_from_slice(&raw_crc.to_le_bytes());
+    for (i, t) in tokens.iter().enumerate() {
+        let at = RECORD_HEADER_LEN + 4 * i;
+        m[at..at + 4].copy_from_slice(&t.to_le_bytes());
+    }
+    let crc = header_crc(&m);
+    m[72..76].copy_from_slice(&crc.to_le_bytes());
+    m
+}
+
+fn header_crc(meta: &[u8]) -> u32 {
+    let c = crc32c::crc32c(&meta[0..72]);
+    crc32c::crc32c_append(c, &meta[RECORD_HEADER_LEN..])
+}
+
+/// Decodes the fixed 80-byte header. Only lengths are checked here (against
+/// `max_stored`, so no allocation or read is sized by an unchecked field);
+/// [`check_meta`] checks the header checksum once the tokens are read too.
+pub fn decode_header(
+    h: &[u8],
+    max_tokens: u32,
+    max_stored: u64,
+) -> Result<RecordHeader, String> {
+    if h.len() < RECORD_HEADER_LEN {
+        return Err(format!(
+            "record header: {} bytes, expected {RECORD_HEADER_LEN}",
+            h.len()
+        ));
+    }
+    if h[0..4] != RECORD_MAGIC {
+        return Err("record header: bad magic".into());
+    }
+    let version = u16_at(h, 4);
+    if version != RECORD_VERSION {
+        return Err(format!(
+            "record header: version {version}, this build reads {RECORD_VERSION}"
+        ));
+    }
+    let flags = u16_at(h, 6);
+    if flags & !KNOWN_FLAGS != 0 {
+        return Err(format!("record header: unknown flags {flags:#x}"));
+    }
+    if u32_at(h, 76) != 0 || u32_at(h, 12) != 0 {
+        // Reserved: a header that decodes has one encoding.
+        return Err("record header: reserved bytes are not zero".into());
+    }
+    let n_tokens = u32_at(h, 8);
+    if n_tokens > max_tokens {
+        return Err(format!(
+            "record header: {n_tokens} tokens, at most {max_tokens} expected"
+        ));
+    }
+    let stored_len = u64_at(h, 16);
+    if stored_len > max_stored {
+        return Err(format!(
+            "record header: stored length {stored_len} exceeds {max_stored}"
+        ));
+    }
+    let mut block_id = [0u8; 32];
+    block_id.copy_from_slice(&h[32..64]);
+    Ok(RecordHeader {
+        flags,
+        n_tokens,
+        stored_len,
+        raw_len: u64_at(h, 24),
+        block_id,
+        stored_crc: u32_at(h, 64),
+        raw_crc: u32_at(h, 68),
+        header_crc: u32_at(h, 72),
+    })
+}
+
+/// Checks the header checksum over header + tokens (`meta` = both).
+pub fn check_meta(header: &RecordHeader, meta: &[u8]) -> Result<(), String> {
+    if meta.len() != header.meta_len() {
+        return Err("record: truncated token ids".into());
+    }
+    if header_crc(meta) != header.header_crc {
+        return Err("record header: checksum mismatch".into());
+    }
+    Ok(())
+}
+
+/// Token ids stored in a record's meta bytes.
+pub fn tokens(meta: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    meta[RECORD_HEADER_LEN..]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+}
+
+/// Byte-plane shuffle: element i's byte j goes to `j * n + i`.
+pub fn shuffle(src: &[u8], elem: usize, dst: &mut Vec<u8>) {
+    let n = src.len() / elem;
+    dst.clear();
+    dst.resize(src.len(), 0);
+    for j in 0..elem {
+        let plane = &mut dst[j * n..(j + 1) * n];
+        for (i, out) in plane.iter_mut().enumerate() {
+            *out = src[i * elem + j];
+        }
+    }
+}
+
+/// Inverse of `shuffle`.
+pub fn unshuffle(src: &[u8], elem: usize, dst: &mut [u8]) {
+    let n = src.len() / elem;
+    for j in 0..elem {
+        let plane = &src[j * n..(j + 1) * n];
+        for (i, b) in plane.iter().enumerate() {
+            dst[i * elem + j] = *b;
+        }
+    }
+}
+
+
+/// Checks what a read of a store with this layout insists on beyond what
+/// [`decode_header`] checks: the layout's token count and raw length, and a
+/// compression flag that agrees with the lengths (a stored length equal to
+/// the raw length always means "raw", whose two checksums are one).
+pub fn check_shape(h: &RecordHeader, layout: &Layout) -> Result<(), String> {
+    if h.n_tokens != layout.block_size {
+        return Err(format!(
+            "record has {} tokens, the layout {}",
+            h.n_tokens, layout.block_size
+        ));
+    }
+    if h.raw_len != layout.block_bytes() as u64 {
+        return Err(format!(
+            "record raw length {} differs from the layout's {}",
+            h.raw_len,
+            layout.block_bytes()
+        ));
+    }
+    let compressed = h.flags & FLAG_ZSTD != 0;
+    if compressed == (h.stored_len == h.raw_len) {
+        return Err("record compression flag disagrees with its lengths".into());
+    }
+    if !compressed && h.stored_crc != h.raw_crc {
+        return Err("raw record has two different payload checksums".into());
+    }
+    Ok(())
+}
+
+/// Decodes a fixed record header with the layout's bounds and shape.
+pub fn decode_checked(h: &[u8], layout: &Layout) -> Result<RecordHeader, String> {
+    let header = decode_header(h, layout.block_size, layout.block_bytes() as u64)?;
+    check_shape(&header, layout)?;
+    Ok(header)
+}
+
+/// Bytes of header + token ids of a block record in this layout.
+pub fn meta_len(layout: &Layout) -> usize {
+    RECORD_HEADER_LEN + 4 * layout.block_size as usize
+}
+
+/// A block's record, encoded and ready to append: its meta (header + token
+/// ids) and payload, either the caller's raw runs or one zstd frame.
+pub struct Encoded<'a> {
+    meta: Vec<u8>,
+    raw: &'a [&'a [u8]],
+    compressed: Option<Vec<u8>>,
+}
+
+impl Encoded<'_> {
+    /// Bytes of the whole record.
+    pub fn record_len(&self) -> u64 {
+        self.meta.len() as u64 + self.stored_len()
+    }
+
+    /// Bytes of the payload as stored.
+    pub fn stored_len(&self) -> u64 {
+        match &self.compressed {
+            Some(z) => z.len() as u64,
+            None => self.raw.iter().map(|c| c.len() as u64).sum(),
+        }
+    }
+
+    /// The record as buffers to write in order.
+    pub fn slices(&self) -> Vec<IoSlice<'_>> {
+        let mut bufs = Vec::with_capacity(self.raw.len() + 1);
+        bufs.push(IoSlice::new(&self.meta));
+        match &self.compressed {
+            Some(z) => bufs.push(IoSlice::new(z)),
+            None => bufs.extend(self.raw.iter().map(|c| IoSlice::new(c))),
+        }
+        bufs
+    }
+}
+
+/// Encodes the record of block `id`: `chunks` are its `2L` runs of raw KV.
+/// With `level > 0` the payload is zstd over byte planes, unless that does
+/// not make it smaller (then it stays raw, so that a stored length equal to
+/// the raw length always means "raw").
+pub fn encode<'a>(
+    layout: &Layout,
+    level: i32,
+    id: &BlockId,
+    tokens: &[u32],
+    chunks: &'a [&'a [u8]],
+) -> Result<Encoded<'a>> {
+    let raw_len = layout.block_bytes() as u64;
+    let raw_crc = crc_of(chunks);
+    let mut flags = 0u16;
+    let mut compressed: Option<Vec<u8>> = None;
+    if level > 0 {
+        let plain = chunks.concat();
+        let mut shuffled = Vec::new();
+        let elem = layout.dtype.size();
+        let src: &[u8] = if elem > 1 {
+            shuffle(&plain, elem, &mut shuffled);
+            flags |= FLAG_SHUFFLE;
+            &shuffled
+        } else {
+            &plain
+        };
+        let z = zstd::bulk::compress(src, level).map_err(|e| Error::Io {
+            context: "zstd compress".into(),
+            source: e,
+        })?;
+        if (z.len() as u64) < raw_len {
+            flags |= FLAG_ZSTD;
+            compressed = Some(z);
+        } else {
+            flags = 0;
+        }
+    }
+    let (stored_len, stored_crc) = match &compressed {
+        Some(z) => (z.len() as u64, crc32c::crc32c(z)),
+        None => (raw_len, raw_crc),
+    };
+    let meta = encode_meta(flags, id, tokens, stored_len, raw_len, stored_crc, raw_crc);
+    Ok(Encoded {
+        meta,
+        raw: chunks,
+        compressed,
+    })
+}
+
+/// crc32c over runs of bytes, as if they were one.
+pub fn crc_of<C: AsRef<[u8]>>(chunks: &[C]) -> u32 {
+    chunks
+        .iter()
+        .fold(0, |c, ch| crc32c::crc32c_append(c, ch.as_ref()))
+}
+
+/// Why a record read back cannot be served for the block asked for.
+#[derive(Debug)]
+pub enum Mismatch {
+    /// Damaged, misplaced or not this block's record.
+    Damaged(String),
+    /// A sound record of another token sequence under the same id (a hash
+    /// collision): a miss, and not damage.
+    OtherTokens,
+}
+
+/// Checks a record's meta bytes, read from where the index says block `id`
+/// lies with a payload of `stored_len` bytes: the header and its checksum,
+/// the layout's shape, the block id and, when given, the token ids asked for.
+pub fn check_read(
+    layout: &Layout,
+    meta: &[u8],
+    id: &BlockId,
+    stored_len: u64,
+    tokens: Option<&[u32]>,
+) -> Result<RecordHeader, Mismatch> {
+    let h = decode_header(meta, layout.block_size, layout.block_bytes() as u64)
+        .and_then(|h| check_meta(&h, meta).map(|()| h))
+        .map_err(Mismatch::Damaged)?;
+    if &h.block_id != id {
+        return Err(Mismatch::Damaged(
+            "record holds another block (misplaced or colliding record)".into(),
+        ));
+    }
+    check_shape(&h, layout).map_err(Mismatch::Damaged)?;
+    if h.stored_len != stored_len {
+        return Err(Mismatch::Damaged(
+            "record lengths disagree with the layout or the index".into(),
+        ));
+    }
+    if tokens.is_some_and(|t| !self::tokens(meta).eq(t.iter().copied())) {
+        return Err(Mismatch::OtherTokens);
+    }
+    Ok(h)
+}
+
+/// Checks a raw payload read straight into its destination runs.
+pub fn check_raw(h: &RecordHeader, out: &[&mut [u8]]) -> Result<(), String> {
+    if crc_of(out) != h.raw_crc {
+        return Err("payload checksum mismatch".into());
+    }
+    Ok(())
+}
+
+/// Checks a compressed payload, decodes it and lands it in `out` (the
+/// block's `2L` runs). `scratch` is reused across calls.
+pub fn decode_compressed(
+    layout: &Layout,
+    h: &RecordHeader,
+    stored: &[u8],
+    out: &mut [&mut [u8]],
+    scratch: &mut Vec<u8>,
+) -> Result<(), String> {
+    if crc32c::crc32c(stored) != h.stored_crc {
+        return Err("stored payload checksum mismatch".into());
+    }
+    let raw_len = layout.block_bytes();
+    let mut decoded = vec![0u8; raw_len];
+    match zstd::bulk::decompress_to_buffer(stored, &mut decoded[..]) {
+        Ok(n) if n == raw_len => {}
+        Ok(n) => return Err(format!("zstd frame decodes to {n} bytes, expected {raw_len}")),
+        Err(e) => return Err(format!("zstd: {e}")),
+    }
+    let plain: &[u8] = if h.flags & FLAG_SHUFFLE != 0 {
+        scratch.resize(decoded.len(), 0);
+        unshuffle(&decoded, layout.dtype.size(), scratch);
+        scratch
+    } else {
+        &decoded
+    };
+    if crc32c::crc32c(plain) != h.raw_crc {
+        return Err("decoded payload checksum mismatch".into());
+    }
+    for (dst, src) in out.iter_mut().zip(plain.chunks(layout.chunk_bytes())) {
+        dst.copy_from_slice(src);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_meta_round_trip_and_damage() {
+        let id = [9u8; 32];
+        let meta = encode_meta(FLAG_ZSTD, &id, &[1, 2, 3], 100, 200, 5, 6);
+        let h = decode_header(&meta, 16, 1000).unwrap();
+        assert_eq!(h.n_tokens, 3);
+        assert_eq!(h.stored_len, 100);
+        assert_eq!(h.raw_len, 200);
+        assert_eq!(h.block_id, id);
+        check_meta(&h, &meta).unwrap();
+        assert_eq!(tokens(&meta).collect::<Vec<_>>(), vec![1, 2, 3]);
+        for at in 0..meta.len() {
+            let mut bad = meta.clone();
+            bad[at] ^= 0x10;
+            let ok =
+                decode_header(&bad, 16, 1000).and_then(|h| check_meta(&h, &bad).map(|()| h));
+            assert!(ok.is_err(), "flip at {at} went unnoticed");
+        }
+    }
+
+    #[test]
+    fn lengths_are_bounded_before_use() {
+        let meta = encode_meta(0, &[0; 32], &[1; 4], u64::MAX, 0, 0, 0);
+        assert!(decode_header(&meta, 16, 1 << 20).is_err());
+        let meta = encode_meta(0, &[0; 32], &[1; 40], 10, 10, 0, 0);
+        assert!(decode_header(&meta, 16, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn shuffle_round_trip() {
+        let src: Vec<u8> = (0..64u8).collect();
+        let mut s = Vec::new();
+        shuffle(&src, 2, &mut s);
+        assert_eq!(&s[..4], &[0, 2, 4, 6]);
+        let mut back = vec![0u8; 64];
+        unshuffle(&s, 2, &mut back);
+        assert_eq!(back, src);
+    }
+}

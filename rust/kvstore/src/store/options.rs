@@ -1,0 +1,124 @@
+//! How a store is opened: durability mode, bounds, compression, hot tier.
+
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// When a put is durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// `fdatasync` + index commit before each `put` returns.
+    Sync,
+    /// Group commit: records are written at once, synced and committed together
+    /// within `batch_window` (or sooner when `batch_bytes` pile up).
+    Batch,
+    /// Commit at once, never `fdatasync`: survives a process crash, not power loss.
+    None,
+}
+
+impl Durability {
+    /// Parses `"sync"`, `"batch"` or `"none"`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "sync" => Ok(Durability::Sync),
+            "batch" => Ok(Durability::Batch),
+            "none" => Ok(Durability::None),
+            other => Err(Error::InvalidInput(format!(
+                "durability: expected \"sync\", \"batch\" or \"none\", got {other:?}"
+            ))),
+        }
+    }
+    /// The mode's name, as `parse` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Durability::Sync => "sync",
+            Durability::Batch => "batch",
+            Durability::None => "none",
+        }
+    }
+}
+
+/// How to open a store.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Model fingerprint. `None` with `layout: None` opens an existing store as
+    /// its MANIFEST says (the CLI does this).
+    pub fingerprint: Option<String>,
+    /// Layout of a new store, or the one expected of an existing store (`None`: as its
+    /// MANIFEST says).
+    pub layout: Option<Layout>,
+    /// Tenant secret: handles with different salts never see each other's blocks or sessions.
+    pub salt: Option<Vec<u8>>,
+    /// When a put is durable.
+    pub durability: Durability,
+    /// Bound on segment bytes on disk; `None` for unbounded.
+    pub disk_bytes: Option<u64>,
+    /// zstd level for payloads; 0 stores them raw.
+    pub compression_level: i32,
+    /// A segment file is sealed and a new one started past this size.
+    pub segment_bytes: u64,
+    /// With `Batch`: how long a put may wait for its group commit.
+    pub batch_window: Duration,
+    /// With `Batch`: pending bytes that commit at once, without waiting for the window.
+    pub batch_bytes: u64,
+    /// Create the store if it does not exist.
+    pub create: bool,
+    /// Capacity of the shared-memory hot tier; `None`: no hot tier.
+    pub hot_bytes: Option<u64>,
+    /// Directory of the arena file (a hugetlbfs mount, or tmpfs); `None`: the
+    /// `KVSTORE_HOT_DIR` environment variable, else a hugetlbfs mount with
+    /// room, else `/dev/shm`.
+    pub hot_dir: Option<PathBuf>,
+    /// Virtual size of the LMDB index map (at least 2 MiB): a bound on index
+    /// bytes. Puts are `StoreFull` past three quarters of it (or past all but
+    /// 1 MiB, if less); the rest is kept for gc and eviction. The first handle of a process to open the store
+    /// sets it.
+    pub index_bytes: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            fingerprint: None,
+            layout: None,
+            salt: None,
+            durability: Durability::Batch,
+            disk_bytes: None,
+            compression_level: 0,
+            segment_bytes: 1 << 30,
+            batch_window: Duration::from_millis(20),
+            batch_bytes: 256 << 20,
+            create: true,
+            hot_bytes: None,
+            hot_dir: None,
+            index_bytes: crate::index::DEFAULT_MAP_SIZE,
+        }
+    }
+}
+
+impl Options {
+    /// Refuses values no store can work with, before anything is touched.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.compression_level < 0 || self.compression_level > 22 {
+            return Err(Error::InvalidInput(format!(
+                "compression level: expected 0 (off) to 22, got {}",
+                self.compression_level
+            )));
+        }
+        if self.segment_bytes < 1 << 20 {
+            return Err(Error::InvalidInput(format!(
+                "segment_bytes: expected at least 1 MiB, got {}",
+                self.segment_bytes
+            )));
+        }
+        if self.index_bytes < 2 * crate::index::INDEX_RESERVE {
+            // At least as much for entries as is kept back for gc.
+            return Err(Error::InvalidInput(format!(
+                "index_bytes: expected at least 2 MiB, got {}",
+                self.index_bytes
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,118 @@
+//! Pins: blocks kept warm in the hot tier ahead of others and kept by `gc`,
+//! by priority and until an expiry.
+
+use super::Inner;
+use crate::arena::{Arena, Inserted};
+use crate::clock::now_ms;
+use crate::error::{Error, Result};
+use crate::id::BlockId;
+use crate::index::Location;
+use std::time::Duration;
+
+impl Inner {
+    pub(super) fn pin(
+        &self,
+        tokens: &[u32],
+        extra: &[u8],
+        priority: u64,
+        ttl: Option<Duration>,
+    ) -> Result<usize> {
+        if priority == 0 {
+            return Err(Error::InvalidInput(
+                "priority: expected a positive integer (0 means unpinned), got 0".into(),
+            ));
+        }
+        let b = self.layout.block_size as usize;
+        let expires = match ttl {
+            Some(t) => now_ms()
+                .saturating_add(t.as_millis().try_into().unwrap_or(u64::MAX))
+                .max(1),
+            None => 0,
+        };
+        let ids = self.keyer.chain(tokens, b, extra);
+        let mut snap = Some(self.snapshot()?);
+        let mut locs = Vec::new();
+        for id in &ids {
+            match self.find(&mut snap, id)? {
+                Some(loc) => locs.push(loc),
+                None => break,
+            }
+        }
+        drop(snap);
+        // Into the hot tier first; only what made it there is pinned in the
+        // index (what keeps blocks out of gc): a refused pin pins nothing.
+        let (pinned, refused) = match &self.arena {
+            Some(arena) => self.pin_hot(arena, tokens, &ids, &locs, priority, expires)?,
+            None => (locs.len(), None),
+        };
+        let mut txn = self.index.write()?;
+        for id in &ids[..pinned] {
+            self.index.put_pin(&mut txn, id, priority, expires)?;
+        }
+        self.index.commit(txn, self.durable())?;
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(pinned * b),
+        }
+    }
+
+    /// Pins the blocks at `locs` in the hot tier, loading those not there.
+    /// Returns how many of them are pinned (a prefix) and, if the hot tier
+    /// refused one, the `StoreFull` to report.
+    pub(super) fn pin_hot(
+        &self,
+        arena: &Arena,
+        tokens: &[u32],
+        ids: &[BlockId],
+        locs: &[Location],
+        priority: u64,
+        expires: u64,
+    ) -> Result<(usize, Option<Error>)> {
+        let b = self.layout.block_size as usize;
+        let mut buf = vec![0u8; self.layout.block_bytes()];
+        let mut scratch = Vec::new();
+        for (i, (id, loc)) in ids.iter().zip(locs).enumerate() {
+            if arena.pin(id, priority, expires)? {
+                continue;
+            }
+            let block_tokens = &tokens[i * b..(i + 1) * b];
+            let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
+            if self
+                .read_record(loc, id, Some(block_tokens), &mut chunks, &mut scratch)
+                .is_err()
+            {
+                return Ok((i, None)); // damaged or compacted away: the pinned prefix ends here
+            }
+            let chunks: Vec<&[u8]> = buf.chunks(self.layout.chunk_bytes()).collect();
+            if arena.insert(id, block_tokens, &chunks, priority, expires, now_ms())?
+                == Inserted::Full
+            {
+                return Ok((
+                    i,
+                    Some(Error::StoreFull(format!(
+                        "the hot tier has no room for block {i} of this sequence: its slots hold \
+                         blocks pinned at priority {priority} or higher"
+                    ))),
+                ));
+            }
+        }
+        Ok((locs.len(), None))
+    }
+
+    pub(super) fn unpin(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
+        let ids = self
+            .keyer
+            .chain(tokens, self.layout.block_size as usize, extra);
+        let mut txn = self.index.write()?;
+        for id in &ids {
+            self.index.delete_pin(&mut txn, id)?;
+        }
+        self.index.commit(txn, self.durable())?;
+        if let Some(arena) = &self.arena {
+            for id in &ids {
+                arena.unpin(id)?;
+            }
+        }
+        Ok(ids.len() * self.layout.block_size as usize)
+    }
+}

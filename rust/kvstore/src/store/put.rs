@@ -1,0 +1,244 @@
+//! The write path: check the KV, derive the block ids, skip blocks already
+//! stored (dedupe), keep the store within `disk_bytes` (evicting and
+//! compacting first), append each new record, commit per the durability
+//! mode, then show the blocks in the hot tier.
+
+use super::writer::Writer;
+use super::{Durability, Inner};
+use crate::clock::{now_ms, now_us};
+use crate::error::{Error, Result};
+use crate::format;
+use crate::id::BlockId;
+use crate::index::Location;
+use crate::layout::Layout;
+use crate::record;
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+
+/// Splits a contiguous `[L, 2, T, H, D]` byte buffer into the `2L` runs of block `i`.
+fn block_chunks<'a>(layout: &Layout, kv: &'a [u8], total_tokens: usize, i: usize) -> Vec<&'a [u8]> {
+    let tb = layout.token_bytes();
+    let cb = layout.chunk_bytes();
+    let b = layout.block_size as usize;
+    (0..layout.num_layers as usize * 2)
+        .map(|lk| {
+            let start = (lk * total_tokens + i * b) * tb;
+            &kv[start..start + cb]
+        })
+        .collect()
+}
+
+impl Inner {
+    pub(super) fn check_kv(&self, tokens: &[u32], kv: &[u8], kv_tokens: usize) -> Result<usize> {
+        let b = self.layout.block_size as usize;
+        let full = tokens.len() / b * b;
+        if kv_tokens < full {
+            return Err(Error::InvalidInput(format!(
+                "kv: expected at least {full} tokens (the full blocks of {} token ids), got {kv_tokens}",
+                tokens.len()
+            )));
+        }
+        let want = self
+            .layout
+            .kv_bytes(kv_tokens)
+            .ok_or_else(|| Error::InvalidInput(format!("kv: {kv_tokens} tokens overflow")))?;
+        if kv.len() != want {
+            return Err(Error::InvalidInput(format!(
+                "kv: expected {want} bytes for [L={}, 2, T={kv_tokens}, H={}, D={}] of {}, got {}",
+                self.layout.num_layers,
+                self.layout.num_kv_heads,
+                self.layout.head_dim,
+                self.layout.dtype.name(),
+                kv.len()
+            )));
+        }
+        Ok(full)
+    }
+
+    pub(super) fn put(
+        &self,
+        tokens: &[u32],
+        kv: &[u8],
+        kv_tokens: usize,
+        extra: &[u8],
+    ) -> Result<usize> {
+        let full = self.check_kv(tokens, kv, kv_tokens)?;
+        let b = self.layout.block_size as usize;
+        let ids = self.keyer.chain(&tokens[..full], b, extra);
+        let mut w = self.writer.lock().expect("writer lock");
+        if let Some(p) = &w.poisoned {
+            return Err(Error::Poisoned(p.clone()));
+        }
+        if self.closing.load(Ordering::SeqCst) {
+            // `close` ran while this call waited for the lock.
+            return Err(Error::StoreClosed("the store handle is closed".into()));
+        }
+        // Under the writer lock: a group commit between this check and the
+        // writes would otherwise move blocks from `pending` to the index
+        // unseen, and they would be written twice.
+        let present: Vec<bool> = {
+            // One snapshot per call, so the cache notices a newer generation.
+            let mut snap = Some(self.snapshot()?);
+            ids.iter()
+                .map(|id| self.committed(&mut snap, id).map(|l| l.is_some()))
+                .collect::<Result<_>>()?
+        };
+        let block = |i: usize| (&ids[i], &tokens[i * b..(i + 1) * b]);
+        let fresh = self.write_blocks(&mut w, &ids, &present, &block, kv, kv_tokens)?;
+        self.counters
+            .blocks_deduped
+            .fetch_add((ids.len() - fresh.len()) as u64, Ordering::Relaxed);
+        self.counters
+            .blocks_written
+            .fetch_add(fresh.len() as u64, Ordering::Relaxed);
+        match self.opts.durability {
+            Durability::Sync | Durability::None => self.commit_pending(&mut w)?,
+            Durability::Batch => {
+                if w.pending_bytes >= self.opts.batch_bytes {
+                    self.commit_pending(&mut w)?;
+                }
+            }
+        }
+        // Into the hot tier only once written (a failed put publishes nothing)
+        // and, unless a batch commit is still due, committed: other processes
+        // must not see a block a crash could take back. A batch put shows its
+        // blocks before the group commit, as it does to this handle.
+        if let Some(arena) = &self.arena {
+            for &i in &fresh {
+                let (id, block_tokens) = block(i);
+                let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
+                arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
+            }
+        }
+        Ok(full)
+    }
+
+    /// Encodes and appends the blocks that are neither `present` nor
+    /// pending as pending records, making room under `disk_bytes` before
+    /// each; returns their indices. On failure the records written so far are
+    /// forgotten (dead bytes): a failed put publishes nothing. Blocks
+    /// committed by a segment roll inside this put stay: they are durable and
+    /// sound.
+    fn write_blocks<'t>(
+        &self,
+        w: &mut Writer,
+        ids: &[BlockId],
+        present: &[bool],
+        block: &dyn Fn(usize) -> (&'t BlockId, &'t [u32]),
+        kv: &[u8],
+        kv_tokens: usize,
+    ) -> Result<Vec<usize>> {
+        // One time for the whole put: block i is stamped i µs earlier.
+        let t0 = now_us();
+        // Making room must not evict this put's own blocks.
+        let keep: HashSet<BlockId> = ids.iter().copied().collect();
+        let mut fresh = Vec::new();
+        for (i, &here) in present.iter().enumerate() {
+            let (id, block_tokens) = block(i);
+            if here || w.pending_ids.contains_key(id) {
+                continue;
+            }
+            let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
+            let res = record::encode(
+                &self.layout,
+                self.opts.compression_level,
+                id,
+                block_tokens,
+                &chunks,
+            )
+            .and_then(|rec| {
+                self.ensure_disk_room(w, rec.record_len(), &keep)?;
+                self.append(w, &rec)
+            });
+            match res {
+                Ok(loc) => {
+                    let loc = Location {
+                        used_us: t0.saturating_sub(i as u64),
+                        ..loc
+                    };
+                    w.add_pending(id, loc);
+                    fresh.push(i);
+                }
+                Err(e) => {
+                    let mine: HashSet<&BlockId> = fresh.iter().map(|&j| &ids[j]).collect();
+                    w.drop_pending(&mine);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(fresh)
+    }
+
+    /// Keeps the store within `disk_bytes` with room for a record of
+    /// `record_len` bytes (and a new segment's header, if one starts),
+    /// evicting and compacting first if needed, sparing `keep`.
+    fn ensure_disk_room(
+        &self,
+        w: &mut Writer,
+        record_len: u64,
+        keep: &HashSet<BlockId>,
+    ) -> Result<()> {
+        let Some(limit) = self.opts.disk_bytes else {
+            return Ok(());
+        };
+        let header = if w.active.is_none() {
+            format::SEGMENT_HEADER_LEN as u64
+        } else {
+            0
+        };
+        let need = record_len + header;
+        if self.disk_used(w)? + need > limit {
+            self.make_room(w, limit, need + format::SEGMENT_HEADER_LEN as u64, keep)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of segment files: committed lengths in the index plus this
+    /// handle's uncommitted tail.
+    fn disk_used(&self, w: &Writer) -> Result<u64> {
+        let txn = self.index.read()?;
+        let committed: u64 = self
+            .index
+            .all_segments(&txn)?
+            .iter()
+            .map(|(_, i)| i.committed_len)
+            .sum();
+        Ok(committed + w.pending_bytes)
+    }
+
+    /// Frees room for `need` more bytes under `limit` (`disk_bytes`): evicts
+    /// the oldest unpinned blocks but `keep` down to three quarters of the
+    /// limit (so the next puts do not compact again at once) and compacts.
+    /// `StoreFull` when what is left is pinned, or another process is
+    /// compacting.
+    fn make_room(
+        &self,
+        w: &mut Writer,
+        limit: u64,
+        need: u64,
+        keep: &HashSet<BlockId>,
+    ) -> Result<()> {
+        self.commit_pending(w)?;
+        // Seal ours, so its dead bytes can go too; the next append starts a
+        // new one.
+        self.seal_active(w)?;
+        let full = |detail: String| {
+            Error::StoreFull(format!(
+                "disk_bytes limit of {limit} bytes reached: {detail}"
+            ))
+        };
+        let _lock = self
+            .dir
+            .compaction_lock()
+            .map_err(|_| full("another process is compacting; retry".into()))?;
+        self.evict(Some(limit.saturating_sub(need) / 4 * 3), None, keep)?;
+        self.compact_locked(&|_, _| {}, false)?;
+        let used = self.disk_used(w)?;
+        if used + need > limit {
+            return Err(full(format!(
+                "{used} bytes are still in use by pinned blocks or other writers' segments"
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,362 @@
+//! The read path: where a block is (location cache, index snapshot, this
+//! handle's pending writes), reading and checking its record, quarantining
+//! damage, and the last-use times reads leave behind for eviction.
+
+use super::{Durability, Inner};
+use crate::clock::{now_ms, now_us};
+use crate::error::{Error, Result};
+use crate::fs;
+use crate::id::BlockId;
+use crate::index::Location;
+use crate::layout::Layout;
+use crate::record::{self, Mismatch};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::IoSliceMut;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Buffered last-use times: written to the index at flush, close, eviction,
+/// or when there are many or they are old (a read must not write each time).
+pub(super) struct Touched {
+    times: HashMap<BlockId, u64>,
+    since: Instant,
+}
+
+impl Default for Touched {
+    fn default() -> Self {
+        Touched {
+            times: HashMap::new(),
+            since: Instant::now(),
+        }
+    }
+}
+
+const TOUCHED_MAX: usize = 16384;
+const TOUCHED_MAX_AGE: Duration = Duration::from_secs(5);
+
+/// Segment files a handle keeps open for reads.
+const MAX_OPEN_SEGMENTS: usize = 256;
+
+/// A read snapshot of the index and the generation it saw.
+pub(super) struct Snap<'s> {
+    txn: heed::RoTxn<'s, heed::WithoutTls>,
+    generation: u64,
+}
+
+/// Why a record could not be served.
+pub(super) enum ReadFail {
+    /// The segment file is gone (compacted away): look the block up again.
+    Gone,
+    Damaged(String),
+    /// A sound record of another token sequence under the same id (a hash
+    /// collision, or a misplaced record): a miss, and not damage, since the
+    /// record is right for its own tokens.
+    OtherTokens,
+}
+
+impl ReadFail {
+    /// Why the record is unusable for its block (the reason `verify` lists
+    /// and the index keeps); `None` when it is sound but for other tokens.
+    pub(super) fn damage(self) -> Option<String> {
+        match self {
+            ReadFail::Gone => Some("segment file is missing".into()),
+            ReadFail::Damaged(r) => Some(r),
+            ReadFail::OtherTokens => None,
+        }
+    }
+}
+
+fn block_chunks_mut<'a>(
+    layout: &Layout,
+    kv: &'a mut [u8],
+    total_tokens: usize,
+    i: usize,
+) -> Vec<&'a mut [u8]> {
+    let tb = layout.token_bytes();
+    let cb = layout.chunk_bytes();
+    let b = layout.block_size as usize;
+    let stride = total_tokens * tb;
+    kv.chunks_mut(stride)
+        .take(layout.num_layers as usize * 2)
+        .map(|run| &mut run[i * b * tb..i * b * tb + cb])
+        .collect()
+}
+
+impl Inner {
+    /// Number of leading full blocks of `tokens` that are stored.
+    pub(super) fn stored_blocks(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
+        let ids = self
+            .keyer
+            .chain(tokens, self.layout.block_size as usize, extra);
+        // One snapshot per call, so the cache notices a newer generation.
+        let mut snap = Some(self.snapshot()?);
+        let mut n = 0;
+        for id in &ids {
+            let hot = self.arena.as_ref().is_some_and(|a| a.contains(id));
+            if !hot && self.find(&mut snap, id)?.is_none() {
+                break;
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// A fresh index snapshot; advances the location cache (and drops open
+    /// segment files) when the index generation moved on.
+    pub(super) fn snapshot(&self) -> Result<Snap<'_>> {
+        let txn = self.index.read()?;
+        let generation = self.index.generation(&txn)?;
+        if self.known.advance(generation) {
+            self.readers.write().expect("reader cache").clear();
+        }
+        Ok(Snap { txn, generation })
+    }
+
+    /// Where block `id`'s committed record is (cache, then index).
+    pub(super) fn committed<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        id: &BlockId,
+    ) -> Result<Option<Location>> {
+        if let Some(loc) = self.known.get(id) {
+            return Ok(Some(loc));
+        }
+        if snap.is_none() {
+            *snap = Some(self.snapshot()?);
+        }
+        let s = snap.as_ref().expect("snapshot");
+        let loc = self.index.get_block(&s.txn, id)?;
+        if let Some(loc) = loc {
+            self.known.insert(s.generation, id, loc);
+        }
+        Ok(loc)
+    }
+
+    /// Where block `id` is: committed, or pending in this handle. A group
+    /// commit may move a block from pending to the index after `snap` was
+    /// taken; so on a miss in both, look again in a snapshot taken after the
+    /// pending check (kept in `snap` for the next blocks).
+    pub(super) fn find<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        id: &BlockId,
+    ) -> Result<Option<Location>> {
+        if let Some(loc) = self.committed(snap, id)? {
+            return Ok(Some(loc));
+        }
+        if let Some(loc) = self.pending_loc(id) {
+            return Ok(Some(loc));
+        }
+        if self.opts.durability != Durability::Batch {
+            return Ok(None);
+        }
+        *snap = None;
+        self.committed(snap, id)
+    }
+
+    pub(super) fn get_into(
+        &self,
+        tokens: &[u32],
+        extra: &[u8],
+        out: &mut [u8],
+        out_tokens: usize,
+    ) -> Result<usize> {
+        let b = self.layout.block_size as usize;
+        let want = self
+            .layout
+            .kv_bytes(out_tokens)
+            .ok_or_else(|| Error::InvalidInput(format!("out: {out_tokens} tokens overflow")))?;
+        if out.len() != want {
+            return Err(Error::InvalidInput(format!(
+                "out: expected {want} bytes for {out_tokens} tokens, got {}",
+                out.len()
+            )));
+        }
+        let usable = tokens.len().min(out_tokens) / b;
+        let ids = self.keyer.chain(&tokens[..usable * b], b, extra);
+        let mut scratch = Vec::new();
+        let mut served = 0;
+        // One snapshot per call, so the cache notices a newer generation.
+        let mut snap = Some(self.snapshot()?);
+        'blocks: for (i, id) in ids.iter().enumerate() {
+            let block_tokens = &tokens[i * b..(i + 1) * b];
+            if let Some(arena) = &self.arena {
+                let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i);
+                if arena.get(id, block_tokens, &mut chunks) {
+                    self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
+                    served += 1;
+                    continue 'blocks;
+                }
+            }
+            for attempt in 0..2 {
+                let Some(loc) = self.find(&mut snap, id)? else {
+                    break 'blocks;
+                };
+                let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i);
+                match self.read_record(&loc, id, Some(block_tokens), &mut chunks, &mut scratch) {
+                    Ok(()) => {
+                        self.counters
+                            .bytes_read
+                            .fetch_add(loc.record_len, Ordering::Relaxed);
+                        self.counters
+                            .disk_hit_blocks
+                            .fetch_add(1, Ordering::Relaxed);
+                        if let Some(arena) = &self.arena {
+                            // Promote: the next reader, in any process, gets it from memory.
+                            let chunks: Vec<&[u8]> = chunks.iter().map(|c| &**c).collect();
+                            arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
+                        }
+                        served += 1;
+                        continue 'blocks;
+                    }
+                    Err(ReadFail::Gone) if attempt == 0 => {
+                        // Compacted away since our snapshot: look it up afresh.
+                        snap = None;
+                        self.known.forget(id);
+                        self.readers
+                            .write()
+                            .expect("reader cache")
+                            .remove(&loc.segment);
+                    }
+                    Err(fail) => {
+                        // Damaged, or still pointing at a missing file after
+                        // a fresh look (lost, not compacted): out of the
+                        // index, so the next put of these tokens stores it
+                        // again. Another sequence's record is just a miss.
+                        if let Some(reason) = fail.damage() {
+                            drop(snap.take());
+                            self.known.forget(id);
+                            self.quarantine(id, &loc, &reason)?;
+                        }
+                        break 'blocks;
+                    }
+                }
+            }
+        }
+        self.count_hits(served, tokens.len() / b);
+        self.touch(&ids[..served]);
+        Ok(served * b)
+    }
+
+    pub(super) fn reader(&self, segment: u64) -> std::io::Result<Arc<File>> {
+        if let Some(f) = self.readers.read().expect("reader cache").get(&segment) {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(fs::open_existing(&self.dir.segment_path(segment), false)?);
+        let mut readers = self.readers.write().expect("reader cache");
+        if readers.len() >= MAX_OPEN_SEGMENTS {
+            // Bounded: reads in flight keep their own `Arc`.
+            readers.clear();
+        }
+        readers.insert(segment, f.clone());
+        Ok(f)
+    }
+
+    /// Reads the record at `loc` into `out` (the block's `2L` runs) and checks
+    /// it against `id` and, when given, the requested `tokens`.
+    /// Every failure, I/O included, is a reason not to serve the block.
+    pub(super) fn read_record(
+        &self,
+        loc: &Location,
+        id: &BlockId,
+        tokens: Option<&[u32]>,
+        out: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), ReadFail> {
+        let raw_len = self.layout.block_bytes() as u64;
+        let meta_len = record::meta_len(&self.layout);
+        if loc.stored_len > raw_len || loc.record_len != meta_len as u64 + loc.stored_len {
+            return Err(ReadFail::Damaged(
+                "index entry has impossible lengths".into(),
+            ));
+        }
+        let file = match self.reader(loc.segment) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(ReadFail::Gone),
+            Err(e) => {
+                return Err(ReadFail::Damaged(format!(
+                    "segment {} unreadable: {e}",
+                    loc.segment
+                )))
+            }
+        };
+        let mut meta = vec![0u8; meta_len];
+        // A raw payload lands straight in `out`; a compressed one is decoded
+        // from `scratch`.
+        let raw = loc.stored_len == raw_len;
+        let read = if raw {
+            let mut bufs: Vec<IoSliceMut<'_>> = Vec::with_capacity(out.len() + 1);
+            bufs.push(IoSliceMut::new(&mut meta));
+            bufs.extend(out.iter_mut().map(|c| IoSliceMut::new(c)));
+            fs::read_exact_at(&file, &mut bufs, loc.offset)
+        } else {
+            scratch.resize(loc.stored_len as usize, 0);
+            fs::read_exact_at(
+                &file,
+                &mut [IoSliceMut::new(&mut meta), IoSliceMut::new(scratch)],
+                loc.offset,
+            )
+        };
+        if let Err(e) = read {
+            return Err(ReadFail::Damaged(format!("read failed: {e}")));
+        }
+        let header = match record::check_read(&self.layout, &meta, id, loc.stored_len, tokens) {
+            Ok(h) => h,
+            Err(Mismatch::Damaged(r)) => return Err(ReadFail::Damaged(r)),
+            Err(Mismatch::OtherTokens) => return Err(ReadFail::OtherTokens),
+        };
+        let payload = if raw {
+            record::check_raw(&header, out)
+        } else {
+            let stored = std::mem::take(scratch);
+            let res = record::decode_compressed(&self.layout, &header, &stored, out, scratch);
+            *scratch = stored;
+            res
+        };
+        payload.map_err(ReadFail::Damaged)
+    }
+
+    /// Moves a damaged block's entry out of `blocks` (if it still points at the
+    /// damaged record), so it is a miss and a later put stores it again.
+    pub(super) fn quarantine(&self, id: &BlockId, loc: &Location, reason: &str) -> Result<()> {
+        self.counters.damaged_found.fetch_add(1, Ordering::Relaxed);
+        let mut txn = self.index.write()?;
+        self.index.quarantine_if_at(&mut txn, id, loc, reason)?;
+        self.index.commit(txn, self.durable())
+    }
+
+    /// Records that the blocks of one request were used now (block i stamped
+    /// i µs earlier: see `Location::used_us`).
+    pub(super) fn touch(&self, ids: &[BlockId]) {
+        let now = now_us();
+        let due = {
+            let mut t = self.touched.lock().expect("touched lock");
+            if t.times.is_empty() {
+                t.since = Instant::now();
+            }
+            for (i, id) in ids.iter().enumerate() {
+                t.times.insert(*id, now.saturating_sub(i as u64));
+            }
+            t.times.len() >= TOUCHED_MAX || t.since.elapsed() >= TOUCHED_MAX_AGE
+        };
+        if due {
+            self.save_advisory();
+        }
+    }
+
+    /// Writes buffered last-use times to the index (not synced: losing them
+    /// in a crash only makes eviction a little less informed).
+    pub(super) fn save_touches(&self) -> Result<()> {
+        let times = std::mem::take(&mut self.touched.lock().expect("touched lock").times);
+        if times.is_empty() {
+            return Ok(());
+        }
+        let mut txn = self.index.write()?;
+        for (id, t) in &times {
+            self.index.touch(&mut txn, id, *t)?;
+        }
+        self.index.commit(txn, false)
+    }
+}

@@ -1,0 +1,51 @@
+//! Sessions: a name bound to a token sequence, per tenant, so an agent can
+//! ask for its conversation back after a restart.
+
+use super::Inner;
+use crate::error::{Error, Result};
+
+impl Inner {
+    pub(super) fn save_session(
+        &self,
+        name: &str,
+        tokens: &[u32],
+        kv: &[u8],
+        kv_tokens: usize,
+    ) -> Result<usize> {
+        if name.is_empty() || name.len() > 400 {
+            return Err(Error::InvalidInput(format!(
+                "session name: expected 1 to 400 bytes of UTF-8, got {} bytes",
+                name.len()
+            )));
+        }
+        // The KV may cover fewer tokens than the session binds (a cache that has
+        // not seen the last generated token): store what it covers.
+        let covered = tokens.len().min(kv_tokens);
+        let n = self.put(&tokens[..covered], kv, kv_tokens, b"")?;
+        let mut w = self.writer.lock().expect("writer lock");
+        self.commit_pending(&mut w)?;
+        let mut txn = self.index.write()?;
+        self.index.put_session(&mut txn, &self.tag, name, tokens)?;
+        self.index.commit(txn, self.durable())?;
+        Ok(n)
+    }
+
+    pub(super) fn session_tokens(&self, name: &str) -> Result<Vec<u32>> {
+        let txn = self.index.read()?;
+        self.index
+            .get_session(&txn, &self.tag, name)?
+            .ok_or_else(|| Error::SessionNotFound(name.to_string()))
+    }
+
+    pub(super) fn sessions(&self) -> Result<Vec<(String, usize)>> {
+        let txn = self.index.read()?;
+        self.index.sessions(&txn, &self.tag)
+    }
+
+    pub(super) fn delete_session(&self, name: &str) -> Result<bool> {
+        let mut txn = self.index.write()?;
+        let found = self.index.delete_session(&mut txn, &self.tag, name)?;
+        self.index.commit(txn, self.durable())?;
+        Ok(found)
+    }
+}

@@ -1,0 +1,240 @@
+//! The segment writer: appends encoded records to this handle's own segment
+//! file, rolls to a new one when full, seals, syncs and publishes what is
+//! pending (group commit for `Batch`). It only appends: bounds on disk use
+//! are the caller's (`put` makes room before it appends).
+
+use super::Inner;
+use crate::clock::now_us;
+use crate::error::{Error, IoContext, Result};
+use crate::format;
+use crate::fs;
+use crate::id::BlockId;
+use crate::index::{Location, SegmentInfo, SegmentState};
+use crate::record::Encoded;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::IoSlice;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+/// The segment this handle appends to.
+pub(super) struct Active {
+    pub(super) segment: u64,
+    pub(super) file: File,
+    pub(super) len: u64,
+}
+
+/// A record written but not yet committed to the index.
+pub(super) struct Pending {
+    pub(super) id: BlockId,
+    pub(super) loc: Location,
+}
+
+/// A writer: one active segment and the records not yet committed.
+#[derive(Default)]
+pub(super) struct Writer {
+    pub(super) active: Option<Active>,
+    pub(super) pending: Vec<Pending>,
+    pub(super) pending_ids: HashMap<BlockId, Location>,
+    pub(super) pending_bytes: u64,
+    pub(super) oldest_pending: Option<Instant>,
+    pub(super) poisoned: Option<String>,
+}
+
+impl Writer {
+    pub(super) fn new() -> Self {
+        Writer::default()
+    }
+
+    /// Remembers a written record until the next commit publishes it.
+    pub(super) fn add_pending(&mut self, id: &BlockId, loc: Location) {
+        self.pending_bytes += loc.record_len;
+        self.oldest_pending.get_or_insert_with(Instant::now);
+        self.pending_ids.insert(*id, loc);
+        self.pending.push(Pending { id: *id, loc });
+    }
+
+    /// Forgets pending records of `ids` (a put that failed part way).
+    pub(super) fn drop_pending(&mut self, ids: &std::collections::HashSet<&BlockId>) {
+        self.pending.retain(|p| !ids.contains(&p.id));
+        self.pending_ids.retain(|id, _| !ids.contains(id));
+        self.pending_bytes = self.pending.iter().map(|p| p.loc.record_len).sum();
+        if self.pending.is_empty() {
+            self.oldest_pending = None;
+        }
+    }
+
+    /// Whether a record of `len` bytes starts a new segment file.
+    pub(super) fn rolls(&self, len: u64, segment_bytes: u64) -> bool {
+        match &self.active {
+            Some(a) => a.len + len > segment_bytes && a.len > format::SEGMENT_HEADER_LEN as u64,
+            None => true,
+        }
+    }
+}
+
+impl Inner {
+    /// Appends one encoded record to the active segment, first rolling to a
+    /// new segment when it would grow past `segment_bytes` (committing what
+    /// is pending and sealing the full one). Returns where it landed; the
+    /// caller decides when it is published.
+    pub(super) fn append(&self, w: &mut Writer, record: &Encoded<'_>) -> Result<Location> {
+        let record_len = record.record_len();
+        if w.rolls(record_len, self.opts.segment_bytes) {
+            self.commit_pending(w)?;
+            self.seal_active(w)?;
+            w.active = Some(self.new_segment()?);
+        }
+        let active = w.active.as_mut().expect("active segment");
+        let offset = active.len;
+        if let Err(e) = fs::write_all_at(&active.file, &mut record.slices(), offset) {
+            // Whatever reached the file past `len` is garbage the next record
+            // overwrites, and recovery truncates: nothing was published.
+            if e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
+                return Err(Error::StoreFull(format!(
+                    "no space left on the device for segment {}",
+                    active.segment
+                )));
+            }
+            return Err(Error::Io {
+                context: format!("writing segment {}", active.segment),
+                source: e,
+            });
+        }
+        active.len += record_len;
+        self.counters
+            .bytes_written
+            .fetch_add(record_len, Ordering::Relaxed);
+        Ok(Location {
+            segment: active.segment,
+            offset,
+            record_len,
+            stored_len: record.stored_len(),
+            used_us: now_us(),
+        })
+    }
+
+    fn new_segment(&self) -> Result<Active> {
+        let mut txn = self.index.write()?;
+        let segment = self.index.meta_u64(&txn, "next_segment")?.max(1);
+        self.index
+            .set_meta_u64(&mut txn, "next_segment", segment + 1)?;
+        self.index.commit(txn, self.durable())?;
+        // The file exists, locked and with its header, before the segment is
+        // registered. So a registered segment whose lock is free has lost its
+        // writer (recovery may seal it), and a file not registered is either
+        // locked by a writer about to register it or an orphan (removable).
+        let path = self.dir.segment_path(segment);
+        let file = fs::create_new(&path).ctx(|| format!("creating {}", path.display()))?;
+        // Blocking: an orphan scan may hold the new file's lock for an
+        // instant (it leaves young files alone, see `remove_orphans`).
+        file.lock().ctx(|| format!("locking {}", path.display()))?;
+        let header = format::encode_segment_header(segment);
+        fs::write_all_at(&file, &mut [IoSlice::new(&header)], 0)
+            .ctx(|| format!("writing {}", path.display()))?;
+        if self.durable() {
+            fs::sync_data(&file).ctx(|| format!("fdatasync {}", path.display()))?;
+            fs::sync_dir(&self.dir.segments_dir())
+                .ctx(|| "fsync segments directory".to_string())?;
+        }
+        let mut txn = self.index.write()?;
+        self.index
+            .put_segment(&mut txn, segment, &SegmentInfo::new())?;
+        self.index.commit(txn, self.durable())?;
+        Ok(Active {
+            segment,
+            file,
+            len: format::SEGMENT_HEADER_LEN as u64,
+        })
+    }
+
+    pub(super) fn seal_active(&self, w: &mut Writer) -> Result<()> {
+        let Some(active) = w.active.take() else {
+            return Ok(());
+        };
+        let mut txn = self.index.write()?;
+        if let Some(mut info) = self.index.get_segment(&txn, active.segment)? {
+            info.state = SegmentState::Sealed;
+            self.index.put_segment(&mut txn, active.segment, &info)?;
+        }
+        self.index.commit(txn, self.durable())?;
+        Ok(())
+    }
+
+    /// Syncs the active segment (unless durability is "none") and commits every
+    /// pending entry in one index transaction.
+    pub(super) fn commit_pending(&self, w: &mut Writer) -> Result<()> {
+        if let Some(p) = &w.poisoned {
+            return Err(Error::Poisoned(p.clone()));
+        }
+        if w.pending.is_empty() {
+            return Ok(());
+        }
+        let active = w
+            .active
+            .as_ref()
+            .expect("pending records live in the active segment");
+        if self.durable() {
+            if let Err(e) = fs::sync_data(&active.file) {
+                let msg = format!("fdatasync of segment {} failed: {e}", active.segment);
+                w.poisoned = Some(msg.clone());
+                return Err(Error::Poisoned(msg));
+            }
+        }
+        let (segment, committed_len) = (active.segment, active.len);
+        let res = self.publish_pending(w, segment, committed_len);
+        // Published or not, these records are done with: after a failed
+        // commit they are dead bytes, never published by a later commit
+        // (their put has already reported the failure).
+        w.pending.clear();
+        w.pending_ids.clear();
+        w.pending_bytes = 0;
+        w.oldest_pending = None;
+        res
+    }
+
+    fn publish_pending(&self, w: &Writer, segment: u64, committed_len: u64) -> Result<()> {
+        if self.index.nearly_full()? {
+            return Err(Error::StoreFull(
+                "the index map is nearly full (the rest is kept for gc); free blocks with gc, \
+                 or reopen with a larger index_bytes"
+                    .into(),
+            ));
+        }
+        let mut txn = self.index.write()?;
+        self.index
+            .set_committed_len(&mut txn, segment, committed_len)?;
+        for p in &w.pending {
+            // Another process may have committed the same block meanwhile; the
+            // first one wins and this copy is dead bytes.
+            self.index.insert_block(&mut txn, &p.id, &p.loc)?;
+        }
+        self.index.commit(txn, self.durable())
+    }
+
+    /// Group commit for `Batch`: commits whatever is older than the window.
+    pub(super) fn flush_loop(&self) {
+        let window = self.opts.batch_window;
+        let mut w = self.writer.lock().expect("writer lock");
+        while !self.closing.load(Ordering::SeqCst) {
+            let wait = match w.oldest_pending {
+                Some(t) => window.saturating_sub(t.elapsed()),
+                None => window,
+            };
+            w = self.wake.wait_timeout(w, wait).expect("writer lock").0;
+            if w.oldest_pending.is_some_and(|t| t.elapsed() >= window) {
+                // A failure poisons the writer; the next put reports it.
+                let _ = self.commit_pending(&mut w);
+            }
+        }
+    }
+
+    pub(super) fn pending_loc(&self, id: &BlockId) -> Option<Location> {
+        self.writer
+            .lock()
+            .expect("writer lock")
+            .pending_ids
+            .get(id)
+            .copied()
+    }
+}

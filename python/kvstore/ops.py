@@ -13,7 +13,7 @@ ops.write_kv(key, value, key_cache, value_cache, slot_mapping)   # in place
   `num_heads % H == 0`, query head `i` attends with kv head `i // (num_heads // H)`.
 - float16, bfloat16 and float32; scores, softmax and sums in fp32.
 
-The C++/CUDA sources (the `cuda/` folder of the repository) are compiled with
+The C++/CUDA sources (`python/kvstore/csrc` in the repository) are compiled with
 `torch.utils.cpp_extension.load` on the first call, not on import: into
 `$TORCH_EXTENSIONS_DIR` or `~/.cache/kvstore/torch_extensions` (`$XDG_CACHE_HOME`
 respected), in a folder named by a hash of the sources, the flags and the torch
@@ -65,7 +65,7 @@ _COMPILE_CHECK_ARCHS = ("80", "90")
 
 def source_dir() -> Path:
     """The folder of the C++/CUDA sources: `$KVSTORE_CSRC`, else `kvstore/csrc`, shipped
-    in the package (the repository's `cuda/` is a link to it)."""
+    in the package."""
     env = os.environ.get("KVSTORE_CSRC")
     candidates = [Path(env)] if env else []
     candidates.append(Path(__file__).resolve().parent / "csrc")

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from conftest import run_child  # noqa: E402
-from hf_models import greedy, prompt, tiny_llama  # noqa: E402
+from support.hf_models import greedy, prompt, tiny_llama  # noqa: E402
 from transformers import DynamicCache, LlamaConfig  # noqa: E402
 
 import kvstore  # noqa: E402
@@ -256,7 +256,7 @@ def test_generate_restores_prefills_the_rest_and_saves(tmp_path: Path, model: An
 RESTORE = """
 import sys
 import torch
-from hf_models import tiny_llama
+from support.hf_models import tiny_llama
 from kvstore import hf
 
 root = sys.argv[1]

@@ -12,8 +12,8 @@ Shown, over 100+ kills:
 - LMDB reader slots left by killed readers, and arena slots left torn by
   killed writers, stay bounded (each open clears them) instead of piling up.
 
-The workers are in tests/_kill_worker.py, the loop and its checks in
-tests/_kill_harness.py; benches/soak_kill.py runs the same loop for as long
+The workers are in tests/support/kill_worker.py, the loop and its checks in
+tests/support/kill_harness.py; benches/soak_kill.py runs the same loop for as long
 as asked."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import shutil
 
 import pytest
-from _kill_harness import Config, Harness
+from support.kill_harness import Config, Harness
 
 CYCLES = 120
 

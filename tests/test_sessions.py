@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from hf_models import greedy, prompt, tiny_llama  # noqa: E402
+from support.hf_models import greedy, prompt, tiny_llama  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore import hf  # noqa: E402

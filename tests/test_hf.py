@@ -1,5 +1,5 @@
-"""kvstore.hf (SPEC 2 "Torch / transformers helpers", 5.7 "Model identity"):
-layout_of, fingerprint, save/load of transformers caches, and generate.
+"""kvstore.hf (README, transformers): layout_of, fingerprint, save/load of
+transformers caches, and generate.
 
 The headline test restarts: a child process rebuilds the model, restores the KV
 from the store and must produce next-token logits bitwise equal to those of the
@@ -251,7 +251,7 @@ def test_generate_restores_prefills_the_rest_and_saves(tmp_path: Path, model: An
             hf.generate(model, store, ids, past_key_values=DynamicCache())
 
 
-# --------------------------------------------------------------------- restart (SPEC 5.7)
+# ---------------------------------------------------------- restart (README, transformers)
 
 RESTORE = """
 import sys

@@ -1,7 +1,7 @@
-"""Kill loops (SPEC 5.3 + 5.4 together): writers (`durability="sync"`), readers,
-an auditor and a compactor share one store, some through the hot tier; every
-cycle one of them is SIGKILLed at a random moment (mid-put, mid-read,
-mid-compaction, or while still opening) and respawned.
+"""Kill loops (README, Durability and Concurrency together): writers
+(`durability="sync"`), readers, an auditor and a compactor share one store, some
+through the hot tier; every cycle one of them is SIGKILLed at a random moment
+(mid-put, mid-read, mid-compaction, or while still opening) and respawned.
 
 Shown, over 100+ kills:
 - no read ever returns a wrong byte (readers and the auditor compare every

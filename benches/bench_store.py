@@ -613,6 +613,35 @@ def run(
     return res
 
 
+@dataclass
+class _Bench:
+    """What the row groups share: the results, the temp dir, the options, the data
+    and the buffers gets fill."""
+
+    res: Results
+    tmp: Path
+    repeat: int
+    warm_runs: int
+    blocks_per_seq: int
+    cold_method: str
+    quiet: bool
+    blocks: list[int]
+    nbytes: int
+    seqs: list[Seq]
+    # The same bytes in 2 MiB-aligned huge-page buffers: the source of the
+    # O_DIRECT write reference and of the memcpy reference.
+    staging: list[np.ndarray]
+    have_dd: bool = field(default_factory=lambda: shutil.which("dd") is not None)
+    notes: list[str] = field(default_factory=list)
+    # Where the sync puts go; the gets read it.
+    read_store: Path = field(init=False)
+    outs_raw: list[np.ndarray] = field(default_factory=list)
+    outs: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.read_store = self.tmp / "store-sync"
+
+
 def _run(
     res: Results,
     tmp: Path,
@@ -626,6 +655,37 @@ def _run(
     compression: bool,
     quiet: bool,
 ) -> None:
+    b = _prepare(res, tmp, size_gib, repeat, warm_runs, blocks_per_seq, cold_method, quiet)
+    put_batch = _put_rows(b)
+    segs, idx = store_files(b.read_store)
+    b.outs_raw = [aligned_empty(s.nbytes) for s in b.seqs]
+    b.outs = [as_kv(o, BIG, len(s.tokens)) for o, s in zip(b.outs_raw, b.seqs, strict=True)]
+    with open_store(b.read_store, BIG, durability="sync") as st:
+        _cold_get_rows(b, st, segs, idx)
+        warm_get_out = _warm_get_rows(b, st, segs)
+    b.staging = []
+    gc.collect()
+    res.meta["notes"] = b.notes
+    res.meta["loadavg_after_gets"] = os.getloadavg()
+    rm(b.read_store)
+    os.sync()
+    _lookup_rows(b, lookup_tokens, lookup_runs)
+    if compression:
+        _compression_rows(b, put_batch, warm_get_out)
+
+
+def _prepare(
+    res: Results,
+    tmp: Path,
+    size_gib: float,
+    repeat: int,
+    warm_runs: int,
+    blocks_per_seq: int,
+    cold_method: str,
+    quiet: bool,
+) -> _Bench:
+    """Records the machine and the plan in `res.meta`, checks the free space and
+    generates the data."""
     meta = res.meta
     meta.update(machine_info(tmp))
     meta["loadavg_start"] = os.getloadavg()
@@ -654,15 +714,29 @@ def _run(
 
     with stage("generating random bf16 KV", quiet):
         seqs = make_seqs(BIG, blocks, "random", seed=0)
-        # The same bytes in 2 MiB-aligned huge-page buffers: the source of the
-        # O_DIRECT write reference and of the memcpy reference.
         staging = [aligned_empty(s.nbytes) for s in seqs]
-        for b, s in zip(staging, seqs, strict=True):
-            np.copyto(b, s.raw())
+        for buf, s in zip(staging, seqs, strict=True):
+            np.copyto(buf, s.raw())
+    return _Bench(
+        res,
+        tmp,
+        repeat,
+        warm_runs,
+        blocks_per_seq,
+        cold_method,
+        quiet,
+        blocks,
+        nbytes,
+        seqs,
+        staging,
+    )
 
-    L = "limits"
 
-    # ------------------------------------------------ 1. durable puts vs raw writes
+def _put_rows(b: _Bench) -> float:
+    """1. Durable puts vs raw writes: the raw-write limits, then the put rows.
+    Leaves the sync puts' store in `b.read_store`; returns the batch put's GiB/s."""
+    res, tmp, quiet, repeat, seqs, nbytes = b.res, b.tmp, b.quiet, b.repeat, b.seqs, b.nbytes
+    blocks_per_seq = b.blocks_per_seq
     raw_file = tmp / "raw.bin"
     w: dict[str, list[float]] = {
         k: []
@@ -676,9 +750,6 @@ def _run(
             "put_batch",
         )
     }
-    have_dd = shutil.which("dd") is not None
-    notes: list[str] = []
-    read_store = tmp / "store-sync"
     put_stats: dict[str, Any] = {}
     for r in range(repeat):
         # Interleaved, so drift of the (virtual) disk hits product and limit alike.
@@ -686,9 +757,9 @@ def _run(
         with stage(f"{tag} raw write, fdatasync per {blocks_per_seq} blocks", quiet):
             w["raw_per_seq"].append(raw_write(raw_file, seqs, "per_seq"))
         rm(raw_file)
-        rm(read_store)
+        rm(b.read_store)
         with stage(f"{tag} put durability=sync", quiet):
-            t, put_stats = put_all(read_store, BIG, seqs, "sync")
+            t, put_stats = put_all(b.read_store, BIG, seqs, "sync")
             w["put_sync"].append(t)
         with stage(f"{tag} raw write, fdatasync at end", quiet):
             w["raw_end"].append(raw_write(raw_file, seqs, "end"))
@@ -698,12 +769,12 @@ def _run(
         rm(tmp / "store-batch")
         with stage(f"{tag} raw write, O_DIRECT from huge pages", quiet):
             try:
-                w["odirect"].append(direct_write(raw_file, staging))
+                w["odirect"].append(direct_write(raw_file, b.staging))
             except OSError as e:  # e.g. tmpfs: no O_DIRECT
                 if r == 0:
-                    notes.append(f"O_DIRECT write unavailable in {tmp}: {e}")
+                    b.notes.append(f"O_DIRECT write unavailable in {tmp}: {e}")
         rm(raw_file)
-        if have_dd:
+        if b.have_dd:
             for mode in ("direct", "fdatasync"):
                 with stage(
                     f"{tag} dd {'oflag=direct' if mode == 'direct' else 'conv=fdatasync'}", quiet
@@ -712,14 +783,15 @@ def _run(
                         w[f"dd_{mode}"].append(dd_write(raw_file, nbytes, mode))
                     except subprocess.CalledProcessError as e:
                         if r == 0:
-                            notes.append(f"dd {mode} failed: {e}")
+                            b.notes.append(f"dd {mode} failed: {e}")
                 rm(raw_file)
     os.sync()
-    meta["put_sync_stats"] = put_stats
+    res.meta["put_sync_stats"] = put_stats
 
     def bw(key: str) -> float:
         return gibps(nbytes, best(w[key])) if w[key] else 0.0
 
+    L = "limits"
     res.add(
         Row(
             L,
@@ -811,14 +883,18 @@ def _run(
             note="info",
         )
     )
+    return bw("put_batch")
 
-    # ------------------------------------------------ 2. cold reads vs O_DIRECT reads
-    segs, idx = store_files(read_store)
+
+def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Path]) -> None:
+    """2. Cold reads vs O_DIRECT reads of `st`'s segment files `segs` (`idx`: its
+    index files, also evicted from the page cache): the raw-read limits, then the
+    cold get rows."""
+    res, quiet, repeat, seqs, nbytes = b.res, b.quiet, b.repeat, b.seqs, b.nbytes
+    meta = res.meta
     seg_bytes = total_size(segs)
     meta["segments"] = len(segs)
     meta["segment_bytes"] = seg_bytes
-    outs_raw = [aligned_empty(s.nbytes) for s in seqs]
-    outs = [as_kv(o, BIG, len(s.tokens)) for o, s in zip(outs_raw, seqs, strict=True)]
     rd: dict[str, list[float]] = {
         k: []
         for k in ("odirect_huge", "odirect_4k", "buffered", "dd_direct", "dd_buffered", "get_cold")
@@ -827,132 +903,135 @@ def _run(
     cpu_cold: list[float] = []
 
     def cold_read(key: str, fn: Callable[[], tuple[float, int]]) -> None:
-        drop_page_cache(segs + idx, cold_method)
+        drop_page_cache(segs + idx, b.cold_method)
         try:
             t, n = fn()
         except (OSError, subprocess.CalledProcessError) as e:
-            notes.append(f"{key} read unavailable: {e}")
+            b.notes.append(f"{key} read unavailable: {e}")
             return
         rd[key].append(gibps(n, t))
 
-    with open_store(read_store, BIG, durability="sync") as st:
-        for r in range(repeat):
-            tag = f"[{r + 1}/{repeat}]"
-            with stage(f"{tag} cold raw reads of the segment files", quiet):
-                cold_read("odirect_huge", lambda: python_read(segs, direct=True, huge=True))
-                cold_read("odirect_4k", lambda: python_read(segs, direct=True, huge=False))
-                cold_read("buffered", lambda: python_read(segs, direct=False))
-                if have_dd:
-                    cold_read("dd_direct", lambda: dd_read(segs, direct=True))
-                    cold_read("dd_buffered", lambda: dd_read(segs, direct=False))
-            with stage(f"{tag} cold get(out=)", quiet):
-                for o in outs_raw:
-                    o.fill(0)
-                method = drop_page_cache(segs + idx, cold_method)
-                before, tool = resident_bytes(segs)
-                c0 = time.process_time()
-                t = get_into(st, seqs, outs)
-                cpu_cold.append((time.process_time() - c0) / t)
-                after, _ = resident_bytes(segs)
-                rd["get_cold"].append(gibps(nbytes, t))
-                cold.append(
-                    {
-                        "method": method,
-                        "tool": tool,
-                        "resident_before": before,
-                        "resident_after": after,
-                        "segment_bytes": seg_bytes,
-                    }
-                )
-        check_equal(seqs, outs)
-        meta["cold_cache"] = cold
-        meta["cold_method"] = cold[-1]["method"]
-        meta["cold_verified_by"] = cold[-1]["tool"]
-        meta["cold_resident_before_max"] = max(c["resident_before"] for c in cold)
-        meta["cold_get_cpu_busy"] = cpu_cold
+    for r in range(repeat):
+        tag = f"[{r + 1}/{repeat}]"
+        with stage(f"{tag} cold raw reads of the segment files", quiet):
+            cold_read("odirect_huge", lambda: python_read(segs, direct=True, huge=True))
+            cold_read("odirect_4k", lambda: python_read(segs, direct=True, huge=False))
+            cold_read("buffered", lambda: python_read(segs, direct=False))
+            if b.have_dd:
+                cold_read("dd_direct", lambda: dd_read(segs, direct=True))
+                cold_read("dd_buffered", lambda: dd_read(segs, direct=False))
+        with stage(f"{tag} cold get(out=)", quiet):
+            for o in b.outs_raw:
+                o.fill(0)
+            method = drop_page_cache(segs + idx, b.cold_method)
+            before, tool = resident_bytes(segs)
+            c0 = time.process_time()
+            t = get_into(st, seqs, b.outs)
+            cpu_cold.append((time.process_time() - c0) / t)
+            after, _ = resident_bytes(segs)
+            rd["get_cold"].append(gibps(nbytes, t))
+            cold.append(
+                {
+                    "method": method,
+                    "tool": tool,
+                    "resident_before": before,
+                    "resident_after": after,
+                    "segment_bytes": seg_bytes,
+                }
+            )
+    check_equal(seqs, b.outs)
+    meta["cold_cache"] = cold
+    meta["cold_method"] = cold[-1]["method"]
+    meta["cold_verified_by"] = cold[-1]["tool"]
+    meta["cold_resident_before_max"] = max(c["resident_before"] for c in cold)
+    meta["cold_get_cpu_busy"] = cpu_cold
 
-        def rmax(key: str) -> float:
-            return max(rd[key], default=0.0)
+    def rmax(key: str) -> float:
+        return max(rd[key], default=0.0)
 
-        for key, label in (
-            ("odirect_huge", "O_DIRECT preadv 2 MiB into a huge page (Python)"),
-            ("odirect_4k", "O_DIRECT preadv 2 MiB into 4 KiB pages (Python)"),
-            ("dd_direct", "dd bs=2M iflag=direct"),
-            ("buffered", "buffered preadv 2 MiB, kernel readahead (Python)"),
-            ("dd_buffered", "dd bs=2M, buffered"),
-        ):
-            if rd[key]:
-                res.add(
-                    Row(
-                        L,
-                        f"raw read, cold: {label}, segment files",
-                        rmax(key),
-                        "GiB/s",
-                        samples=rd[key],
-                    )
+    L = "limits"
+    for key, label in (
+        ("odirect_huge", "O_DIRECT preadv 2 MiB into a huge page (Python)"),
+        ("odirect_4k", "O_DIRECT preadv 2 MiB into 4 KiB pages (Python)"),
+        ("dd_direct", "dd bs=2M iflag=direct"),
+        ("buffered", "buffered preadv 2 MiB, kernel readahead (Python)"),
+        ("dd_buffered", "dd bs=2M, buffered"),
+    ):
+        if rd[key]:
+            res.add(
+                Row(
+                    L,
+                    f"raw read, cold: {label}, segment files",
+                    rmax(key),
+                    "GiB/s",
+                    samples=rd[key],
                 )
-        lim_cold = max(rmax("odirect_huge"), rmax("odirect_4k"), rmax("dd_direct"))
-        lim_buffered = max(rmax("buffered"), rmax("dd_buffered"))
-        cold_ok = meta["cold_resident_before_max"] <= 0.01 * seg_bytes
-        G = "get"
+            )
+    lim_cold = max(rmax("odirect_huge"), rmax("odirect_4k"), rmax("dd_direct"))
+    lim_buffered = max(rmax("buffered"), rmax("dd_buffered"))
+    cold_ok = meta["cold_resident_before_max"] <= 0.01 * seg_bytes
+    G = "get"
+    res.add(
+        Row(
+            G,
+            "get(out=), cold page cache",
+            rmax("get_cold"),
+            "GiB/s",
+            lim_cold,
+            "best O_DIRECT read of the segment files",
+            0.8,
+            "ratio>=",
+            note=f"cache emptied with {meta['cold_method']}, checked with "
+            f"{meta['cold_verified_by']}: {meta['cold_resident_before_max']} B "
+            f"resident{'' if cold_ok else ' — NOT COLD'}; process CPU "
+            f"{100 * max(cpu_cold):.0f}% of one core",
+            samples=rd["get_cold"],
+        )
+    )
+    if lim_buffered:
         res.add(
             Row(
                 G,
-                "get(out=), cold page cache",
+                "get(out=), cold  vs a buffered sequential read",
                 rmax("get_cold"),
                 "GiB/s",
-                lim_cold,
-                "best O_DIRECT read of the segment files",
-                0.8,
-                "ratio>=",
-                note=f"cache emptied with {meta['cold_method']}, checked with "
-                f"{meta['cold_verified_by']}: {meta['cold_resident_before_max']} B "
-                f"resident{'' if cold_ok else ' — NOT COLD'}; process CPU "
-                f"{100 * max(cpu_cold):.0f}% of one core",
-                samples=rd["get_cold"],
+                lim_buffered,
+                "best buffered read (Python preadv, dd)",
+                note="info",
             )
         )
-        if lim_buffered:
-            res.add(
-                Row(
-                    G,
-                    "get(out=), cold  vs a buffered sequential read",
-                    rmax("get_cold"),
-                    "GiB/s",
-                    lim_buffered,
-                    "best buffered read (Python preadv, dd)",
-                    note="info",
-                )
-            )
 
-        # -------------------------------------------- 3. warm reads vs memcpy
-        with stage("warm get(out=) / get() / memcpy / clone", quiet):
-            get_into(st, seqs, outs)  # make sure every segment page is cached
-            res_warm, _ = resident_bytes(segs)
-            meta["warm_resident_bytes"] = res_warm
-            warm: dict[str, list[float]] = {
-                "get_out": [],
-                "get_alloc": [],
-                "memcpy": [],
-                "torch_copy": [],
-                "clone": [],
-            }
-            src_t = [torch.from_numpy(b) for b in staging]
-            dst_t = [torch.from_numpy(o) for o in outs_raw]
-            for _ in range(warm_runs):
-                warm["memcpy"].append(memcpy(outs_raw, staging))
-                warm["torch_copy"].append(torch_copy(dst_t, src_t))
-                warm["clone"].append(torch_clone([s.kv for s in seqs]))
-                warm["get_alloc"].append(get_alloc(st, seqs))
-                warm["get_out"].append(get_into(st, seqs, outs))  # last: outs checked below
-            check_equal(seqs, outs)
-            del src_t, dst_t
-    del staging
-    gc.collect()
+
+def _warm_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path]) -> float:
+    """3. Warm reads vs memcpy, from `st` with its segment files `segs` in the page
+    cache: the memcpy limits, then the warm get rows. Returns get(out=)'s GiB/s."""
+    res, seqs, nbytes = b.res, b.seqs, b.nbytes
+    with stage("warm get(out=) / get() / memcpy / clone", b.quiet):
+        get_into(st, seqs, b.outs)  # make sure every segment page is cached
+        res_warm, _ = resident_bytes(segs)
+        res.meta["warm_resident_bytes"] = res_warm
+        warm: dict[str, list[float]] = {
+            "get_out": [],
+            "get_alloc": [],
+            "memcpy": [],
+            "torch_copy": [],
+            "clone": [],
+        }
+        src_t = [torch.from_numpy(s) for s in b.staging]
+        dst_t = [torch.from_numpy(o) for o in b.outs_raw]
+        for _ in range(b.warm_runs):
+            warm["memcpy"].append(memcpy(b.outs_raw, b.staging))
+            warm["torch_copy"].append(torch_copy(dst_t, src_t))
+            warm["clone"].append(torch_clone([s.kv for s in seqs]))
+            warm["get_alloc"].append(get_alloc(st, seqs))
+            warm["get_out"].append(get_into(st, seqs, b.outs))  # last: outs checked below
+        check_equal(seqs, b.outs)
+        del src_t, dst_t
 
     def wbw(key: str) -> float:
         return gibps(nbytes, best(warm[key]))
 
+    L = "limits"
     lim_mem = wbw("memcpy")
     res.add(
         Row(
@@ -1018,15 +1097,15 @@ def _run(
             note="info",
         )
     )
-    meta["notes"] = notes
-    meta["loadavg_after_gets"] = os.getloadavg()
-    rm(read_store)
-    os.sync()
+    return wbw("get_out")
 
-    # ------------------------------------------------ 4. lookup of a long prefix
-    with stage(f"lookup of {lookup_tokens} tokens, tiny layout", quiet):
+
+def _lookup_rows(b: _Bench, lookup_tokens: int, lookup_runs: int) -> None:
+    """4. Lookup of a long prefix (tiny layout): the lookup rows."""
+    res, tmp = b.res, b.tmp
+    with stage(f"lookup of {lookup_tokens} tokens, tiny layout", b.quiet):
         lk = lookup_bench(tmp, lookup_tokens, lookup_runs)
-    meta["lookup"] = {k: v for k, v in lk.items() if not k.endswith("_samples")}
+    res.meta["lookup"] = {k: v for k, v in lk.items() if not k.endswith("_samples")}
     K = "lookup"
     nb = lk["blocks"]
     lo = {k: min(lk[f"{k}_samples"]) * 1e3 for k in ("hit", "hit_fresh", "miss", "hit_list")}
@@ -1079,15 +1158,16 @@ def _run(
     rm(tmp / "lookup-full")
     rm(tmp / "lookup-empty")
 
-    # ------------------------------------------------ 5. compression
-    if not compression:
-        return
+
+def _compression_rows(b: _Bench, put_ref: float, get_ref: float) -> None:
+    """5. Compression on random and on KV-like bf16: the zstd rows, against the
+    uncompressed batch put (`put_ref`) and warm get(out=) (`get_ref`), in GiB/s."""
+    res, tmp, quiet, repeat, nbytes = b.res, b.tmp, b.quiet, b.repeat, b.nbytes
     C = "zstd"
-    put_ref = bw("put_batch")
-    kinds = [("random", seqs)]
+    kinds = [("random", b.seqs)]
     with stage("generating KV-like bf16 (randn * 0.05)", quiet):
-        kinds.append(("kvlike", make_seqs(BIG, blocks, "kvlike", seed=1)))
-    meta["compression"] = {}
+        kinds.append(("kvlike", make_seqs(BIG, b.blocks, "kvlike", seed=1)))
+    res.meta["compression"] = {}
     for kind, data in kinds:
         label = {"random": "random bf16 bits", "kvlike": "KV-like bf16 (randn*0.05)"}[kind]
         times = []
@@ -1098,7 +1178,7 @@ def _run(
                 t, stats = put_all(store, BIG, data, "batch", compression="zstd")
                 times.append(t)
         ratio = stats["compression_ratio"]
-        meta["compression"][kind] = {"stats": stats}
+        res.meta["compression"][kind] = {"stats": stats}
         res.add(
             Row(
                 C,
@@ -1124,16 +1204,16 @@ def _run(
             stage(f"warm get(out=), zstd, {kind}", quiet),
             open_store(store, BIG, durability="batch") as st,
         ):
-            get_into(st, data, outs)
-            tg = [get_into(st, data, outs) for _ in range(max(1, min(warm_runs, 3)))]
-            check_equal(data, outs)
+            get_into(st, data, b.outs)
+            tg = [get_into(st, data, b.outs) for _ in range(max(1, min(b.warm_runs, 3)))]
+            check_equal(data, b.outs)
         res.add(
             Row(
                 C,
                 f"get(out=) zstd, {label}, warm page cache",
                 gibps(nbytes, best(tg)),
                 "GiB/s",
-                gibps(nbytes, best(warm["get_out"])),
+                get_ref,
                 "get(out=), compression off, warm",
                 note="info",
                 samples=tg,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from _kill_harness import Config, Figures, Harness, WorkerDied  # noqa: E402
+from support.kill_harness import Config, Figures, Harness, WorkerDied  # noqa: E402
 
 TOTALS = (
     "cycles",

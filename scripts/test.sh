@@ -33,7 +33,7 @@ step "cuda: nvcc compile check of every .cu file for sm_80 and sm_90 (no GPU nee
 # nvcc from PyPI, matching torch's CUDA 13.2 runtime; the three versions must
 # match, or ptxas rejects the PTX.
 python3 -m pip install --quiet nvidia-cuda-nvcc==13.2.86 nvidia-nvvm==13.2.86 nvidia-cuda-crt==13.2.86
-bash cuda/compile_check.sh
+bash python/kvstore/csrc/compile_check.sh
 
 step "python: tests (GPU tests are skipped without a GPU)"
 python3 -m pytest -q tests benches/test_bench_smoke.py "$@"

@@ -1,6 +1,6 @@
-"""API abuse (SPEC 2): whatever a caller passes or does, the answer is a Python
-exception (typed where the SPEC asks for one) or a correct result, never a crash,
-a hang, wrong bytes or a write.
+"""API abuse (README, Errors): whatever a caller passes or does, the answer is a
+Python exception (typed where the README's Errors table names one) or a correct
+result, never a crash, a hang, wrong bytes or a write.
 
 Complements tests/test_bad_input.py and tests/test_errors.py (plain wrong dtypes,
 shapes, token ranges, closed-store methods, close racing put/get) and

@@ -1,6 +1,7 @@
-"""Bad input (SPEC 2): typed exceptions whose message names the expected and the
-given value, no crash, and nothing written (blocks_written and the segment
-bytes unchanged). A closed handle raises StoreClosed on every method."""
+"""Bad input (README, Errors: InvalidInput): typed exceptions whose message
+names the expected and the given value, no crash, and nothing written
+(blocks_written and the segment bytes unchanged). A closed handle raises
+StoreClosed on every method."""
 
 from __future__ import annotations
 

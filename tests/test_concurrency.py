@@ -1,8 +1,8 @@
-"""Sharing (SPEC 5.3): N processes put and get overlapping sequences on one store
-at once; every get is bit-exact against the KV recomputed from the token ids;
-each process sees the blocks the others put and flushed. Also: one handle shared
-by many threads; and opening the store (which runs recovery) while other
-processes write and roll segments must not touch their segments."""
+"""Sharing (README, Concurrency): N processes put and get overlapping sequences
+on one store at once; every get is bit-exact against the KV recomputed from the
+token ids; each process sees the blocks the others put and flushed. Also: one
+handle shared by many threads; and opening the store (which runs recovery) while
+other processes write and roll segments must not touch their segments."""
 
 from __future__ import annotations
 

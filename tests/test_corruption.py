@@ -1,8 +1,8 @@
-"""Corruption (SPEC 5.5): flipped bytes in a payload or a record header, a
-segment truncated mid-record, a zeroed range, a misplaced index entry. The
-damaged blocks become misses (get returns the prefix before them, never wrong
-bytes), `verify` names them, everything else still reads bit-exact, and a new
-put of the damaged block stores it again.
+"""Corruption (README, Disk format: a damaged record is a miss): flipped bytes
+in a payload or a record header, a segment truncated mid-record, a zeroed range,
+a misplaced index entry. The damaged blocks become misses (get returns the
+prefix before them, never wrong bytes), `verify` names them, everything else
+still reads bit-exact, and a new put of the damaged block stores it again.
 
 Records are found through the index with the Python `lmdb` package, and told
 apart by their token ids (every block of the test data has its own)."""

@@ -1,6 +1,6 @@
-"""Corruption matrix (SPEC 5.5, issue 6 item 4): every kind of file a store has
-(segment, MANIFEST, LMDB index, hot-tier arena) damaged by bit flips, truncation,
-zeroed pages and swapped records.
+"""Corruption matrix (README, Durability: how this is tested): every kind of
+file a store has (segment, MANIFEST, LMDB index, hot-tier arena) damaged by bit
+flips, truncation, zeroed pages and swapped records.
 
 Pass: no crash, no hang, a damaged block is a miss (never wrong bytes), `verify`
 reports exactly the damaged records, the store stays writable. A damaged

@@ -1,6 +1,6 @@
-"""Crash (SPEC 5.4): a writer with durability="sync" is killed with SIGKILL at
-random moments, over and over. After every kill the store opens, every
-acknowledged put (and session) is there and bit-exact, and nothing a get
+"""Crash (README, Durability): a writer with durability="sync" is killed with
+SIGKILL at random moments, over and over. After every kill the store opens,
+every acknowledged put (and session) is there and bit-exact, and nothing a get
 returns is ever wrong.
 
 The child prints "ack <i>" (flushed) after put i returns, so the test knows

@@ -1,4 +1,4 @@
-"""The exception tree (SPEC 2): importable from `kvstore`, rooted at
+"""The exception tree (README, Errors): importable from `kvstore`, rooted at
 KVStoreError, picklable (also when raised by the engine), with the builtin bases
 users catch (InvalidInput is a ValueError, SessionNotFound a KeyError)."""
 

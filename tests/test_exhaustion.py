@@ -1,5 +1,6 @@
-"""Resource exhaustion (issue 6 item 5): a full file system, a full LMDB map, a
-hot tier full of pinned blocks, a hot-tier directory too small for the arena.
+"""Resource exhaustion (README, Memory and disk; Errors: StoreFull): a full file
+system, a full LMDB map, a hot tier full of pinned blocks, a hot-tier directory
+too small for the arena.
 
 Pass: a typed error (StoreFull), never a signal (SIGBUS) or another error type;
 every acknowledged put still reads back bit-exact; nothing of a failed put is
@@ -481,11 +482,11 @@ HOT_LAYOUT = small_layout("float16", block_size=B)
 
 
 def test_hot_tier_full_of_pins(tmp_path):
-    """Pin one-block documents until pin raises StoreFull (SPEC: the hot tier is
-    full of blocks pinned at that priority or higher). Puts still succeed (the hot
-    tier is a cache; the blocks go to disk) and read back bit-exact; pinned blocks
-    stay in memory; a higher priority displaces a lower pin; unpinning frees
-    room."""
+    """Pin one-block documents until pin raises StoreFull (README, Memory and
+    disk: the arena holds only blocks pinned at least as high). Puts still
+    succeed (the hot tier is a cache; the blocks go to disk) and read back
+    bit-exact; pinned blocks stay in memory; a higher priority displaces a lower
+    pin; unpinning frees room."""
     hot = tmp_path / "hot"
     hot.mkdir()
     docs = [seq(10_000 * (i + 1), B) for i in range(4000)]

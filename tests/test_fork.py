@@ -1,8 +1,8 @@
-"""fork() (SPEC 2): a child that touches a handle opened before the fork gets
-StoreClosed telling it to reopen, never corruption; the parent keeps working.
-Reopening in the child works when the parent had closed its handles before
-forking; while the parent has the store open it is refused (StoreClosed): the
-LMDB environment cannot cross fork() (another parent thread may have been in
+"""fork() (README, Concurrency): a child that touches a handle opened before the
+fork gets StoreClosed telling it to reopen, never corruption; the parent keeps
+working. Reopening in the child works when the parent had closed its handles
+before forking; while the parent has the store open it is refused (StoreClosed):
+the LMDB environment cannot cross fork() (another parent thread may have been in
 the middle of a write transaction).
 The fork happens in a helper process, not in pytest; the child reports through
 its exit code."""

@@ -1,4 +1,5 @@
-"""The GIL is released around I/O, hashing, compression and copying (SPEC 2).
+"""The GIL is released around I/O, hashing, compression and copying (README,
+Concurrency).
 
 Two threads run large CPU-bound calls (64 MiB puts with zstd; then 64 MiB gets)
 at once. Their (start, end) intervals must overlap — the one timing-shaped

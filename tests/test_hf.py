@@ -1,5 +1,5 @@
-"""kvstore.hf (SPEC 2 "Torch / transformers helpers", 5.7 "Model identity"):
-layout_of, fingerprint, save/load of transformers caches, and generate.
+"""kvstore.hf (README, transformers): layout_of, fingerprint, save/load of
+transformers caches, and generate.
 
 The headline test restarts: a child process rebuilds the model, restores the KV
 from the store and must produce next-token logits bitwise equal to those of the
@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from conftest import run_child  # noqa: E402
-from hf_models import greedy, prompt, tiny_llama  # noqa: E402
+from support.hf_models import greedy, prompt, tiny_llama  # noqa: E402
 from transformers import DynamicCache, LlamaConfig  # noqa: E402
 
 import kvstore  # noqa: E402
@@ -251,12 +251,12 @@ def test_generate_restores_prefills_the_rest_and_saves(tmp_path: Path, model: An
             hf.generate(model, store, ids, past_key_values=DynamicCache())
 
 
-# --------------------------------------------------------------------- restart (SPEC 5.7)
+# ---------------------------------------------------------- restart (README, transformers)
 
 RESTORE = """
 import sys
 import torch
-from hf_models import tiny_llama
+from support.hf_models import tiny_llama
 from kvstore import hf
 
 root = sys.argv[1]

@@ -1,8 +1,9 @@
-"""Hostile paths (issue 6 item 8): a store directory someone else has tampered
-with. Symlinks in place of a segment, the index, its data file, the MANIFEST or
-the segments directory; an arena file planted by another user, with loose
-permissions, or as a symlink; a world-writable store directory; records whose
-lengths point past the end of the file or are absurd.
+"""Hostile paths (README, Memory and disk; Errors: CorruptStore): a store
+directory someone else has tampered with. Symlinks in place of a segment, the
+index, its data file, the MANIFEST or the segments directory; an arena file
+planted by another user, with loose permissions, or as a symlink; a
+world-writable store directory; records whose lengths point past the end of the
+file or are absurd.
 
 Pass: a clear refusal (a typed error naming the problem) or a miss, never a
 crash, a giant allocation, wrong bytes, or a byte written (or read and trusted)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _hot_common import LAYOUT, MODEL, check, kv_of, seq
+from support.hot_common import LAYOUT, MODEL, check, kv_of, seq
 
 import kvstore
 
@@ -25,7 +25,7 @@ HELPERS = (
     "import os, sys, time, random\n"
     f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
     "import kvstore\n"
-    "from _hot_common import LAYOUT, MODEL, check, kv_of, seq\n"
+    "from support.hot_common import LAYOUT, MODEL, check, kv_of, seq\n"
 )
 
 

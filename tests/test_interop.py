@@ -1,6 +1,7 @@
-"""Interop (SPEC 3): the store's files read with standard tools only: the index
-with the Python `lmdb` package, payloads straight from the segment file with
-`zstandard`, checksums with a from-scratch CRC-32C, the MANIFEST as JSON."""
+"""Interop (README, Disk format): the store's files read with standard tools
+only: the index with the Python `lmdb` package, payloads straight from the
+segment file with `zstandard`, checksums with a from-scratch CRC-32C, the
+MANIFEST as JSON."""
 
 from __future__ import annotations
 

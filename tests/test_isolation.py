@@ -1,6 +1,7 @@
-"""Isolation (SPEC 5.6) and model identity on open: same salt hits, different
-salt (or none vs one) misses, sessions stay with their tenant; a store opened
-for another model fingerprint or layout raises LayoutMismatch naming both."""
+"""Isolation (README, Quick start: `salt=`) and model identity on open (README,
+Errors: LayoutMismatch): same salt hits, different salt (or none vs one) misses,
+sessions stay with their tenant; a store opened for another model fingerprint or
+layout raises LayoutMismatch naming both."""
 
 from __future__ import annotations
 
@@ -359,9 +360,9 @@ def _tree(path):
     ["org/model@rev2", "org/model@REV1", "org/model@rev1 ", "ORG/MODEL@REV1", "org/model"],
 )
 def test_other_fingerprint_is_refused_and_writes_nothing(tmp_path, layout, model):
-    """SPEC: a store is bound to one fingerprint; any other string (case, whitespace,
-    a prefix) is LayoutMismatch, and the refused open changes no file and makes no
-    hot-tier arena."""
+    """A store is bound to one fingerprint (README, Errors); any other string
+    (case, whitespace, a prefix) is LayoutMismatch, and the refused open changes
+    no file and makes no hot-tier arena."""
     path, hot = tmp_path / "s", tmp_path / "hot"
     hot.mkdir()
     tokens = seq(0, 16)

@@ -1,7 +1,7 @@
-"""Kill loops (SPEC 5.3 + 5.4 together): writers (`durability="sync"`), readers,
-an auditor and a compactor share one store, some through the hot tier; every
-cycle one of them is SIGKILLed at a random moment (mid-put, mid-read,
-mid-compaction, or while still opening) and respawned.
+"""Kill loops (README, Durability and Concurrency together): writers
+(`durability="sync"`), readers, an auditor and a compactor share one store, some
+through the hot tier; every cycle one of them is SIGKILLed at a random moment
+(mid-put, mid-read, mid-compaction, or while still opening) and respawned.
 
 Shown, over 100+ kills:
 - no read ever returns a wrong byte (readers and the auditor compare every
@@ -12,8 +12,8 @@ Shown, over 100+ kills:
 - LMDB reader slots left by killed readers, and arena slots left torn by
   killed writers, stay bounded (each open clears them) instead of piling up.
 
-The workers are in tests/_kill_worker.py, the loop and its checks in
-tests/_kill_harness.py; benches/soak_kill.py runs the same loop for as long
+The workers are in tests/support/kill_worker.py, the loop and its checks in
+tests/support/kill_harness.py; benches/soak_kill.py runs the same loop for as long
 as asked."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import shutil
 
 import pytest
-from _kill_harness import Config, Harness
+from support.kill_harness import Config, Harness
 
 CYCLES = 120
 

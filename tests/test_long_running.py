@@ -104,9 +104,14 @@ def test_resident_memory_is_flat_over_1e5_calls(tmp_path: Path) -> None:
 # it; mode "raise" lets the interrupt kill the interpreter; mode "exit" leaves at
 # once with os._exit (no close, no cleanup).
 PUTTER = """
-import os, sys
+import os, signal, sys
 import kvstore
 from conftest import kv_for, small_layout, assert_kv_equal
+
+# A background job of a non-interactive shell (`bash scripts/test.sh &`, nohup)
+# starts with SIGINT ignored, and Python then installs no KeyboardInterrupt
+# handler: install it whatever the disposition inherited.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 path, first, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 layout = small_layout(dtype="float16", block_size=16, L=4, H=4, D=64)  # 64 KiB blocks

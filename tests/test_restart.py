@@ -1,5 +1,5 @@
-"""Restart (SPEC 5.2): a process puts and exits; a new process finds every block
-and session flushed before, bit-exact.
+"""Restart (README, Durability): a process puts and exits; a new process finds
+every block and session flushed before, bit-exact.
 
 The writer leaves with os._exit, so nothing but what it made durable itself
 (flush() for "batch", every put for "sync") can be relied on: no close(), no

@@ -1,5 +1,6 @@
-"""Bit-exact round trips (SPEC 5.1): dtypes, layouts, partial blocks, dedupe,
-compression, `out=`, `like=`, `extra=`, empty and unknown prefixes, sessions.
+"""Bit-exact round trips (README, Quick start): dtypes, layouts, partial blocks,
+dedupe, compression, `out=`, `like=`, `extra=`, empty and unknown prefixes,
+sessions.
 
 The reference is always independent of the store: the input array sliced to
 its full-block tokens."""

@@ -1,6 +1,7 @@
-"""Sessions (SPEC 1, 2): a name bound to a conversation's tokens. Conversations
-that share a system prompt store its blocks once, however many sessions there
-are, and each restores its own KV (hf.save_session / hf.load_session)."""
+"""Sessions (README, Quick start and transformers): a name bound to a
+conversation's tokens. Conversations that share a system prompt store its blocks
+once, however many sessions there are, and each restores its own KV
+(hf.save_session / hf.load_session)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from hf_models import greedy, prompt, tiny_llama  # noqa: E402
+from support.hf_models import greedy, prompt, tiny_llama  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore import hf  # noqa: E402

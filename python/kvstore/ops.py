@@ -13,13 +13,15 @@ ops.write_kv(key, value, key_cache, value_cache, slot_mapping)   # in place
   `num_heads % H == 0`, query head `i` attends with kv head `i // (num_heads // H)`.
 - float16, bfloat16 and float32; scores, softmax and sums in fp32.
 
-The C++/CUDA sources (the `cuda/` folder of the repository) are compiled with
+The C++/CUDA sources (`python/kvstore/csrc` in the repository) are compiled with
 `torch.utils.cpp_extension.load` on the first call, not on import: into
 `$TORCH_EXTENSIONS_DIR` or `~/.cache/kvstore/torch_extensions` (`$XDG_CACHE_HOME`
 respected), in a folder named by a hash of the sources, the flags and the torch
 version, so a second process (or run) loads the cached library at once. The
 `.cu` file is compiled only when CUDA is available, so a CPU build needs no nvcc.
-Call `ops.load()` to build ahead of time.
+Call `ops.load()` to build ahead of time. The build runs the `ninja` on PATH, else
+the one the `ninja` package installed (a virtualenv's python run by absolute path,
+as a service or a cron job does, has the package but not its bin folder on PATH).
 
 `python -m kvstore.ops --compile-check` compiles every `.cu` file with nvcc for
 sm_80 and sm_90 without a GPU (CI's check that the CUDA code builds).
@@ -32,8 +34,10 @@ once) before compiling so the tracer does not meet the build.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import hashlib
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -42,6 +46,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -65,7 +70,7 @@ _COMPILE_CHECK_ARCHS = ("80", "90")
 
 def source_dir() -> Path:
     """The folder of the C++/CUDA sources: `$KVSTORE_CSRC`, else `kvstore/csrc`, shipped
-    in the package (the repository's `cuda/` is a link to it)."""
+    in the package."""
     env = os.environ.get("KVSTORE_CSRC")
     candidates = [Path(env)] if env else []
     candidates.append(Path(__file__).resolve().parent / "csrc")
@@ -126,20 +131,76 @@ def load(verbose: bool = False) -> None:
         build_dir = _build_dir(key)
         build_dir.mkdir(parents=True, exist_ok=True)
         _log.info("kvstore.ops: building/loading the torch extension in %s", build_dir)
-        cpp_extension.load(
-            name=f"kvstore_ops_{key}",
-            sources=[str(s) for s in sources],
-            extra_cflags=list(_CFLAGS),
-            extra_cuda_cflags=list(_CUDA_CFLAGS) if with_cuda else None,
-            extra_ldflags=list(_LDFLAGS),
-            extra_include_paths=[str(source_dir())],
-            build_directory=str(build_dir),
-            with_cuda=with_cuda,
-            is_python_module=False,
-            verbose=verbose,
-        )
+        with _ninja_on_path():
+            cpp_extension.load(
+                name=f"kvstore_ops_{key}",
+                sources=[str(s) for s in sources],
+                extra_cflags=list(_CFLAGS),
+                extra_cuda_cflags=list(_CUDA_CFLAGS) if with_cuda else None,
+                extra_ldflags=list(_LDFLAGS),
+                extra_include_paths=[str(source_dir())],
+                build_directory=str(build_dir),
+                with_cuda=with_cuda,
+                is_python_module=False,
+                verbose=verbose,
+            )
         _register_fakes()
         _loaded = True
+
+
+def _ninja_dir() -> Path | None:
+    """The folder of the ninja binary that the `ninja` package installed, else of one
+    beside this interpreter; None if neither exists.
+
+    A virtualenv's python run by absolute path (a service, a cron job) has the
+    package but not the venv's bin folder on PATH. `ninja.BIN_DIR` looks in this
+    interpreter's scripts folder only (empty for a package inherited from the base
+    environment), so the file list of the installed distribution is asked too.
+    """
+    exe = "ninja.exe" if sys.platform == "win32" else "ninja"
+    candidates: list[Path] = []
+    try:
+        import ninja
+
+        if ninja.BIN_DIR:
+            candidates.append(Path(ninja.BIN_DIR) / exe)
+    except ImportError:
+        pass
+    try:
+        dist = importlib.metadata.distribution("ninja")
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == exe]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    candidates.append(Path(sys.executable).parent / exe)
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c.parent
+    return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch.utils.cpp_extension runs `ninja` from PATH: when it is not there, puts
+    the folder of the `ninja` package's binary first on PATH for the build."""
+    if shutil.which("ninja"):
+        yield
+        return
+    found = _ninja_dir()
+    if found is None:
+        raise RuntimeError(
+            "kvstore.ops: building the torch extension needs ninja, and none is on PATH "
+            f"or installed for {sys.executable}: run `{sys.executable} -m pip install "
+            "ninja`, or put the folder of a ninja binary on PATH"
+        )
+    old = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([str(found), *filter(None, [old])])
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
 
 
 def _register_fakes() -> None:

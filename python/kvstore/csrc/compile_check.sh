@@ -5,5 +5,5 @@
 # nvidia-cuda-nvcc==13.2.86 nvidia-nvvm==13.2.86 nvidia-cuda-crt==13.2.86 for torch's
 # CUDA 13.2; the three versions must match, or ptxas rejects the PTX).
 set -euo pipefail
-cd "$(dirname "$(readlink -f "$0")")/../../.."
+cd "$(dirname "$0")/../../.."
 exec python3 -m kvstore.ops --compile-check "$@"

@@ -1,8 +1,9 @@
 """The worker processes of the kill loop (tests/test_kill_loop.py, benches/soak_kill.py).
 
-Run as `python tests/_kill_worker.py ROLE CONFIG_JSON`; each worker opens the
-store, prints "ready", then loops until it is killed. Every line goes to stdout
-and is flushed at once, so the parent knows what happened before the kill:
+Run as `PYTHONPATH=tests python -m support.kill_worker ROLE CONFIG_JSON`; each
+worker opens the store, prints "ready", then loops until it is killed. Every
+line goes to stdout and is flushed at once, so the parent knows what happened
+before the kill:
 
     writer     "p KEY" before a put, "A KEY" after it returned (acknowledged)
     reader     "R READS HITS" now and then (cumulative)

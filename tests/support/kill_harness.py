@@ -1,4 +1,4 @@
-"""The kill loop: a pool of worker processes (tests/_kill_worker.py) on one
+"""The kill loop: a pool of worker processes (tests/support/kill_worker.py) on one
 store, one of them SIGKILLed and respawned per cycle; then a fresh process
 checks everything acknowledged. Used by tests/test_kill_loop.py and
 benches/soak_kill.py.
@@ -35,7 +35,18 @@ from typing import IO, Any
 
 import kvstore
 
-WORKER = Path(__file__).resolve().parent / "_kill_worker.py"
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+
+def _worker_argv(role: str, cfg: dict[str, Any]) -> list[str]:
+    """A worker runs as `python -m support.kill_worker`, `tests/` on its path (it
+    imports conftest and support, as the tests do)."""
+    return [sys.executable, "-m", "support.kill_worker", role, json.dumps(cfg)]
+
+
+def _worker_env() -> dict[str, str]:
+    path = [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 @dataclass
@@ -181,7 +192,8 @@ class Worker:
         self.err_path = h.logs / f"{self.name}-{self.incarnation}.err"
         with self.err_path.open("w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(WORKER), self.role, json.dumps(cfg)],
+                _worker_argv(self.role, cfg),
+                env=_worker_env(),
                 stdin=subprocess.PIPE if self.role == "monitor" else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -459,7 +471,8 @@ class Harness:
             suspects_file=str(suspects),
         )
         p = subprocess.run(
-            [sys.executable, str(WORKER), "check", json.dumps(cfg)],
+            _worker_argv("check", cfg),
+            env=_worker_env(),
             capture_output=True,
             text=True,
             timeout=600,

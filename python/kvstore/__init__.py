@@ -9,7 +9,7 @@
 See README.md for durability, concurrency and the disk format.
 """
 
-from ._lib import FORMAT_VERSION
+from ._lib import FORMAT_VERSION, __version__
 from .errors import (
     CorruptStore,
     InvalidInput,
@@ -24,10 +24,9 @@ from .errors import (
 from .layout import Layout
 from .store import Store, open, rebuild_index, remove_arena
 
-__version__ = "0.1.0"
-
 __all__ = [
     "FORMAT_VERSION",
+    "__version__",
     "CorruptStore",
     "InvalidInput",
     "KVStoreError",

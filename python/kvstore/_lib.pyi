@@ -1,39 +1,148 @@
 """Type stubs of the compiled engine binding (rust/kvstore-py)."""
 
 from collections.abc import Callable
-from typing import Any, final
+from typing import TypedDict, final, type_check_only
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import NotRequired
 
-__all__ = ["FORMAT_VERSION", "Store", "rebuild_index"]
+from .layout import Layout
+
+__all__ = ["FORMAT_VERSION", "Store", "__version__", "rebuild_index"]
 
 FORMAT_VERSION: int
+__version__: str
+
+# Dicts the binding reads and returns (rust/kvstore-py/src/options.rs, reports.rs).
+
+@type_check_only
+class OpenOptions(TypedDict):
+    """What `Store.open` reads; keys left out take the engine's defaults."""
+
+    durability: str
+    create: bool
+    fingerprint: NotRequired[str | None]
+    layout: NotRequired[Layout | None]
+    salt: NotRequired[bytes | None]
+    disk_bytes: NotRequired[int | None]
+    compression_level: NotRequired[int | None]
+    segment_bytes: NotRequired[int | None]
+    batch_window_ms: NotRequired[int | None]
+    hot_bytes: NotRequired[int | None]
+    hot_dir: NotRequired[str | None]
+    index_bytes: NotRequired[int | None]
+
+@type_check_only
+class Manifest(TypedDict):
+    format_version: int
+    fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    created_unix: int
+    store_id: str
+
+@type_check_only
+class Stats(TypedDict):
+    blocks: int
+    sessions: int
+    segments: int
+    disk_bytes: int
+    live_bytes: int
+    dead_bytes: int
+    raw_live_bytes: int
+    damaged_blocks: int
+    pending_blocks: int
+    hit_blocks: int
+    miss_blocks: int
+    total_hit_blocks: int
+    total_miss_blocks: int
+    blocks_written: int
+    blocks_deduped: int
+    bytes_written: int
+    bytes_read: int
+    block_bytes: int
+    hot_hit_blocks: int
+    disk_hit_blocks: int
+    hot_path: str | None
+    hot_bytes: int
+    hot_slots: int
+    hot_slots_used: int
+    hot_slots_pinned: int
+    hot_blocks: int
+    hot_evictions: int
+    hot_inserts: int
+    hot_slots_torn: int
+    page_kind: str
+
+@type_check_only
+class SegmentReport(TypedDict):
+    segment: int
+    sealed: bool
+    file_bytes: int | None
+    committed_bytes: int
+    live_bytes: int
+    live_records: int
+    dead_bytes: int
+
+@type_check_only
+class Damage(TypedDict):
+    block_id: str
+    segment: int
+    offset: int
+    reason: str
+
+@type_check_only
+class VerifyReport(TypedDict):
+    records_checked: int
+    bytes_checked: int
+    damaged: list[Damage]
+    problems: list[str]
+
+@type_check_only
+class CompactReport(TypedDict):
+    segments_rewritten: int
+    records_moved: int
+    records_dropped: int
+    bytes_before: int
+    bytes_after: int
+
+@type_check_only
+class GcReport(TypedDict):
+    blocks_evicted: int
+    bytes_evicted: int
+    compact: CompactReport
+
+@type_check_only
+class RebuildDamage(TypedDict):
+    segment: int
+    start: int
+    end: int
+    block_id: str | None
+    reason: str
+
+@type_check_only
+class RebuildReport(TypedDict):
+    segments: int
+    records: int
+    blocks: int
+    damaged: list[RebuildDamage]
+    skipped: list[str]
+    old_index: str | None
 
 @final
 class Store:
     @staticmethod
-    def open(
-        path: str,
-        fingerprint: str | None,
-        layout: tuple[int, int, int, str, int] | None,
-        salt: bytes | None,
-        durability: str,
-        disk_bytes: int | None,
-        compression_level: int,
-        segment_bytes: int,
-        batch_window_ms: int,
-        create: bool,
-        hot_bytes: int | None,
-        hot_dir: str | None,
-        index_bytes: int | None = None,
-    ) -> Store: ...
+    def open(path: str, options: OpenOptions) -> Store: ...
     @property
     def path(self) -> str: ...
     @property
     def closed(self) -> bool: ...
     def layout(self) -> tuple[int, int, int, str, int]: ...
-    def manifest(self) -> dict[str, Any]: ...
+    def manifest(self) -> Manifest: ...
     def durability(self) -> str: ...
     def put(
         self,
@@ -42,6 +151,7 @@ class Store:
         kv_tokens: int,
         extra: bytes,
     ) -> int: ...
+    def block_ids(self, tokens: npt.NDArray[np.uint32], extra: bytes) -> list[bytes]: ...
     def lookup(self, tokens: npt.NDArray[np.uint32], extra: bytes, count: bool) -> int: ...
     def get_into(
         self,
@@ -76,19 +186,19 @@ class Store:
     def delete_session(self, name: str) -> bool: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
-    def segments(self) -> list[dict[str, Any]]: ...
+    def stats(self) -> Stats: ...
+    def segments(self) -> list[SegmentReport]: ...
     def verify(
         self, progress: Callable[[int, int], None] | None = None, repair: bool = False
-    ) -> dict[str, Any]: ...
-    def compact(self, progress: Callable[[int, int], None] | None = None) -> dict[str, int]: ...
+    ) -> VerifyReport: ...
+    def compact(self, progress: Callable[[int, int], None] | None = None) -> CompactReport: ...
     def gc(
         self,
         max_bytes: int | None = None,
         older_than_s: float | None = None,
         progress: Callable[[int, int], None] | None = None,
-    ) -> dict[str, Any]: ...
+    ) -> GcReport: ...
 
 def rebuild_index(
     path: str, progress: Callable[[int, int], None] | None = None
-) -> dict[str, Any]: ...
+) -> RebuildReport: ...

@@ -442,7 +442,7 @@ def load_session(
         raise InvalidInput(f"name: expected str, got {type(name).__name__}")
     # The tokens only (Store.load_session would also read the KV, into a new buffer
     # that load() then could not reuse).
-    tokens = torch.from_numpy(store._raw.session_tokens(name).astype("int64"))
+    tokens = torch.from_numpy(store.session_tokens(name))
     cache, n = load(store, tokens, config=config, device=device, out=out)
     return tokens[None], cache, n
 

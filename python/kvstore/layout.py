@@ -62,6 +62,3 @@ class Layout:
     def kv_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
         """Shape of the KV of `tokens` tokens: `[L, 2, tokens, H, D]`."""
         return (self.num_layers, 2, tokens, self.num_kv_heads, self.head_dim)
-
-    def _as_tuple(self) -> tuple[int, int, int, str, int]:
-        return (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.block_size)

@@ -1,8 +1,9 @@
 """`kvstore.open` and the `Store` handle.
 
 This layer only turns Python values (lists, numpy arrays, torch tensors) into
-contiguous byte and uint32 buffers for the Rust engine, and back. Checks that
-need Python types (dtype, shape) happen here, before anything is written.
+contiguous byte and uint32 buffers for the Rust engine (through kvstore._convert),
+and back. Checks that need Python types (dtype, shape) happen there, before
+anything is written.
 
 Arrays returned by `get`: the family is chosen by `like=` when given, else by
 the `array=` argument of `open`; its default is "numpy" for float16/float32
@@ -12,149 +13,32 @@ layouts and "torch" for bfloat16/float8 layouts (numpy has no such dtypes).
 from __future__ import annotations
 
 import builtins
-import hashlib
 import math
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _lib
+from ._convert import U32_MAX, extra_bytes, is_torch, kv_bytes, out_bytes, tokens_array
 from .errors import InvalidInput
 from .layout import Layout
 
-_U32_MAX = 2**32 - 1
+if TYPE_CHECKING:
+    from ._lib import (
+        CompactReport,
+        GcReport,
+        Manifest,
+        OpenOptions,
+        SegmentReport,
+    )
+
 _U64_MAX = 2**64 - 1
 # Durations go to Rust as f64 seconds; Duration::from_secs_f64 panics at 2**64.
 _MAX_SECONDS = float(2**63)
 _NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32}
-
-
-def _is_torch(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _check_dense_torch(x: Any, what: str) -> None:
-    """A strided tensor with data: sparse and meta tensors cannot be copied as bytes."""
-    import torch
-
-    if x.layout != torch.strided:
-        raise InvalidInput(f"{what}: expected a dense (strided) tensor, got layout {x.layout}")
-    if x.device.type == "meta":
-        raise InvalidInput(f"{what}: expected a tensor with data, got device {x.device}")
-
-
-def tokens_array(tokens: Any) -> np.ndarray:
-    """Token ids as a contiguous uint32 array; raises InvalidInput otherwise."""
-    if _is_torch(tokens):
-        _check_dense_torch(tokens, "tokens")
-        tokens = tokens.detach().cpu().numpy()
-    try:
-        a = np.asarray(tokens)
-    except (OverflowError, ValueError) as e:
-        raise InvalidInput(f"tokens: expected integers in [0, {_U32_MAX}], got {e}") from None
-    if a.ndim != 1:
-        raise InvalidInput(f"tokens: expected a 1-D sequence of token ids, got shape {a.shape}")
-    if a.size == 0:
-        return np.zeros(0, dtype=np.uint32)
-    if a.dtype == object:
-        # Python ints too large for int64 (e.g. 2**64) land here: name the value.
-        bad = next(
-            (t for t in a.tolist() if not isinstance(t, int) or not 0 <= t <= _U32_MAX), None
-        )
-        if isinstance(bad, int) and not isinstance(bad, bool):
-            raise InvalidInput(f"tokens: expected ids in [0, {_U32_MAX}], got {bad}")
-    if a.dtype.kind not in "iu":
-        raise InvalidInput(f"tokens: expected integer token ids, got dtype {a.dtype}")
-    lo, hi = int(a.min()), int(a.max())
-    if lo < 0 or hi > _U32_MAX:
-        bad = lo if lo < 0 else hi
-        raise InvalidInput(f"tokens: expected ids in [0, {_U32_MAX}], got {bad}")
-    return np.ascontiguousarray(a, dtype=np.uint32)
-
-
-def _extra(extra: bytes | str | None) -> bytes:
-    if extra is None:
-        return b""
-    if isinstance(extra, str):
-        return extra.encode()
-    if isinstance(extra, (bytes, bytearray, memoryview)):
-        return bytes(extra)
-    raise InvalidInput(f"extra: expected bytes, str or None, got {type(extra).__name__}")
-
-
-def _check_shape(shape: tuple[int, ...], layout: Layout, what: str) -> int:
-    want = (layout.num_layers, 2, "T", layout.num_kv_heads, layout.head_dim)
-    ok = len(shape) == 5 and all(w == "T" or s == w for s, w in zip(shape, want, strict=False))
-    if not ok:
-        expected = "[{}, 2, T, {}, {}]".format(*[want[0], want[3], want[4]])
-        raise InvalidInput(f"{what}: expected shape {expected} (L, 2, T, H, D), got {list(shape)}")
-    return int(shape[2])
-
-
-def kv_bytes(
-    kv: Any, layout: Layout, what: str = "kv", need: int | None = None
-) -> tuple[np.ndarray, int]:
-    """A `[L, 2, T, H, D]` tensor/array as a flat contiguous uint8 view (or copy) and T.
-
-    `need`: the tokens the caller will read. When a copy is needed anyway (not
-    contiguous, not on the CPU), only those are copied: a broadcast view of a huge T
-    must not be materialised whole.
-    """
-    if _is_torch(kv):
-        import torch
-
-        _check_dense_torch(kv, what)
-        want = getattr(torch, layout.dtype, None)
-        if kv.dtype != want:
-            raise InvalidInput(f"{what}: expected dtype torch.{layout.dtype}, got {kv.dtype}")
-        t = _check_shape(tuple(kv.shape), layout, what)
-        if need is not None and t > need and not (kv.device.type == "cpu" and kv.is_contiguous()):
-            kv, t = kv[:, :, :need], need
-        cpu = kv.detach().to("cpu").contiguous()
-        return cpu.reshape(-1).view(torch.uint8).numpy(), t
-    if isinstance(kv, np.ndarray):
-        if kv.dtype.name != layout.dtype:
-            raise InvalidInput(f"{what}: expected dtype {layout.dtype}, got {kv.dtype}")
-        t = _check_shape(kv.shape, layout, what)
-        if need is not None and t > need and not kv.flags.c_contiguous:
-            kv, t = kv[:, :, :need], need
-        # Big-endian input: store the values in native order (what get returns).
-        native = kv.dtype.newbyteorder("=")
-        return np.ascontiguousarray(kv, dtype=native).reshape(-1).view(np.uint8), t
-    raise InvalidInput(f"{what}: expected a numpy array or torch tensor, got {type(kv).__name__}")
-
-
-def _out_bytes(out: Any, layout: Layout) -> tuple[np.ndarray, int]:
-    """A writable flat uint8 view of a preallocated output; refuses a copy."""
-    if _is_torch(out):
-        _check_dense_torch(out, "out")
-        if out.device.type != "cpu":
-            raise InvalidInput(f"out: expected a CPU tensor, got device {out.device}")
-        if not out.is_contiguous():
-            raise InvalidInput("out: expected a contiguous tensor")
-        start, nbytes = out.data_ptr(), out.numel() * out.element_size()
-    elif isinstance(out, np.ndarray):
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            raise InvalidInput("out: expected a writable C-contiguous array")
-        if not out.dtype.isnative:
-            raise InvalidInput(f"out: expected native byte order, got dtype {out.dtype.str}")
-        start, nbytes = out.__array_interface__["data"][0], out.nbytes
-    else:
-        start = nbytes = 0
-    # A tensor over the hot tier's read-only mapping (kvstore.torch.arena_view), or
-    # `.numpy()` of one, says it is writable: writing would kill the process.
-    pool = sys.modules.get("kvstore.torch")
-    if nbytes and pool is not None and pool._read_only_overlap(start, nbytes):
-        raise InvalidInput(
-            "out: expected writable memory, got a view of the read-only hot-tier mapping"
-        )
-    flat, t = kv_bytes(out, layout, "out")
-    return flat, t
 
 
 def _check_callable(progress: Any) -> None:
@@ -191,15 +75,11 @@ class Store:
         layout: Layout,
         model: str,
         array: str,
-        tenant: bytes | None = None,
     ) -> None:
         self._raw = raw
         self.layout = layout
         self.model = model
         self._array = array
-        # A digest of the salt (never the salt): lets in-process caches keyed by
-        # content (kvstore.torch.BlockPool) keep tenants apart as the store does.
-        self._tenant = tenant
 
     # -- properties -------------------------------------------------------------------------
 
@@ -231,11 +111,18 @@ class Store:
         toks = tokens_array(tokens)
         b = self.layout.block_size
         flat, t = kv_bytes(kv, self.layout, need=len(toks) // b * b)
-        return self._raw.put(toks, flat, t, _extra(extra))
+        return self._raw.put(toks, flat, t, extra_bytes(extra))
+
+    def block_ids(self, tokens: Any, extra: bytes | str | None = None) -> list[bytes]:
+        """The engine's ids of the full blocks of `tokens` (32 bytes each), as the store
+        names them: keyed by the model fingerprint, the layout, this handle's salt and
+        `extra`, each chained to its parent. Equal for equal prefixes; for pools and
+        connectors that name blocks as the store does (see kvstore.torch.BlockPool)."""
+        return self._raw.block_ids(tokens_array(tokens), extra_bytes(extra))
 
     def lookup(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
         """Longest stored prefix of `tokens`, in tokens (a multiple of block_size)."""
-        return self._raw.lookup(tokens_array(tokens), _extra(extra), True)
+        return self._raw.lookup(tokens_array(tokens), extra_bytes(extra), True)
 
     def get(
         self,
@@ -253,9 +140,9 @@ class Store:
         tokens and returns m (m <= T); the rest of `out` is left unspecified.
         """
         toks = tokens_array(tokens)
-        ex = _extra(extra)
+        ex = extra_bytes(extra)
         if out is not None:
-            flat, t = _out_bytes(out, self.layout)
+            flat, t = out_bytes(out, self.layout)
             return self._raw.get_into(toks, ex, flat, t)
         m = self._raw.lookup(toks, ex, False)
         result = self._empty(m, like)
@@ -272,7 +159,7 @@ class Store:
     def _empty(self, tokens: int, like: Any) -> Any:
         family = self._array
         if like is not None:
-            family = "torch" if _is_torch(like) else "numpy"
+            family = "torch" if is_torch(like) else "numpy"
         shape = self.layout.kv_shape(tokens)
         if family == "torch":
             import torch
@@ -310,11 +197,11 @@ class Store:
             raise InvalidInput(f"priority: expected a positive int below 2**64, got {priority!r}")
         if ttl is not None:
             _check_seconds("ttl", ttl, allow_zero=False)
-        return self._raw.pin(tokens_array(tokens), _extra(extra), priority, ttl)
+        return self._raw.pin(tokens_array(tokens), extra_bytes(extra), priority, ttl)
 
     def unpin(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
         """Makes the blocks of `tokens` evictable again."""
-        return self._raw.unpin(tokens_array(tokens), _extra(extra))
+        return self._raw.unpin(tokens_array(tokens), extra_bytes(extra))
 
     def hot_blocks(
         self, tokens: Any, *, extra: bytes | str | None = None
@@ -322,7 +209,7 @@ class Store:
         """For each full block of `tokens`: `(slot, version, offset)` of the block in the
         hot-tier file, or None. For zero-copy readers (see kvstore.torch.BlockPool): copy
         from your own mapping of the file, then check `hot_unchanged` before trusting it."""
-        return self._raw.hot_blocks(tokens_array(tokens), _extra(extra))
+        return self._raw.hot_blocks(tokens_array(tokens), extra_bytes(extra))
 
     def hot_unchanged(self, slots: list[tuple[int, int]]) -> list[bool]:
         """Whether each `(slot, version)` from `hot_blocks` still holds its block."""
@@ -357,7 +244,7 @@ class Store:
         their longest stored prefix. Raises SessionNotFound (a KeyError) if unknown."""
         toks = self._raw.session_tokens(name)
         kv = self.get(toks, like=like)
-        if like is not None and _is_torch(like) or like is None and self._array == "torch":
+        if like is not None and is_torch(like) or like is None and self._array == "torch":
             import torch
 
             return torch.from_numpy(toks.astype(np.int64)), kv
@@ -398,8 +285,9 @@ class Store:
         s["durability"] = self.durability
         return s
 
-    def segments(self) -> list[dict[str, Any]]:
-        return list(self._raw.segments())
+    def segments(self) -> list[SegmentReport]:
+        """Per segment file: bytes on disk, committed, live and dead, live records."""
+        return self._raw.segments()
 
     def verify(
         self, progress: Callable[[int, int], None] | None = None, repair: bool = False
@@ -407,18 +295,19 @@ class Store:
         """Re-reads every record. With `repair`, damaged ones leave the index (misses
         from then on, stored again by the next put of their tokens)."""
         _check_callable(progress)
+        # A plain dict: the CLI adds its verdict to it.
         return dict(self._raw.verify(progress, bool(repair)))
 
-    def compact(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    def compact(self, progress: Callable[[int, int], None] | None = None) -> CompactReport:
         _check_callable(progress)
-        return dict(self._raw.compact(progress))
+        return self._raw.compact(progress)
 
     def gc(
         self,
         max_bytes: int | None = None,
         older_than: float | None = None,
         progress: Callable[[int, int], None] | None = None,
-    ) -> dict[str, Any]:
+    ) -> GcReport:
         """Evicts the oldest blocks (created more than `older_than` seconds ago, and
         until the live bytes fit `max_bytes`), then compacts."""
         if max_bytes is not None and (
@@ -432,10 +321,10 @@ class Store:
         if older_than is not None:
             _check_seconds("older_than", older_than, allow_zero=True)
         _check_callable(progress)
-        return dict(self._raw.gc(max_bytes, older_than, progress))
+        return self._raw.gc(max_bytes, older_than, progress)
 
-    def manifest(self) -> dict[str, Any]:
-        return dict(self._raw.manifest())
+    def manifest(self) -> Manifest:
+        return self._raw.manifest()
 
     def close(self) -> None:
         """Commits what is pending and releases the handle. Idempotent."""
@@ -492,9 +381,9 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         raise InvalidInput(f"layout: expected kvstore.Layout, got {type(layout).__name__}")
     if layout is not None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            if getattr(layout, field) > _U32_MAX:
+            if getattr(layout, field) > U32_MAX:
                 raise InvalidInput(
-                    f"layout: expected {field} <= {_U32_MAX}, got {getattr(layout, field)}"
+                    f"layout: expected {field} <= {U32_MAX}, got {getattr(layout, field)}"
                 )
     if model is not None and (not isinstance(model, str) or not model):
         raise InvalidInput(f"model: expected a non-empty fingerprint string, got {model!r}")
@@ -523,30 +412,27 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     level = compression_level if compression == "zstd" else 0
     if compression == "zstd" and not 1 <= level <= 22:
         raise InvalidInput(f"compression_level: expected 1 to 22, got {level}")
-    raw = _lib.Store.open(
-        os.fspath(path),
-        model,
-        layout._as_tuple() if layout is not None else None,
-        bytes(salt) if salt is not None else None,
-        durability,
-        disk_bytes,
-        level,
-        segment_bytes,
-        batch_window_ms,
-        create,
-        hot_bytes,
-        os.fspath(hot_dir) if hot_dir is not None else None,
-        index_bytes,
-    )
+    options: OpenOptions = {
+        "durability": durability,
+        "create": create,
+        "fingerprint": model,
+        "layout": layout,
+        "salt": bytes(salt) if salt is not None else None,
+        "disk_bytes": disk_bytes,
+        "compression_level": level,
+        "segment_bytes": segment_bytes,
+        "batch_window_ms": batch_window_ms,
+        "hot_bytes": hot_bytes,
+        "hot_dir": os.fspath(hot_dir) if hot_dir is not None else None,
+        "index_bytes": index_bytes,
+    }
+    raw = _lib.Store.open(os.fspath(path), options)
     num_layers, num_kv_heads, head_dim, dtype, block_size = raw.layout()
     actual = Layout(num_layers, num_kv_heads, head_dim, dtype, block_size)
     fingerprint = model if model is not None else raw.manifest()["fingerprint"]
     if array is None:
         array = "numpy" if actual.dtype in _NUMPY_DTYPES else "torch"
-    tenant = None
-    if salt is not None:
-        tenant = hashlib.blake2b(bytes(salt), digest_size=16, person=b"kvstore-tenant").digest()
-    return Store(raw, actual, fingerprint, array, tenant)
+    return Store(raw, actual, fingerprint, array)
 
 
 def _arena_dirs(hot_dir: str | os.PathLike[str] | None) -> list[Path]:
@@ -568,9 +454,7 @@ def remove_arena(
     """Deletes the shared-memory arena of the store at `path` (wherever the store's
     processes would look for it); returns how many files were removed. Processes that
     have it mapped keep using their mapping; the next open creates a fresh arena."""
-    raw = _lib.Store.open(
-        os.fspath(path), None, None, None, "none", None, 0, 1 << 30, 20, False, None, None
-    )
+    raw = _lib.Store.open(os.fspath(path), {"durability": "none", "create": False})
     store_id = raw.manifest()["store_id"]
     raw.close()
     removed = 0

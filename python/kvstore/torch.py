@@ -12,10 +12,11 @@ A pool holds `num_blocks` blocks of `block_size` tokens for every layer, in one
 tensor `[L, 2, num_blocks, B, H, D]` (`pool.kv`); `pool.key_cache(l)` and
 `pool.value_cache(l)` are the `[num_blocks, B, H, D]` views the ops take.
 
-Blocks are content-addressed: a block loaded from a store is keyed by a hash
-chain over the token ids of its prefix (and the store's model fingerprint and
-`extra`), so a second `load` of a sequence sharing that prefix reuses the
-resident block instead of reading and copying it again. Blocks are refcounted:
+Blocks are content-addressed: a block loaded from a store is keyed by the
+store's own block id (`Store.block_ids`: a hash chain over the token ids of its
+prefix, keyed by the model fingerprint, layout, salt and `extra`), so a second
+`load` of a sequence sharing that prefix reuses the resident block instead of
+reading and copying it again. Blocks are refcounted:
 `seq.release()` (or leaving the `with`) drops the sequence's references. A
 block nobody uses is free for reuse; one that came from a store keeps its
 content until the space is needed (least recently released first), so a later
@@ -25,28 +26,29 @@ Blocks added by decoding (`seq.reserve`, then `ops.write_kv` at
 `seq.slot_mapping`) belong to their sequence only; `pool.save(store, seq,
 tokens)` puts them into the store.
 
-Keys include a digest of the store handle's tenant salt, so tenants with
-different salts sharing one pool never reuse each other's blocks (as in the
-store itself); `namespace` separates further when needed.
+The store's block ids are salted, so tenants with different salts sharing one
+pool never reuse each other's blocks (as in the store itself); `namespace` (any
+hashable value) separates further when needed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._convert import protect_read_only, tokens_array
 from .errors import InvalidInput, KVStoreError
 from .layout import Layout
-from .store import Store, _extra, tokens_array
+from .store import Store
 
 __all__ = ["BlockPool", "BlockTable", "PoolFull", "arena_view", "register_arena"]
 
@@ -54,20 +56,8 @@ __all__ = ["BlockPool", "BlockTable", "PoolFull", "arena_view", "register_arena"
 # tensor's storage keeps the mmap (its owner) alive; the entry goes with the store.
 _ARENA_VIEWS: weakref.WeakKeyDictionary[Store, torch.Tensor] = weakref.WeakKeyDictionary()
 _REGISTERED: weakref.WeakKeyDictionary[Store, bool] = weakref.WeakKeyDictionary()
-# Address ranges of those read-only mappings, for as long as each mapping lives
-# (slices of a view outlive the view object and its store): `store.get(out=)`
-# refuses to write there (torch tensors carry no read-only flag; the write
-# would kill the process with SIGSEGV).
-_READ_ONLY: list[tuple[weakref.ref[mmap.mmap], int, int]] = []
-_READ_ONLY_LOCK = threading.Lock()
-
-
-def _read_only_overlap(start: int, nbytes: int) -> bool:
-    """Whether bytes `start .. start + nbytes` overlap a mapping made by `arena_view`."""
-    end = start + nbytes
-    with _READ_ONLY_LOCK:
-        _READ_ONLY[:] = [r for r in _READ_ONLY if r[0]() is not None]
-        return any(start < hi and lo < end for _, lo, hi in _READ_ONLY)
+# A pool's key of a block from a store: (namespace, the store's block id).
+BlockKey = tuple[Hashable, bytes]
 
 
 def arena_view(store: Store) -> torch.Tensor | None:
@@ -92,8 +82,9 @@ def arena_view(store: Store) -> torch.Tensor | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that the buffer is read-only: we never write
         view = torch.frombuffer(mm, dtype=torch.uint8)
-    with _READ_ONLY_LOCK:
-        _READ_ONLY.append((weakref.ref(mm), view.data_ptr(), view.data_ptr() + length))
+    # `store.get(out=)` must refuse to write there: torch tensors carry no read-only
+    # flag, and the write would kill the process with SIGSEGV.
+    protect_read_only(mm, view.data_ptr(), length)
     _ARENA_VIEWS[store] = view
     return view
 
@@ -222,8 +213,8 @@ class BlockPool:
         self._lock = threading.Lock()
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
-        self._key_of: dict[int, bytes] = {}  # block -> content key, for blocks from a store
-        self._block_of: dict[bytes, int] = {}  # content key -> block
+        self._key_of: dict[int, BlockKey] = {}  # block -> content key, for blocks from a store
+        self._block_of: dict[BlockKey, int] = {}  # content key -> block
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, keyed; LRU first
         self._staging_lock = threading.Lock()
         self._staging: torch.Tensor | None = None  # pinned bytes for store -> device copies
@@ -266,25 +257,23 @@ class BlockPool:
     # -- loading ----------------------------------------------------------------------------
 
     def block_keys(
-        self, store: Store, tokens: Any, *, extra: bytes | str | None = None, namespace: Any = None
-    ) -> list[bytes]:
-        """Content keys of the full blocks of `tokens`: a BLAKE2b chain over the model
-        fingerprint, the handle's tenant (salt digest), `extra`, `namespace` and each
-        block's token ids (u32 LE)."""
-        toks = tokens_array(tokens)
-        b = self.layout.block_size
-        root = hashlib.blake2b(digest_size=32)
-        tenant = getattr(store, "_tenant", None)
-        scope = (store.model, self.layout._as_tuple(), tenant, _extra(extra), namespace)
-        root.update(repr(scope).encode())
-        key = root.digest()
-        keys = []
-        for i in range(len(toks) // b):
-            h = hashlib.blake2b(key, digest_size=32)
-            h.update(toks[i * b : (i + 1) * b].astype("<u4").tobytes())
-            key = h.digest()
-            keys.append(key)
-        return keys
+        self,
+        store: Store,
+        tokens: Any,
+        *,
+        extra: bytes | str | None = None,
+        namespace: Hashable = None,
+    ) -> list[BlockKey]:
+        """Content keys of the full blocks of `tokens`: `(namespace, block id)`, with the
+        store's own block ids (`store.block_ids(tokens, extra)`, which are keyed by the
+        model fingerprint, layout and the handle's salt)."""
+        try:
+            hash(namespace)
+        except TypeError:
+            raise InvalidInput(
+                f"namespace: expected a hashable value, got {type(namespace).__name__}"
+            ) from None
+        return [(namespace, i) for i in store.block_ids(tokens, extra)]
 
     def load(
         self,
@@ -292,7 +281,7 @@ class BlockPool:
         tokens: Any,
         *,
         extra: bytes | str | None = None,
-        namespace: Any = None,
+        namespace: Hashable = None,
     ) -> BlockTable:
         """The blocks of the longest prefix of `tokens` that is resident or stored.
 
@@ -330,7 +319,7 @@ class BlockPool:
         self,
         store: Store,
         toks: np.ndarray,
-        keys: list[bytes],
+        keys: list[BlockKey],
         first: int,
         stop: int,
         extra: bytes | str | None,
@@ -371,7 +360,7 @@ class BlockPool:
         self._publish(keys[first:], new)
         return new
 
-    def _publish(self, keys: list[bytes], blocks: list[int]) -> None:
+    def _publish(self, keys: list[BlockKey], blocks: list[int]) -> None:
         """Makes freshly filled blocks findable by content key for later loads."""
         with self._lock:
             for key, blk in zip(keys, blocks, strict=False):
@@ -383,7 +372,7 @@ class BlockPool:
         self,
         store: Store,
         toks: np.ndarray,
-        keys: list[bytes],
+        keys: list[BlockKey],
         first: int,
         stop: int,
         extra: bytes | str | None,

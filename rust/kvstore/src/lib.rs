@@ -61,7 +61,10 @@ pub use index::DEFAULT_MAP_SIZE as DEFAULT_INDEX_BYTES;
 pub use layout::{DType, Layout};
 pub use repair::{rebuild_index, RebuildReport};
 pub use scan::DamagedRange;
+
+/// A progress callback of long work (`verify`, `compact`, `gc`,
+/// `rebuild_index`): called with (done, total).
+pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
 pub use store::{
-    CompactReport, Damage, Durability, GcReport, Options, Progress, SegmentReport, Stats, Store,
-    VerifyReport,
+    CompactReport, Damage, Durability, GcReport, Options, SegmentReport, Stats, Store, VerifyReport,
 };

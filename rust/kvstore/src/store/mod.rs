@@ -52,6 +52,7 @@ use crate::id::{BlockId, Keyer};
 use crate::index::Index;
 use crate::known::Known;
 use crate::layout::Layout;
+use crate::Progress;
 use read::Touched;
 use stats::Counters;
 use std::collections::HashMap;
@@ -62,9 +63,6 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use writer::Writer;
-
-/// Progress callback: (done, total).
-pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
 
 /// The state of an open handle, shared by its threads and its flusher.
 struct Inner {

@@ -50,6 +50,7 @@ mod id;
 mod known;
 mod layout;
 mod os;
+mod progress;
 mod repair;
 mod store;
 
@@ -59,12 +60,10 @@ pub use format::{Manifest, FORMAT_VERSION};
 pub use id::{hex as block_id_hex, BlockId, Keyer};
 pub use index::DEFAULT_MAP_SIZE as DEFAULT_INDEX_BYTES;
 pub use layout::{DType, Layout};
+pub use progress::Progress;
 pub use repair::{rebuild_index, RebuildReport};
 pub use scan::DamagedRange;
 
-/// A progress callback of long work (`verify`, `compact`, `gc`,
-/// `rebuild_index`): called with (done, total).
-pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
 pub use store::{
     CompactReport, Damage, Durability, GcReport, Options, SegmentReport, Stats, Store, VerifyReport,
 };

@@ -85,7 +85,7 @@ fn lock_segments(sd: &StoreDir, report: &mut RebuildReport) -> Result<(Vec<(u64,
 /// Rebuilds `<dir>/index` from `<dir>/segments`. Every handle on the store, in
 /// every process, must be closed: a live writer (its segment locked) makes
 /// this `StoreLocked`.
-pub fn rebuild_index(dir: &Path, progress: crate::Progress<'_>) -> Result<RebuildReport> {
+pub fn rebuild_index(dir: &Path, progress: crate::progress::Progress<'_>) -> Result<RebuildReport> {
     let sd = StoreDir::new(dir);
     let manifest_path = sd.manifest_path();
     let manifest = sd.read_manifest()?.ok_or_else(|| {

@@ -52,7 +52,7 @@ use crate::id::{BlockId, Keyer};
 use crate::index::Index;
 use crate::known::Known;
 use crate::layout::Layout;
-use crate::Progress;
+use crate::progress::Progress;
 use read::Touched;
 use stats::Counters;
 use std::collections::HashMap;

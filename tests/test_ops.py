@@ -399,7 +399,8 @@ def test_bench_script_runs_at_a_tiny_size(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    argv = ["--contexts", "64", "--batches", "1,2", "--seconds", "0.01", "--json", str(out)]
+    argv = ["--contexts", "64", "--batches", "1,2", "--seconds", "0.01", "--stream-gib", "0.05"]
+    argv += ["--json", str(out)]
     assert bench.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 and all(r["max_abs_diff_vs_sdpa"] < 0.05 for r in rows)

@@ -250,3 +250,63 @@ def test_cuda_pool_loads_through_pinned_memory(opened):
         assert s.table.device.type == "cuda" and s.length == 40
         assert_kv_equal(pool.gather(s).cpu(), kv)
     assert pool._staging is not None and pool._staging.is_pinned()
+
+
+# ----------------------------------------------------------------------------- huge pages
+
+
+def _pool_round_trip(pool: BlockPool) -> None:
+    """Writes distinct KV into every block of layer 0 and reads it back through the
+    pool's views: the memory under the pool is real, writable and not shared."""
+    kc = pool.key_cache(0)
+    values = torch.arange(kc.numel(), dtype=torch.float32).remainder(251).to(pool.dtype)
+    kc.copy_(values.view(kc.shape))
+    pool.value_cache(0).copy_(-values.view(kc.shape))
+    assert torch.equal(pool.key_cache(0).flatten(), values)
+    assert torch.equal(pool.value_cache(0).flatten(), -values)
+    assert pool.kv.is_contiguous() and pool.kv.device.type == "cpu"
+
+
+def test_cpu_pool_reports_its_page_kind_and_works():
+    import kvstore.torch as kt
+
+    layout = small_layout()
+    pool = BlockPool(layout, 4096, device="cpu")
+    want = (
+        "hugetlb"
+        if pool.page_kind == "hugetlb"
+        else ("thp" if kt._thp_mode() in ("always", "madvise") else "normal")
+    )
+    assert pool.page_kind == want
+    if pool.page_kind in ("thp", "hugetlb"):
+        assert pool.kv.data_ptr() % (2 << 20) == 0, "huge pages need a 2 MiB-aligned start"
+    assert not pool.kv.any(), "a new pool is zero-filled"
+    _pool_round_trip(pool)
+    small = BlockPool(layout, 4096, device="cpu", huge_pages=False)
+    assert small.page_kind == "normal"
+    _pool_round_trip(small)
+
+
+def test_huge_page_pool_falls_back_cleanly_without_huge_pages(monkeypatch):
+    """No hugetlb pages (MAP_HUGETLB fails) and THP off: a pool on 4 KiB pages."""
+    import mmap as mmap_module
+
+    import kvstore.torch as kt
+
+    real_mmap = mmap_module.mmap
+
+    def no_hugetlb(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("flags", 0) & kt._MAP_HUGETLB:
+            raise OSError(12, "Cannot allocate memory")
+        return real_mmap(*args, **kwargs)
+
+    monkeypatch.setattr(kt.mmap, "mmap", no_hugetlb)
+    monkeypatch.setattr(kt, "_THP_ENABLED", "/nonexistent/transparent_hugepage/enabled")
+    pool = BlockPool(small_layout(), 4096, device="cpu")
+    assert pool.page_kind == "normal"
+    _pool_round_trip(pool)
+    # THP available but no hugetlb: transparent huge pages.
+    monkeypatch.setattr(kt, "_thp_mode", lambda: "madvise")
+    pool = BlockPool(small_layout(), 4096, device="cpu")
+    assert pool.page_kind == "thp" and pool.kv.data_ptr() % (2 << 20) == 0
+    _pool_round_trip(pool)

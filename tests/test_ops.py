@@ -111,7 +111,7 @@ LENS = [1, 37, 16, 301, 1000]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_paged_attention_matches_float64_reference(dtype, group, head_dim):
     args = paged_case(LENS, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
     check_against_reference(args, 1 / math.sqrt(head_dim), dtype)
@@ -140,21 +140,48 @@ def test_zero_length_sequence_gives_zeros():
     check_against_reference((q, kc, vc, tables, lens), 0.125, torch.float16)
 
 
-def test_baseline_cpu_kernel_without_avx2():
-    """ATEN_CPU_CAPABILITY=default selects the baseline x86-64 build of the kernel."""
+@pytest.fixture
+def split_k(monkeypatch):
+    """Split-K on short contexts: partitions of 32 tokens, and two threads, so that one
+    sequence with one kv head (fewer pairs than 2 * threads) is split."""
+    monkeypatch.setenv("KVSTORE_SPLIT_MIN_TOKENS", "32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_split_k_matches_float64_reference(split_k, group, head_dim, block_size):
+    # Lengths 1 and not multiples of the block (nor of the 32-token partition); every
+    # dtype in turn, one per case, so that the 27 shapes stay cheap.
+    dtype = DTYPES[(group + head_dim // 64 + block_size // 16) % 3]
+    args = paged_case([1, 613], 1, group, head_dim, dtype, block_size=block_size, seed=group)
+    check_against_reference(args, 1 / math.sqrt(head_dim), dtype)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_narrower_cpu_kernels(capability):
+    """ATEN_CPU_CAPABILITY=default selects the baseline x86-64 build of the kernel,
+    =avx2 the AVX2 one (where the CPU has AVX-512, the default is the AVX-512 kernel)."""
     code = textwrap.dedent(
         f"""
-        import sys, torch
+        import os, sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_ops import paged_case, check_against_reference, DTYPES
         for dtype in DTYPES:
             for group in (1, 4):
                 args = paged_case([3, 40, 700], 2, group, 64, dtype, seed=group)
                 check_against_reference(args, 0.125, dtype)
+        os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = "32"
+        args = paged_case([1, 301], 1, 4, 128, torch.bfloat16, seed=7)
+        check_against_reference(args, 0.1, torch.bfloat16)
         print("ok")
         """
     )
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
@@ -372,7 +399,8 @@ def test_bench_script_runs_at_a_tiny_size(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    argv = ["--contexts", "64", "--batches", "1,2", "--seconds", "0.01", "--json", str(out)]
+    argv = ["--contexts", "64", "--batches", "1,2", "--seconds", "0.01", "--stream-gib", "0.05"]
+    argv += ["--json", str(out)]
     assert bench.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 and all(r["max_abs_diff_vs_sdpa"] < 0.05 for r in rows)

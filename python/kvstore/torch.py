@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -50,7 +51,7 @@ from .errors import InvalidInput, KVStoreError
 from .layout import Layout
 from .store import Store
 
-__all__ = ["BlockPool", "BlockTable", "PoolFull", "arena_view", "register_arena"]
+__all__ = ["BlockPool", "BlockTable", "PoolFull", "arena_view", "host_pages", "register_arena"]
 
 # Per store: a read-only mapping of its hot-tier file, as a uint8 tensor. The
 # tensor's storage keeps the mmap (its owner) alive; the entry goes with the store.
@@ -105,6 +106,63 @@ def register_arena(store: Store) -> bool:
         ok = int(err) == 0
     _REGISTERED[store] = ok
     return ok
+
+
+_HUGE_PAGE = 2 << 20
+_MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000 if sys.platform.startswith("linux") else 0)
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent-huge-page mode: "always", "madvise", "never" (or "never"
+    where there is no THP at all)."""
+    try:
+        with open(_THP_ENABLED) as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "never"
+
+
+def host_pages(nbytes: int, huge_pages: bool = True) -> tuple[torch.Tensor, str]:
+    """A zero-filled, writable uint8 CPU tensor of `nbytes` and the kind of pages
+    under it: "hugetlb" (explicit 2 MiB pages, `MAP_HUGETLB`), "thp" (transparent
+    huge pages asked for with `MADV_HUGEPAGE` on a 2 MiB-aligned range) or "normal"
+    (4 KiB pages; also where huge pages are off or `huge_pages` is False) — the
+    same kinds as a store's hot tier.
+
+    Huge pages widen the TLB's reach: a pool's blocks sit at random addresses, so a
+    decode step over 4 KiB pages takes a TLB miss every 4 KiB it reads.
+    The tensor's storage owns the mapping (unmapped when the last view goes).
+    """
+    if not huge_pages or nbytes < _HUGE_PAGE or not sys.platform.startswith("linux"):
+        return torch.zeros(nbytes, dtype=torch.uint8), "normal"
+    rounded = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if _MAP_HUGETLB:
+        try:
+            m = mmap.mmap(-1, rounded, flags=anon | _MAP_HUGETLB)
+        except OSError:  # no hugetlb pages reserved (vm.nr_hugepages), or not enough
+            pass
+        else:
+            return _tensor_of(m, 0, nbytes), "hugetlb"
+    # One spare huge page to start the tensor on a 2 MiB boundary: THP maps only
+    # whole aligned 2 MiB ranges.
+    m = mmap.mmap(-1, rounded + _HUGE_PAGE, flags=anon)
+    kind = "normal"
+    if _thp_mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+            kind = "thp"
+        except OSError:
+            pass
+    base = _tensor_of(m, 0, 1).data_ptr()
+    return _tensor_of(m, -base % _HUGE_PAGE, nbytes), kind
+
+
+def _tensor_of(m: mmap.mmap, offset: int, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
 class PoolFull(KVStoreError):
@@ -192,12 +250,21 @@ class BlockTable:
 class BlockPool:
     """Per-layer K/V block pools for paged attention; see the module doc.
 
-    `device` defaults to "cuda" when available, else "cpu". On CUDA, blocks read
+    `device` defaults to "cuda" when available, else "cpu". A CPU pool lives on huge
+    pages where the system has them (`page_kind`: "hugetlb", else "thp", else
+    "normal"; `huge_pages=False` asks for 4 KiB pages); a CUDA pool's `page_kind` is
+    "device". On CUDA, blocks read
     from a store pass through a pinned host buffer, so the copies to the device
     are DMA transfers (`non_blocking=True`) on the current stream.
     """
 
-    def __init__(self, layout: Layout, num_blocks: int, device: str | torch.device | None = None):
+    def __init__(
+        self,
+        layout: Layout,
+        num_blocks: int,
+        device: str | torch.device | None = None,
+        huge_pages: bool = True,
+    ):
         if not isinstance(layout, Layout):
             raise InvalidInput(f"layout: expected kvstore.Layout, got {type(layout).__name__}")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
@@ -209,7 +276,14 @@ class BlockPool:
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
         L, H, D, B = layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size
-        self.kv = torch.empty((L, 2, num_blocks, B, H, D), dtype=self.dtype, device=self.device)
+        shape = (L, 2, num_blocks, B, H, D)
+        if self.device.type == "cpu":
+            nbytes = L * 2 * num_blocks * B * H * D * layout.itemsize
+            raw, self.page_kind = host_pages(nbytes, huge_pages)
+            self.kv = raw.view(self.dtype).view(shape)
+        else:
+            self.kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.page_kind = "device"
         self._lock = threading.Lock()
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first

@@ -1,5 +1,9 @@
 // CPU implementations of kvstore::paged_attention and kvstore::write_kv.
 //
+// Three builds of the decode kernel, picked at run time (cpu_isa): AVX-512
+// (paged_attention_cpu_avx512.h: rows widened in registers, 16 lanes), and the
+// generic 8-lane kernel (paged_attention_cpu_kernel.h) for AVX2 and for baseline x86-64.
+//
 // Decode attention is a stream over the KV pages, so the kernel is shaped to
 // read each page once and keep every core busy:
 // - a work unit is (sequence, kv head, partition): the query heads of a GQA
@@ -29,9 +33,9 @@
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// The kernel is compiled twice, for AVX2+FMA+F16C and for baseline x86-64, and
-// `use_avx2()` picks one on the running CPU: the build runs on any x86-64 (which
-// -march=native would not promise) and uses 256-bit FMAs and F16C where they exist.
+// The generic kernel is compiled twice, for AVX2+FMA+F16C and for baseline x86-64, the
+// AVX-512 kernel once, and `cpu_isa()` picks on the running CPU: the build runs on any
+// x86-64 (which -march=native would not promise) and uses the widest vectors there are.
 #define KVSTORE_X86_DISPATCH 1
 #include <immintrin.h>
 #else
@@ -140,6 +144,19 @@ void attend_base(const Params& p, const Scratch& w, int64_t b, int64_t e) {
 }
 
 #if KVSTORE_X86_DISPATCH
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace cpu_avx512 {
+#include "paged_attention_cpu_avx512.h"
+}  // namespace cpu_avx512
+#pragma GCC pop_options
+
+template <Kind K>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void attend_avx512(
+    const Params& p, const Scratch& w, int64_t b, int64_t e) {
+  cpu_avx512::attend_units<K>(p, w, b, e);
+}
+
 template <Kind K>
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const Scratch& w,
                                                           int64_t b, int64_t e) {
@@ -147,27 +164,43 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const
 }
 #endif
 
-// The AVX2 kernels when the CPU has AVX2, FMA and F16C, unless ATEN_CPU_CAPABILITY=default
-// asks for the baseline (as it does for ATen's own kernels; the tests use it to check the
-// baseline build too).
-bool use_avx2() {
+// The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ), else AVX2 with FMA and F16C,
+// else the baseline. ATEN_CPU_CAPABILITY=default or =avx2 caps the choice (as it does for
+// ATen's own kernels; the tests use it to check every build).
+enum class Isa { Base, Avx2, Avx512 };
+
+Isa cpu_isa() {
 #if KVSTORE_X86_DISPATCH
-  static const bool yes = [] {
+  static const Isa isa = [] {
     const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
-    if (cap != nullptr && std::strcmp(cap, "default") == 0) return false;
+    if (cap != nullptr && std::strcmp(cap, "default") == 0) return Isa::Base;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c"))) {
+      return Isa::Base;
+    }
+    if (cap != nullptr && std::strcmp(cap, "avx2") == 0) return Isa::Avx2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+      return Isa::Avx512;
+    }
+    return Isa::Avx2;
   }();
-  return yes;
+  return isa;
 #else
-  return false;
+  return Isa::Base;
 #endif
 }
 
-AttendFn attend_fn(at::ScalarType dtype) {
+AttendFn attend_fn(at::ScalarType dtype, int64_t head_dim) {
 #if KVSTORE_X86_DISPATCH
-  if (use_avx2()) {
+  // The AVX-512 kernel reads whole 16-float columns: head_dim % 16 == 0.
+  if (cpu_isa() == Isa::Avx512 && head_dim % 16 == 0) {
+    if (dtype == at::kFloat) return &attend_avx512<Kind::F32>;
+    if (dtype == at::kHalf) return &attend_avx512<Kind::F16>;
+    return &attend_avx512<Kind::BF16>;
+  }
+  if (cpu_isa() != Isa::Base) {
     if (dtype == at::kFloat) return &attend_avx2<Kind::F32>;
     if (dtype == at::kHalf) return &attend_avx2<Kind::F16>;
     return &attend_avx2<Kind::BF16>;
@@ -176,6 +209,15 @@ AttendFn attend_fn(at::ScalarType dtype) {
   if (dtype == at::kFloat) return &attend_base<Kind::F32>;
   if (dtype == at::kHalf) return &attend_base<Kind::F16>;
   return &attend_base<Kind::BF16>;
+}
+
+// kMinPartitionTokens, or $KVSTORE_SPLIT_MIN_TOKENS (read on each call, rounded up to a
+// whole chunk): the tests lower it so that short contexts run through split-K too.
+int64_t min_partition_tokens() {
+  const char* env = std::getenv("KVSTORE_SPLIT_MIN_TOKENS");
+  if (env == nullptr || *env == '\0') return kMinPartitionTokens;
+  const long long v = std::atoll(env);
+  return v > 0 ? ceil_div(v, kChunk) * kChunk : kMinPartitionTokens;
 }
 
 // Merges the partitions of each (sequence, head) and writes the normalised output.
@@ -237,8 +279,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   const int64_t pairs = dims.num_seqs * dims.num_kv_heads;
   int64_t parts = 1;
   int64_t partition_tokens = std::max<int64_t>(max_len, 1);
-  if (pairs < 2 * threads && max_len > kMinPartitionTokens) {
-    parts = std::min(ceil_div(2 * threads, pairs), ceil_div(max_len, kMinPartitionTokens));
+  const int64_t min_part = min_partition_tokens();
+  if (pairs < 2 * threads && max_len > min_part) {
+    parts = std::min(ceil_div(2 * threads, pairs), ceil_div(max_len, min_part));
     partition_tokens = ceil_div(ceil_div(max_len, parts), kChunk) * kChunk;
     parts = ceil_div(max_len, partition_tokens);
   }
@@ -272,7 +315,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
 
   const auto kind = q.scalar_type();
   const int64_t D = dims.head_dim, G = dims.group, NH = dims.num_heads;
-  const AttendFn attend = attend_fn(kind);
+  const AttendFn attend = attend_fn(kind, D);
   const int64_t unit_elements = std::max<int64_t>(1, 2 * std::min(max_len, partition_tokens) * D);
   const int64_t grain = std::max<int64_t>(1, kMinParallelElements / unit_elements);
   at::parallel_for(0, pairs * parts, grain, [&](int64_t begin, int64_t end) {

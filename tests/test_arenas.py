@@ -394,8 +394,10 @@ def test_pruning_races_safely_with_stores_opening_and_closing(tmp_path: Path, ho
         orphans_made += 1
         pruned += sum(a["pruned"] for a in listed(hot, prune=True).values())
     outs = [w.communicate(timeout=120) for w in workers]
-    for w, (out, err) in zip(workers, outs):
-        assert w.returncode == 0, f"worker exited {w.returncode} (SIGBUS is {-signal.SIGBUS})\n{err}"
+    for w, (out, err) in zip(workers, outs, strict=True):
+        assert w.returncode == 0, (
+            f"worker exited {w.returncode} (SIGBUS is {-signal.SIGBUS})\n{err}"
+        )
         assert int(out) > 0
     # Every orphan went (by our prunes or by the workers' opens); no live store's did.
     left = listed(hot, prune=True)

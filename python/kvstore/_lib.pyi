@@ -135,7 +135,6 @@ class RebuildDamage(TypedDict):
     reason: str
 
 @type_check_only
-@type_check_only
 class ArenaInfo(TypedDict):
     path: str
     header: str
@@ -151,6 +150,7 @@ class ArenaInfo(TypedDict):
     mapped_by: int
     pruned: bool
 
+@type_check_only
 class RebuildReport(TypedDict):
     segments: int
     records: int

@@ -12,7 +12,6 @@ layouts and "torch" for bfloat16/float8 layouts (numpy has no such dtypes).
 
 from __future__ import annotations
 
-import builtins
 import math
 import os
 from collections.abc import Callable

@@ -42,6 +42,31 @@ def small_layout(dtype: str = "float16", block_size: int = 8, L: int = 2, H: int
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_hot_dir():
+    """Every arena a test makes without its own `hot_dir` lands in one directory of
+    this session (`$KVSTORE_HOT_DIR`, children inherit it); the session fails if any
+    arena is left there at the end: the suite cleans up the shared memory it takes."""
+    import shutil
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    hot = Path(tempfile.mkdtemp(prefix="kvstore-tests-", dir=base))
+    old = os.environ.get("KVSTORE_HOT_DIR")
+    os.environ["KVSTORE_HOT_DIR"] = str(hot)
+    try:
+        yield hot
+    finally:
+        if old is None:
+            os.environ.pop("KVSTORE_HOT_DIR", None)
+        else:
+            os.environ["KVSTORE_HOT_DIR"] = old
+        left = sorted(p.name for p in hot.glob("kvstore-*.arena"))
+        shutil.rmtree(hot, ignore_errors=True)
+        if left:
+            pytest.fail(f"the test suite left {len(left)} arena(s) in {hot}: {left}")
+
+
 @pytest.fixture
 def layout():
     return small_layout()

@@ -22,7 +22,7 @@ from .errors import (
     StoreLocked,
 )
 from .layout import Layout
-from .store import Store, open, rebuild_index, remove_arena
+from .store import Store, arenas, open, rebuild_index, remove_arena
 
 __all__ = [
     "FORMAT_VERSION",
@@ -38,6 +38,7 @@ __all__ = [
     "StoreFull",
     "StoreIOError",
     "StoreLocked",
+    "arenas",
     "open",
     "rebuild_index",
     "remove_arena",

@@ -1,6 +1,7 @@
 """Type stubs of the compiled engine binding (rust/kvstore-py)."""
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import TypedDict, final, type_check_only
 
 import numpy as np
@@ -9,7 +10,15 @@ from typing_extensions import NotRequired
 
 from .layout import Layout
 
-__all__ = ["FORMAT_VERSION", "Store", "__version__", "rebuild_index"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Store",
+    "__version__",
+    "arena_dirs",
+    "arenas",
+    "rebuild_index",
+    "remove_arena_file",
+]
 
 FORMAT_VERSION: int
 __version__: str
@@ -77,6 +86,7 @@ class Stats(TypedDict):
     hot_inserts: int
     hot_slots_torn: int
     page_kind: str
+    hot_mapped: bool
 
 @type_check_only
 class SegmentReport(TypedDict):
@@ -123,6 +133,22 @@ class RebuildDamage(TypedDict):
     end: int
     block_id: str | None
     reason: str
+
+@type_check_only
+class ArenaInfo(TypedDict):
+    path: str
+    header: str
+    reason: str
+    store_id: str | None
+    store_path: str | None
+    store_exists: bool
+    owned: bool
+    orphan: bool
+    bytes: int
+    page_kind: str
+    last_used_ms: int
+    mapped_by: int
+    pruned: bool
 
 @type_check_only
 class RebuildReport(TypedDict):
@@ -202,3 +228,6 @@ class Store:
 def rebuild_index(
     path: str, progress: Callable[[int, int], None] | None = None
 ) -> RebuildReport: ...
+def arena_dirs(hot_dir: str | os.PathLike[str] | None = None) -> list[str]: ...
+def arenas(dirs: Sequence[str | os.PathLike[str]], prune: bool = False) -> list[ArenaInfo]: ...
+def remove_arena_file(path: str | os.PathLike[str]) -> bool: ...

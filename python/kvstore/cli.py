@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .errors import CorruptStore, KVStoreError
-from .store import Store, rebuild_index
+from .store import Store, arenas, rebuild_index, remove_arena
 from .store import open as open_store
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -104,6 +104,17 @@ def _table(title: str, rows: list[tuple[str, Any]]) -> Any:
     return t
 
 
+def _hot_tier(st: Any) -> str:
+    """The hot tier in one line: the store's arena, whether or not this handle maps it."""
+    if st["hot_path"] is None:
+        return "none (no arena)"
+    return (
+        f"{human_bytes(st['hot_bytes'])} ({st['page_kind']}), "
+        f"{st['hot_slots_used']} of {st['hot_slots']} slots used, "
+        f"{st['hot_slots_pinned']} pinned; {st['hot_path']}"
+    )
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with _open(args.path) as s:
         m, st = s.manifest(), s.stats()
@@ -117,6 +128,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             "hot_bytes": st["hot_bytes"],
             "page_kind": st["page_kind"],
             "hot_path": st["hot_path"],
+            "hot_slots": st["hot_slots"],
+            "hot_slots_used": st["hot_slots_used"],
+            "hot_slots_pinned": st["hot_slots_pinned"],
         }
 
         def human() -> None:
@@ -138,7 +152,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                         ("blocks", st["blocks"]),
                         ("segments", st["segments"]),
                         ("disk tier", human_bytes(st["disk_bytes"])),
-                        ("hot tier", f"{human_bytes(st['hot_bytes'])} ({st['page_kind']})"),
+                        ("hot tier", _hot_tier(st)),
                     ],
                 )
             )
@@ -203,7 +217,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                         ("disk bytes", human_bytes(st["disk_bytes"])),
                         ("compression ratio", f"{st['compression_ratio']:.3f}"),
                         ("damaged blocks (found on read)", st["damaged_blocks"]),
-                        ("hot tier", f"{human_bytes(st['hot_bytes'])} ({st['page_kind']})"),
+                        ("hot tier", _hot_tier(st)),
                         (
                             "hits / misses (blocks, all processes)",
                             f"{st['total_hit_blocks']} / {st['total_miss_blocks']}",
@@ -308,7 +322,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.max_bytes is None and args.older_than is None:
         raise KVStoreError("gc needs --max-bytes and/or --older-than")
     with _open(args.path) as s, _progress(not args.json, "compacting") as progress:
-        r = s.gc(args.max_bytes, args.older_than, progress)
+        r: dict[str, Any] = dict(s.gc(args.max_bytes, args.older_than, progress))
+    r["arenas_pruned"] = [a["path"] for a in arenas(prune=True) if a["pruned"]]
 
     def human() -> None:
         c = r["compact"]
@@ -316,8 +331,59 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"evicted {r['blocks_evicted']} blocks ({human_bytes(r['bytes_evicted'])}); "
             f"segments {human_bytes(c['bytes_before'])} -> {human_bytes(c['bytes_after'])}"
         )
+        for p in r["arenas_pruned"]:
+            print(f"removed orphaned arena {p}")
 
     _emit(args, r, human)
+    return 0
+
+
+def _arena_state(a: dict[str, Any]) -> str:
+    if a["pruned"]:
+        return "orphan, removed"
+    if a["header"] == "foreign":
+        return f"foreign: {a['reason']}"
+    state = "in use" if a["owned"] else "orphan" if a["orphan"] else "store unknown"
+    if a["orphan"]:
+        state += ": store gone" if not a["store_exists"] else ": store has another id"
+        if a["mapped_by"]:
+            state += " (still mapped, kept)"
+    if a["header"] == "damaged":
+        state += f"; damaged header: {a['reason']}"
+    return state
+
+
+def cmd_arenas(args: argparse.Namespace) -> int:
+    found = arenas(args.hot_dir, prune=args.prune)
+
+    def human() -> None:
+        from rich.table import Table
+
+        t = Table("arena", "store", "size", "pages", "last use", "mapped by", "state")
+        for a in found:
+            last = datetime.fromtimestamp(a["last_used_ms"] / 1000, tz=timezone.utc)
+            t.add_row(
+                a["path"],
+                a["store_path"] or "?",
+                human_bytes(a["bytes"]),
+                a["page_kind"],
+                last.isoformat(timespec="seconds") if a["last_used_ms"] else "?",
+                str(a["mapped_by"]),
+                _arena_state(a),
+            )
+        c = _console()
+        c.print(t)
+        orphans = [a for a in found if a["orphan"] and not a["pruned"]]
+        if orphans and not args.prune:
+            c.print(f"{len(orphans)} orphan(s): `kvstore arenas --prune` removes the unmapped ones")
+
+    _emit(args, found, human)
+    return 0
+
+
+def cmd_remove_arena(args: argparse.Namespace) -> int:
+    n = remove_arena(args.path, hot_dir=args.hot_dir)
+    _emit(args, {"removed": n}, lambda: print(f"removed {n} arena file(s)"))
     return 0
 
 
@@ -338,8 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     ) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
         sp.set_defaults(fn=fn)
-        if name != "demo":
+        if name not in ("demo", "arenas"):
             sp.add_argument("path", help="store directory")
+        if name != "demo":
             sp.add_argument("--json", action="store_true", help="machine-readable output")
         return sp
 
@@ -365,6 +432,24 @@ def build_parser() -> argparse.ArgumentParser:
     gc = add("gc", cmd_gc, "evict the oldest blocks, then compact")
     gc.add_argument("--max-bytes", type=parse_bytes, help="keep at most this many live bytes")
     gc.add_argument("--older-than", type=parse_duration, help="evict blocks older than this")
+    hot_dir_help = "also look in this directory (a store's hot_dir)"
+    ar = add(
+        "arenas",
+        cmd_arenas,
+        "list the shared-memory arenas of all stores; --prune removes unmapped orphans",
+    )
+    ar.add_argument(
+        "--prune",
+        action="store_true",
+        help="remove arenas whose store is gone or no longer owns them, if no process maps them",
+    )
+    ar.add_argument("--hot-dir", help=hot_dir_help)
+    ra = add(
+        "remove-arena",
+        cmd_remove_arena,
+        "delete a store's arena (PATH: the store, or the arena file); mappers keep their mapping",
+    )
+    ra.add_argument("--hot-dir", help=hot_dir_help)
     demo = add("demo", cmd_demo, "the main job end to end: put, restart, lookup, get, timings")
     demo.add_argument("path", nargs="?", help="store directory (default: a temporary one)")
     demo.add_argument("--quick", action="store_true", help="small sizes (for CI)")

@@ -12,7 +12,6 @@ layouts and "torch" for bfloat16/float8 layouts (numpy has no such dtypes).
 
 from __future__ import annotations
 
-import builtins
 import math
 import os
 from collections.abc import Callable
@@ -436,33 +435,35 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
 
 
 def _arena_dirs(hot_dir: str | os.PathLike[str] | None) -> list[Path]:
-    dirs = [Path(hot_dir)] if hot_dir is not None else []
-    if os.environ.get("KVSTORE_HOT_DIR"):
-        dirs.append(Path(os.environ["KVSTORE_HOT_DIR"]))
-    try:
-        with builtins.open("/proc/mounts") as f:
-            dirs += [Path(line.split()[1]) for line in f if line.split()[2:3] == ["hugetlbfs"]]
-    except OSError:
-        pass
-    dirs.append(Path("/dev/shm"))
-    return dirs
+    return [Path(d) for d in _lib.arena_dirs(os.fspath(hot_dir) if hot_dir is not None else None)]
+
+
+def arenas(
+    hot_dir: str | os.PathLike[str] | None = None, *, prune: bool = False
+) -> list[dict[str, Any]]:
+    """Every kvstore arena where stores look for them (`hot_dir`, $KVSTORE_HOT_DIR,
+    hugetlbfs mounts, /dev/shm): its file, the store its header names, whether that
+    store exists and still owns it (`orphan` if not), size, page kind, last use, and how
+    many live processes map it. With `prune=True`, removes the orphans no process maps
+    (marked `pruned`); never an arena whose store exists or whose header names none."""
+    return [dict(a) for a in _lib.arenas(_arena_dirs(hot_dir), prune)]
 
 
 def remove_arena(
     path: str | os.PathLike[str], hot_dir: str | os.PathLike[str] | None = None
 ) -> int:
     """Deletes the shared-memory arena of the store at `path` (wherever the store's
-    processes would look for it); returns how many files were removed. Processes that
-    have it mapped keep using their mapping; the next open creates a fresh arena."""
+    processes would look for it), or the arena file `path` itself
+    (`.../kvstore-<store id>.arena`); returns how many files were removed. Processes
+    that have it mapped keep using their mapping; the next open creates a fresh arena."""
+    if Path(path).name.endswith(".arena") and not Path(path, "MANIFEST").exists():
+        return int(_lib.remove_arena_file(os.fspath(path)))
     raw = _lib.Store.open(os.fspath(path), {"durability": "none", "create": False})
     store_id = raw.manifest()["store_id"]
     raw.close()
     removed = 0
     for d in dict.fromkeys(_arena_dirs(hot_dir)):
-        arena = d / f"kvstore-{store_id}.arena"
-        if arena.is_file() and not arena.is_symlink():
-            arena.unlink()
-            removed += 1
+        removed += _lib.remove_arena_file(os.fspath(d / f"kvstore-{store_id}.arena"))
     return removed
 
 

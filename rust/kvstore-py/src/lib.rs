@@ -34,10 +34,37 @@ fn rebuild_index(
     Ok(p.finish(r.py())?.into())
 }
 
+/// Where stores look for arenas: `hot_dir`, `$KVSTORE_HOT_DIR`, hugetlbfs
+/// mounts, `/dev/shm`.
+#[pyfunction]
+#[pyo3(signature = (hot_dir=None))]
+fn arena_dirs(hot_dir: Option<PathBuf>) -> Vec<String> {
+    kvstore::arena_dirs(hot_dir.as_deref())
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect()
+}
+
+/// Every arena in `dirs`; with `prune`, orphans no process maps are removed.
+#[pyfunction]
+#[pyo3(signature = (dirs, prune=false))]
+fn arenas(py: Python<'_>, dirs: Vec<PathBuf>, prune: bool) -> Vec<reports::ArenaInfo> {
+    reports::list(py.detach(|| kvstore::list_arenas(&dirs, prune)))
+}
+
+/// Removes one arena file (`kvstore-<id>.arena`); false if there was none.
+#[pyfunction]
+fn remove_arena_file(py: Python<'_>, path: PathBuf) -> PyResult<bool> {
+    py.detach(|| kvstore::remove_arena_file(&path)).py()
+}
+
 #[pymodule]
 fn _lib(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::Store>()?;
     m.add_function(wrap_pyfunction!(rebuild_index, m)?)?;
+    m.add_function(wrap_pyfunction!(arena_dirs, m)?)?;
+    m.add_function(wrap_pyfunction!(arenas, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_arena_file, m)?)?;
     m.add("FORMAT_VERSION", kvstore::FORMAT_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -31,7 +31,7 @@ macro_rules! report {
 }
 
 /// Converts every element of an engine list.
-fn list<A, B: From<A>>(v: Vec<A>) -> Vec<B> {
+pub fn list<A, B: From<A>>(v: Vec<A>) -> Vec<B> {
     v.into_iter().map(B::from).collect()
 }
 
@@ -173,6 +173,9 @@ pub struct Stats {
     pub hot_inserts: u64,
     pub hot_slots_torn: u64,
     pub page_kind: String,
+    /// Whether this handle maps the arena (false: opened without a hot
+    /// tier, the figures read from the store's arena file).
+    pub hot_mapped: bool,
 }
 
 impl From<kvstore::Stats> for Stats {
@@ -218,6 +221,26 @@ impl From<kvstore::Stats> for Stats {
             hot_inserts: a.inserts,
             hot_slots_torn: a.slots_torn,
             page_kind: a.page_kind,
+            hot_mapped: a.mapped,
         }
+    }
+}
+
+report! {
+    /// One element of `arenas()`: an arena file and the store it belongs to.
+    ArenaInfo from kvstore::ArenaInfo {
+        path: String,
+        header: String,
+        reason: String,
+        store_id: Option<String>,
+        store_path: Option<String>,
+        store_exists: bool,
+        owned: bool,
+        orphan: bool,
+        bytes: u64,
+        page_kind: String,
+        last_used_ms: u64,
+        mapped_by: u64,
+        pruned: bool,
     }
 }

@@ -4,7 +4,8 @@
 //! # Layout
 //!
 //! ```text
-//! 0            header (4 KiB): magic, version, geometry, store tag, ready flag, counters
+//! 0            header (4 KiB): magic, version, geometry, store tag, ready flag, counters,
+//!              page kind, last use, and the store it belongs to (id, absolute path)
 //! 4096         slot headers, nslots × slot_hdr bytes
 //! data_off     slot data, nslots × slot_size bytes (data_off aligned to 2 MiB)
 //! ```
@@ -40,6 +41,30 @@
 //! finding the block present but damaged, rewrites the slot with the good
 //! bytes (keeping its pin).
 //!
+//! # Lifetime and pruning (see `arenas.rs` for the pruner)
+//!
+//! The arena outlives its processes; its header names its store (id and the
+//! absolute path it was last opened from), so an orphan (store deleted, or
+//! replaced by another store) can be found and removed. Two locks make that
+//! race-free against processes opening and using arenas in the same
+//! directory, without touching the writers' `flock`:
+//!
+//! - every process that maps an arena holds a shared open-file-description
+//!   lock (`os::ofd_lock`, `F_OFD_SETLK`) on the arena file for as long as it
+//!   has the file open, which is as long as it maps it. It takes it before
+//!   it reads or maps anything, then checks that the path still names the
+//!   file it locked (a pruner may have unlinked it meanwhile: then it
+//!   retries, creating a fresh arena);
+//! - a pruner takes the exclusive lock without waiting (held by anyone:
+//!   keep), then reads the header, checks the store, scans `/proc/*/maps`
+//!   for the file's device and inode (mappers that hold no lock: kvstore
+//!   versions before arena format 3), and unlinks the path while still
+//!   holding the lock. An opener blocked on its shared lock then sees the
+//!   unlinked file and starts over; nobody can have it mapped.
+//!
+//! OFD locks and `flock` never conflict with each other on Linux, so the
+//! writers' `flock(LOCK_EX)` and the lifetime lock are independent.
+//!
 //! Eviction within a set: empty or torn slots first, then blocks whose pin
 //! has expired or was never set, lowest priority first, least recently used
 //! first. A block pinned with a priority at least the newcomer's stays.
@@ -48,6 +73,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::id::BlockId;
 use crate::layout::Layout;
 use crate::os::SharedMap;
+use crate::os::{ofd_lock, OfdLock};
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -56,8 +82,11 @@ use std::sync::{Mutex, OnceLock};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"KVARENA\x01");
 /// 2: slot headers carry a crc32c of the slot's data (`S_CRC`).
-const VERSION: u64 = 2;
-const HEADER_LEN: usize = 4096;
+/// 3: the header names its store (`H_STORE_ID`, `H_PATH`), its page kind and
+/// last use.
+pub(crate) const VERSION: u64 = 3;
+pub(crate) const MAGIC_WORD: u64 = MAGIC;
+pub(crate) const HEADER_LEN: usize = 4096;
 const DATA_ALIGN: usize = 2 << 20;
 /// Slot data starts half a page past a page boundary. Callers' buffers
 /// usually start a few bytes past one (malloc's 16, torch's 64): a copy whose
@@ -70,26 +99,37 @@ const DATA_SKEW: usize = 2048;
 const WAYS: usize = 8;
 
 // Header word offsets.
-const H_MAGIC: usize = 0;
-const H_VERSION: usize = 8;
-const H_NSLOTS: usize = 16;
-const H_WAYS: usize = 24;
-const H_SLOT_HDR: usize = 32;
-const H_SLOT_SIZE: usize = 40;
-const H_DATA_OFF: usize = 48;
-const H_TOTAL: usize = 56;
+pub(crate) const H_MAGIC: usize = 0;
+pub(crate) const H_VERSION: usize = 8;
+pub(crate) const H_NSLOTS: usize = 16;
+pub(crate) const H_WAYS: usize = 24;
+pub(crate) const H_SLOT_HDR: usize = 32;
+pub(crate) const H_SLOT_SIZE: usize = 40;
+pub(crate) const H_DATA_OFF: usize = 48;
+pub(crate) const H_TOTAL: usize = 56;
 const H_TAG: usize = 64; // 4 words
-const H_READY: usize = 96;
-const H_EVICTIONS: usize = 104;
-const H_INSERTS: usize = 112;
+pub(crate) const H_READY: usize = 96;
+pub(crate) const H_EVICTIONS: usize = 104;
+pub(crate) const H_INSERTS: usize = 112;
 const H_TICK: usize = 120;
+/// `PageKind::code` of what the creator got.
+pub(crate) const H_PAGE_KIND: usize = 128;
+/// Ms since the epoch of the last open or insert.
+pub(crate) const H_LAST_USE: usize = 136;
+/// The store id, 32 ASCII hex digits (the file name says it too).
+pub(crate) const H_STORE_ID: usize = 160;
+/// Length of the store's absolute path, then its bytes up to the header's end.
+pub(crate) const H_PATH_LEN: usize = 192;
+pub(crate) const H_PATH: usize = 256;
+/// Longest store path the header can name (longer: named as unknown).
+pub(crate) const PATH_MAX: usize = HEADER_LEN - H_PATH;
 
 // Slot header offsets.
-const S_VERSION: usize = 0;
+pub(crate) const S_VERSION: usize = 0;
 const S_ID: usize = 8; // 4 words
-const S_STATE: usize = 40; // 0 empty, 1 holds a block
-const S_PRIORITY: usize = 48;
-const S_EXPIRES: usize = 56; // ms since the epoch; 0 = never
+pub(crate) const S_STATE: usize = 40; // 0 empty, 1 holds a block
+pub(crate) const S_PRIORITY: usize = 48;
+pub(crate) const S_EXPIRES: usize = 56; // ms since the epoch; 0 = never
 const S_LAST_USED: usize = 64; // value of the arena's tick
 const S_CRC: usize = 72; // `data_crc` of the slot's data, zero-extended
 const S_TOKENS: usize = 80; // block_size × u32
@@ -123,6 +163,25 @@ pub enum PageKind {
 }
 
 impl PageKind {
+    /// How the header stores it.
+    pub(crate) fn code(&self) -> u64 {
+        match self {
+            PageKind::HugeTlb => 1,
+            PageKind::TransparentHuge => 2,
+            PageKind::Normal => 3,
+        }
+    }
+
+    /// Back from the header; `None` for anything else.
+    pub(crate) fn from_code(code: u64) -> Option<PageKind> {
+        match code {
+            1 => Some(PageKind::HugeTlb),
+            2 => Some(PageKind::TransparentHuge),
+            3 => Some(PageKind::Normal),
+            _ => None,
+        }
+    }
+
     /// The name `stats()` and `kvstore info` show.
     pub fn name(&self) -> &'static str {
         match self {
@@ -166,9 +225,34 @@ pub struct ArenaStats {
     pub slots_torn: u64,
     /// What backs the mapping: `hugetlb`, `thp` or `normal`.
     pub page_kind: String,
+    /// Whether this handle maps it (false: a handle opened without a hot
+    /// tier, reporting the store's arena from its file).
+    pub mapped: bool,
 }
 
-pub struct Arena {
+/// The store an arena belongs to, as its header names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Owner {
+    /// The store id (32 hex digits), from its MANIFEST.
+    pub store_id: String,
+    /// The store directory's absolute path.
+    pub store_path: PathBuf,
+}
+
+impl Owner {
+    /// The path bytes the header stores: empty when too long to fit.
+    fn path_bytes(&self) -> &[u8] {
+        use std::os::unix::ffi::OsStrExt;
+        let b = self.store_path.as_os_str().as_bytes();
+        if b.len() <= PATH_MAX {
+            b
+        } else {
+            &[]
+        }
+    }
+}
+
+pub(crate) struct Arena {
     map: SharedMap,
     file: File,
     path: PathBuf,
@@ -191,13 +275,13 @@ pub struct Arena {
 /// Where everything lies in an arena: a function of the layout and the size
 /// alone, so an existing arena's header can be checked word for word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Geometry {
-    nslots: usize,
-    ways: usize,
-    slot_hdr: usize,
-    slot_size: usize,
-    data_off: usize,
-    total: usize,
+pub(crate) struct Geometry {
+    pub nslots: usize,
+    pub ways: usize,
+    pub slot_hdr: usize,
+    pub slot_size: usize,
+    pub data_off: usize,
+    pub total: usize,
 }
 
 impl Geometry {
@@ -232,7 +316,7 @@ impl Geometry {
         })
     }
 
-    fn data_off_for(nslots: usize, slot_hdr: usize) -> Option<usize> {
+    pub(crate) fn data_off_for(nslots: usize, slot_hdr: usize) -> Option<usize> {
         nslots
             .checked_mul(slot_hdr)?
             .checked_add(HEADER_LEN)?
@@ -240,7 +324,7 @@ impl Geometry {
             .checked_add(DATA_SKEW)
     }
 
-    fn total_for(nslots: usize, slot_hdr: usize, slot_size: usize) -> Option<usize> {
+    pub(crate) fn total_for(nslots: usize, slot_hdr: usize, slot_size: usize) -> Option<usize> {
         Self::data_off_for(nslots, slot_hdr)?
             .checked_add(nslots.checked_mul(slot_size)?)?
             .checked_next_multiple_of(DATA_ALIGN)
@@ -273,26 +357,6 @@ fn geometry(layout: &Layout, hot_bytes: u64) -> Result<Geometry> {
     })
 }
 
-/// Where arenas live when the user names no directory: a hugetlbfs mount
-/// with enough free huge pages, else `/dev/shm`.
-pub fn default_dir(bytes: u64) -> PathBuf {
-    if let Ok(mounts) = std::fs::read_to_string("/proc/mounts") {
-        for line in mounts.lines() {
-            let mut f = line.split_whitespace();
-            let (_, dir, fs) = (f.next(), f.next(), f.next());
-            if fs == Some("hugetlbfs") {
-                if let Some(dir) = dir {
-                    let free = rustix::fs::statvfs(dir).map_or(0, |s| s.f_bavail * s.f_bsize);
-                    if free >= bytes {
-                        return PathBuf::from(dir);
-                    }
-                }
-            }
-        }
-    }
-    PathBuf::from("/dev/shm")
-}
-
 /// How to get past an arena refused for its contents.
 const REMOVE: &str = "remove it (kvstore.remove_arena) to start a fresh one: processes that \
                       have it mapped keep their mapping";
@@ -305,45 +369,30 @@ impl Arena {
     /// Opens the arena at `path`, creating it (of at most `hot_bytes`) if it
     /// does not exist. An existing arena of this store is adopted at its own
     /// size; anything else at that path is refused, never followed.
-    pub fn open(path: &Path, layout: &Layout, tag: &[u8; 32], hot_bytes: u64) -> Result<Arena> {
+    pub fn open(
+        path: &Path,
+        layout: &Layout,
+        tag: &[u8; 32],
+        hot_bytes: u64,
+        owner: &Owner,
+    ) -> Result<Arena> {
         let geo = geometry(layout, hot_bytes)?;
-        let nofollow = rustix::fs::OFlags::NOFOLLOW.bits() as i32;
-        let (file, created) = match std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(nofollow)
-            .open(path)
-        {
-            Ok(f) => (f, true),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                match std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .custom_flags(nofollow)
-                    .open(path)
-                {
-                    Ok(f) => (f, false),
-                    Err(e) if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
-                        return Err(refuse(path, "it is a symlink"))
-                    }
-                    Err(e) => {
-                        return Err(Error::Io {
-                            context: format!("opening arena {}", path.display()),
-                            source: e,
-                        })
-                    }
-                }
+        let mut tries = 0;
+        let (file, created) = loop {
+            let (file, created) = Self::open_file(path)?;
+            // The lifetime lock, before anything is read or mapped; then the
+            // path must still name this file (else a pruner removed it).
+            ofd_lock(&file, OfdLock::SharedWait)
+                .ctx(|| format!("locking arena {}", path.display()))?;
+            if same_file(&file, path) {
+                break (file, created);
             }
-            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
-                return Err(refuse(path, "it is a symlink"))
-            }
-            Err(e) => {
-                return Err(Error::Io {
-                    context: format!("creating arena {}", path.display()),
-                    source: e,
-                })
+            tries += 1;
+            if tries == 8 {
+                return Err(Error::StoreLocked(format!(
+                    "arena {} keeps being removed while this process opens it",
+                    path.display()
+                )));
             }
         };
         let meta = file.metadata().ctx(|| format!("stat {}", path.display()))?;
@@ -370,7 +419,7 @@ impl Arena {
         // waits here until the creator has filled the header.
         file.lock()
             .ctx(|| format!("locking arena {}", path.display()))?;
-        let res = Self::init_or_adopt(file, path, layout, tag, geo);
+        let res = Self::init_or_adopt(file, path, layout, tag, geo, owner);
         if let Err(e) = &res {
             if created && !matches!(e, Error::CorruptStore { .. }) {
                 let _ = std::fs::remove_file(path);
@@ -379,12 +428,51 @@ impl Arena {
         res
     }
 
+    /// Creates the arena file (`O_EXCL`), or opens the existing one; never
+    /// follows a symlink. True if created.
+    fn open_file(path: &Path) -> Result<(File, bool)> {
+        let nofollow = rustix::fs::OFlags::NOFOLLOW.bits() as i32;
+        let symlink =
+            |e: &std::io::Error| e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error());
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nofollow)
+            .open(path)
+        {
+            Ok(f) => Ok((f, true)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                match std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .custom_flags(nofollow)
+                    .open(path)
+                {
+                    Ok(f) => Ok((f, false)),
+                    Err(e) if symlink(&e) => Err(refuse(path, "it is a symlink")),
+                    Err(e) => Err(Error::Io {
+                        context: format!("opening arena {}", path.display()),
+                        source: e,
+                    }),
+                }
+            }
+            Err(e) if symlink(&e) => Err(refuse(path, "it is a symlink")),
+            Err(e) => Err(Error::Io {
+                context: format!("creating arena {}", path.display()),
+                source: e,
+            }),
+        }
+    }
+
     fn init_or_adopt(
         file: File,
         path: &Path,
         layout: &Layout,
         tag: &[u8; 32],
         geo: Geometry,
+        owner: &Owner,
     ) -> Result<Arena> {
         // Decided here, under the lock, from the file itself (not from who
         // created it): the first process to hold the lock initialises it.
@@ -436,9 +524,20 @@ impl Arena {
                 let w = u64::from_le_bytes(tag[8 * i..8 * i + 8].try_into().expect("8 bytes"));
                 map.u64_at(H_TAG + 8 * i).store(w, Ordering::Relaxed);
             }
+        }
+        let page_kind = crate::arenas::page_kind_of(map.addr());
+        if fresh {
+            map.u64_at(H_PAGE_KIND)
+                .store(page_kind.code(), Ordering::Relaxed);
+            map.write(
+                H_STORE_ID,
+                owner.store_id.as_bytes().get(..32).unwrap_or(&[0; 32]),
+            );
             map.u64_at(H_READY).store(1, Ordering::Release);
         }
-        let page_kind = page_kind_of(map.addr());
+        write_owner_path(&map, owner);
+        map.u64_at(H_LAST_USE)
+            .store(crate::clock::now_ms(), Ordering::Relaxed);
         let arena = Arena {
             map,
             file,
@@ -811,6 +910,7 @@ impl Arena {
                 return Inserted::Full;
             };
             self.write_slot(slot, id, tokens, chunks, priority, expires_ms);
+            self.map.u64_at(H_LAST_USE).store(now_ms, Ordering::Relaxed);
             if rank.0 == 1 {
                 self.map.u64_at(H_EVICTIONS).fetch_add(1, Ordering::Relaxed);
             }
@@ -943,51 +1043,43 @@ impl Arena {
             inserts: self.map.u64_at(H_INSERTS).load(Ordering::Relaxed),
             slots_torn: torn,
             page_kind: self.page_kind.name().to_string(),
+            mapped: true,
         }
+    }
+}
+
+/// Names the store's current path in the header (it changes when the store
+/// directory is renamed or moved), under the arena lock.
+fn write_owner_path(map: &SharedMap, owner: &Owner) {
+    let bytes = owner.path_bytes();
+    let mut current = vec![0u8; bytes.len()];
+    map.read(H_PATH, &mut current);
+    if map.u64_at(H_PATH_LEN).load(Ordering::Relaxed) == bytes.len() as u64 && current == bytes {
+        return;
+    }
+    map.u64_at(H_PATH_LEN).store(0, Ordering::Relaxed);
+    map.write(H_PATH, bytes);
+    map.u64_at(H_PATH_LEN)
+        .store(bytes.len() as u64, Ordering::Release);
+}
+
+/// Whether `path` names the file `file` is open on (not removed or replaced).
+pub(crate) fn same_file(file: &File, path: &Path) -> bool {
+    match (file.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
     }
 }
 
 /// The header words of an existing arena file, read (not mapped: on
 /// hugetlbfs a mapping shorter than a huge page cannot be unmapped).
 /// Stable while we hold the arena lock.
-fn read_header(file: &File, path: &Path) -> Result<impl Fn(usize) -> u64> {
+pub(crate) fn read_header(file: &File, path: &Path) -> Result<impl Fn(usize) -> u64> {
     use std::os::unix::fs::FileExt;
     let mut buf = vec![0u8; HEADER_LEN];
     file.read_exact_at(&mut buf, 0)
         .ctx(|| format!("reading {}", path.display()))?;
     Ok(move |off: usize| u64::from_le_bytes(buf[off..off + 8].try_into().expect("8 bytes")))
-}
-
-/// Reads the page kind of the mapping at `addr` from `/proc/self/smaps`: what
-/// the kernel gave, not what was asked for.
-fn page_kind_of(addr: usize) -> PageKind {
-    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
-        return PageKind::Normal;
-    };
-    let prefix = format!("{addr:x}-");
-    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&prefix));
-    lines.next();
-    let mut kind = PageKind::Normal;
-    for line in lines {
-        if line
-            .split_whitespace()
-            .next()
-            .is_some_and(|w| w.contains('-') && !w.ends_with(':'))
-        {
-            break; // next mapping
-        }
-        let mut f = line.split_whitespace();
-        let (key, value) = (
-            f.next().unwrap_or(""),
-            f.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0),
-        );
-        match key {
-            "KernelPageSize:" if value >= 2048 => return PageKind::HugeTlb,
-            "ShmemPmdMapped:" | "FilePmdMapped:" if value > 0 => kind = PageKind::TransparentHuge,
-            _ => {}
-        }
-    }
-    kind
 }
 
 #[cfg(test)]

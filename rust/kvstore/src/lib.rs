@@ -37,6 +37,7 @@ macro_rules! internal_mods {
 internal_mods!(format, index, record, scan);
 
 mod arena;
+mod arenas;
 mod clock;
 mod dir;
 mod error;
@@ -55,6 +56,7 @@ mod repair;
 mod store;
 
 pub use arena::{ArenaStats, PageKind};
+pub use arenas::{arena_dirs, list_arenas, peek_arena, remove_arena_file, ArenaInfo};
 pub use error::{Error, Result};
 pub use format::{Manifest, FORMAT_VERSION};
 pub use id::{hex as block_id_hex, BlockId, Keyer};

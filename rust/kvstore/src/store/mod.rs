@@ -43,7 +43,8 @@ pub use options::{Durability, Options};
 pub use stats::{SegmentReport, Stats};
 pub use verify::{Damage, VerifyReport};
 
-use crate::arena::{self, Arena};
+use crate::arena::{Arena, Owner};
+use crate::arenas;
 use crate::dir::StoreDir;
 use crate::error::{Error, IoContext, Result};
 use crate::format::{self, Manifest};
@@ -448,7 +449,7 @@ impl Inner {
         let keyer = Keyer::new(&fingerprint, &layout, opts.salt.as_deref());
         let arena = match opts.hot_bytes {
             None => None,
-            Some(bytes) => Some(open_arena(&opts, &manifest, &layout, bytes)?),
+            Some(bytes) => Some(open_arena(root, &opts, &manifest, &layout, bytes)?),
         };
         let inner = Inner {
             dir,
@@ -485,14 +486,32 @@ impl Inner {
 
 /// Opens (or creates) the store's hot tier: one arena file per store, named
 /// by the store id, in `hot_dir`, `$KVSTORE_HOT_DIR`, or the default place.
-fn open_arena(opts: &Options, manifest: &Manifest, layout: &Layout, bytes: u64) -> Result<Arena> {
+/// First prunes orphaned arenas in that directory (bounded; see `arenas`).
+fn open_arena(
+    root: &Path,
+    opts: &Options,
+    manifest: &Manifest,
+    layout: &Layout,
+    bytes: u64,
+) -> Result<Arena> {
     let dir = opts
         .hot_dir
         .clone()
         .or_else(|| std::env::var_os("KVSTORE_HOT_DIR").map(PathBuf::from))
-        .unwrap_or_else(|| arena::default_dir(bytes));
+        .unwrap_or_else(|| arenas::default_dir(bytes));
     let path = dir.join(format!("kvstore-{}.arena", manifest.store_id));
+    arenas::prune_dir(&dir, &path, arenas::OPEN_PRUNE_LIMIT);
+    let owner = Owner {
+        store_id: manifest.store_id.clone(),
+        store_path: std::fs::canonicalize(root).ctx(|| format!("resolving {}", root.display()))?,
+    };
     let mut tag_input = manifest.store_id.as_bytes().to_vec();
     tag_input.extend_from_slice(&layout.canonical_bytes());
-    Arena::open(&path, layout, blake3::hash(&tag_input).as_bytes(), bytes)
+    Arena::open(
+        &path,
+        layout,
+        blake3::hash(&tag_input).as_bytes(),
+        bytes,
+        &owner,
+    )
 }

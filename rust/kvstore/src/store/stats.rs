@@ -132,7 +132,16 @@ impl Inner {
             block_bytes: self.layout.block_bytes() as u64,
             hot_hit_blocks: c.hot_hit_blocks.load(Ordering::Relaxed),
             disk_hit_blocks: c.disk_hit_blocks.load(Ordering::Relaxed),
-            arena: self.arena.as_ref().map(|a| a.stats(now_ms())),
+            arena: match &self.arena {
+                Some(a) => Some(a.stats(now_ms())),
+                // Without a hot tier: the store's arena as its file says,
+                // wherever a process opening it with one would look.
+                None => crate::arenas::peek_arena(
+                    &crate::arenas::arena_dirs(self.opts.hot_dir.as_deref()),
+                    &self.manifest.store_id,
+                    now_ms(),
+                ),
+            },
         })
     }
 

@@ -176,6 +176,7 @@ class Store:
         kv: npt.NDArray[np.uint8],
         kv_tokens: int,
         extra: bytes,
+        start: int = 0,
     ) -> int: ...
     def block_ids(self, tokens: npt.NDArray[np.uint32], extra: bytes) -> list[bytes]: ...
     def lookup(self, tokens: npt.NDArray[np.uint32], extra: bytes, count: bool) -> int: ...
@@ -185,6 +186,7 @@ class Store:
         extra: bytes,
         out: npt.NDArray[np.uint8],
         out_tokens: int,
+        start: int = 0,
     ) -> int: ...
     def pin(
         self,

@@ -60,6 +60,18 @@ def _check_seconds(name: str, value: Any, allow_zero: bool) -> None:
         )
 
 
+def _check_start(start: Any, block_size: int, tokens: int) -> int:
+    """`start` of a range put or get: a block boundary within the sequence."""
+    if isinstance(start, bool) or not isinstance(start, int):
+        raise InvalidInput(f"start: expected an int, got {type(start).__name__}")
+    if start < 0 or start % block_size or start > tokens:
+        raise InvalidInput(
+            f"start: expected a multiple of the block size {block_size} from 0 to {tokens} "
+            f"(the token ids given), got {start}"
+        )
+    return start
+
+
 class Store:
     """A handle on a store directory. Use as a context manager, or call `close()`.
 
@@ -100,17 +112,29 @@ class Store:
 
     # -- blocks -----------------------------------------------------------------------------
 
-    def put(self, tokens: Any, kv: Any, *, extra: bytes | str | None = None) -> int:
+    def put(
+        self,
+        tokens: Any,
+        kv: Any,
+        *,
+        extra: bytes | str | None = None,
+        start: int = 0,
+    ) -> int:
         """Stores every full block of `tokens` not stored yet; returns the tokens covered.
 
         `kv` is `[L, 2, T, H, D]` with T >= the full-block tokens of `tokens`, of the
         layout's dtype (bfloat16 through torch). `extra` is mixed into every block id
         (e.g. an adapter name): only a request with the same `extra` finds these blocks.
+        With `start` (a multiple of block_size), `kv` holds `tokens[start:]` and only
+        the blocks from `start` on are written: a chunked prefill hands over its new
+        blocks alone. The blocks before `start` should be stored already: a block whose
+        parent is missing is found only once the parent is stored.
         """
         toks = tokens_array(tokens)
         b = self.layout.block_size
-        flat, t = kv_bytes(kv, self.layout, need=len(toks) // b * b)
-        return self._raw.put(toks, flat, t, extra_bytes(extra))
+        s = _check_start(start, b, len(toks))
+        flat, t = kv_bytes(kv, self.layout, need=max(len(toks) // b * b - s, 0))
+        return self._raw.put(toks, flat, t, extra_bytes(extra), s)
 
     def block_ids(self, tokens: Any, extra: bytes | str | None = None) -> list[bytes]:
         """The engine's ids of the full blocks of `tokens` (32 bytes each), as the store
@@ -130,6 +154,7 @@ class Store:
         out: Any = None,
         like: Any = None,
         extra: bytes | str | None = None,
+        start: int = 0,
     ) -> Any:
         """KV of the longest stored prefix of `tokens`.
 
@@ -137,16 +162,20 @@ class Store:
         of `like` (a numpy array or torch tensor), else of the store's `array` setting.
         With `out` (a contiguous `[L, 2, T, H, D]` CPU array/tensor): fills its first m
         tokens and returns m (m <= T); the rest of `out` is left unspecified.
+        With `start` (a multiple of block_size) only `tokens[start:m]` is read: the
+        result (or `out`) holds the KV from token `start` on, and the m returned with
+        `out` still counts from token 0 (below `start` when the prefix ends before it).
         """
         toks = tokens_array(tokens)
         ex = extra_bytes(extra)
+        s = _check_start(start, self.layout.block_size, len(toks))
         if out is not None:
             flat, t = out_bytes(out, self.layout)
-            return self._raw.get_into(toks, ex, flat, t)
-        m = self._raw.lookup(toks, ex, False)
+            return self._raw.get_into(toks, ex, flat, t, s)
+        m = max(self._raw.lookup(toks, ex, False) - s, 0)
         result = self._empty(m, like)
         flat, _ = kv_bytes(result, self.layout, "out")
-        n = self._raw.get_into(toks, ex, flat, m)
+        n = max(self._raw.get_into(toks, ex, flat, m, s) - s, 0)
         if n < m:  # a block turned out damaged (or was compacted away) after lookup
             result = (
                 result[:, :, :n].copy()

@@ -81,6 +81,9 @@ impl Store {
         Ok(self.engine.durability().py()?.name())
     }
 
+    /// Stores the full blocks of `tokens` from token `start` on; `kv` (bytes
+    /// of `[L, 2, kv_tokens, H, D]`) holds `tokens[start..]`.
+    #[pyo3(signature = (tokens, kv, kv_tokens, extra, start=0))]
     fn put(
         &self,
         py: Python<'_>,
@@ -88,9 +91,11 @@ impl Store {
         kv: PyReadonlyArray1<'_, u8>,
         kv_tokens: usize,
         extra: &[u8],
+        start: usize,
     ) -> PyResult<usize> {
         let (t, k) = (slice(&tokens, "tokens")?, slice(&kv, "kv")?);
-        py.detach(|| self.engine.put(t, k, kv_tokens, extra)).py()
+        py.detach(|| self.engine.put_from(t, start, k, kv_tokens, extra))
+            .py()
     }
 
     /// The engine's ids of the full blocks of `tokens` (32 bytes each), keyed
@@ -125,6 +130,9 @@ impl Store {
         .py()
     }
 
+    /// Fills `out` (bytes of `[L, 2, out_tokens, H, D]`) with the KV of
+    /// `tokens[start..m]`, `m` the longest stored prefix; returns `m`.
+    #[pyo3(signature = (tokens, extra, out, out_tokens, start=0))]
     fn get_into(
         &self,
         py: Python<'_>,
@@ -132,12 +140,13 @@ impl Store {
         extra: &[u8],
         mut out: PyReadwriteArray1<'_, u8>,
         out_tokens: usize,
+        start: usize,
     ) -> PyResult<usize> {
         let t = slice(&tokens, "tokens")?;
         let o = out
             .as_slice_mut()
             .map_err(|_| invalid("out: expected a contiguous array"))?;
-        py.detach(|| self.engine.get_into(t, extra, o, out_tokens))
+        py.detach(|| self.engine.get_from(t, start, extra, o, out_tokens))
             .py()
     }
 

@@ -150,7 +150,23 @@ impl Store {
     /// Stores every full block of `tokens` not stored yet. `kv` is a contiguous
     /// `[L, 2, kv_tokens, H, D]` buffer. Returns the tokens covered (full blocks).
     pub fn put(&self, tokens: &[u32], kv: &[u8], kv_tokens: usize, extra: &[u8]) -> Result<usize> {
-        self.live()?.put(tokens, kv, kv_tokens, extra)
+        self.live()?.put_from(tokens, 0, kv, kv_tokens, extra)
+    }
+
+    /// `put` of the blocks from token `start` on (a multiple of the block
+    /// size): `kv` is `[L, 2, kv_tokens, H, D]` holding `tokens[start..]`, so a
+    /// chunked prefill hands over only its new blocks. Blocks before `start`
+    /// are not written (a block whose parent is not stored is unreachable until
+    /// it is). Returns the tokens covered, counted from token 0.
+    pub fn put_from(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        kv: &[u8],
+        kv_tokens: usize,
+        extra: &[u8],
+    ) -> Result<usize> {
+        self.live()?.put_from(tokens, start, kv, kv_tokens, extra)
     }
 
     /// The ids of the full blocks of `tokens` (keyed by this handle's model,
@@ -185,7 +201,23 @@ impl Store {
         out: &mut [u8],
         out_tokens: usize,
     ) -> Result<usize> {
-        self.live()?.get_into(tokens, extra, out, out_tokens)
+        self.live()?.get_from(tokens, 0, extra, out, out_tokens)
+    }
+
+    /// `get_into` from token `start` on (a multiple of the block size): fills
+    /// `out` (`[L, 2, out_tokens, H, D]`) with the KV of `tokens[start..m]`,
+    /// where `m` is the longest stored prefix of `tokens` (blocks before
+    /// `start` are checked, not read). Returns `m`, counted from token 0; less
+    /// than `start` when the prefix ends before it (then `out` is untouched).
+    pub fn get_from(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        extra: &[u8],
+        out: &mut [u8],
+        out_tokens: usize,
+    ) -> Result<usize> {
+        self.live()?.get_from(tokens, start, extra, out, out_tokens)
     }
 
     /// Keeps the longest stored prefix of `tokens` warm: held in the hot tier

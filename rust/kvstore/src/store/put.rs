@@ -29,12 +29,16 @@ fn block_chunks<'a>(layout: &Layout, kv: &'a [u8], total_tokens: usize, i: usize
 }
 
 impl Inner {
-    pub(super) fn check_kv(&self, tokens: &[u32], kv: &[u8], kv_tokens: usize) -> Result<usize> {
+    /// Checks a put's arguments; returns the tokens of its full blocks.
+    fn check_kv(&self, tokens: &[u32], start: usize, kv: &[u8], kv_tokens: usize) -> Result<usize> {
         let b = self.layout.block_size as usize;
         let full = tokens.len() / b * b;
-        if kv_tokens < full {
+        check_start(start, b, tokens.len())?;
+        if kv_tokens < full - start.min(full) {
             return Err(Error::InvalidInput(format!(
-                "kv: expected at least {full} tokens (the full blocks of {} token ids), got {kv_tokens}",
+                "kv: expected at least {} tokens (the full blocks of {} token ids from {start}), \
+                 got {kv_tokens}",
+                full - start.min(full),
                 tokens.len()
             )));
         }
@@ -55,16 +59,21 @@ impl Inner {
         Ok(full)
     }
 
-    pub(super) fn put(
+    /// Stores the full blocks of `tokens` from token `start` (a multiple of
+    /// the block size) that are not stored yet; `kv` holds `tokens[start..]`.
+    /// Returns the tokens covered (full blocks, counted from token 0).
+    pub(super) fn put_from(
         &self,
         tokens: &[u32],
+        start: usize,
         kv: &[u8],
         kv_tokens: usize,
         extra: &[u8],
     ) -> Result<usize> {
-        let full = self.check_kv(tokens, kv, kv_tokens)?;
+        let full = self.check_kv(tokens, start, kv, kv_tokens)?;
         let b = self.layout.block_size as usize;
         let ids = self.keyer.chain(&tokens[..full], b, extra);
+        let first = start / b;
         let mut w = self.writer.lock().expect("writer lock");
         if let Some(p) = &w.poisoned {
             return Err(Error::Poisoned(p.clone()));
@@ -76,18 +85,23 @@ impl Inner {
         // Under the writer lock: a group commit between this check and the
         // writes would otherwise move blocks from `pending` to the index
         // unseen, and they would be written twice.
+        // Blocks before `start` are not this put's to write: count them present.
         let present: Vec<bool> = {
             // One snapshot per call, so the cache notices a newer generation.
             let mut snap = Some(self.snapshot()?);
             ids.iter()
-                .map(|id| self.committed(&mut snap, id).map(|l| l.is_some()))
+                .enumerate()
+                .map(|(i, id)| Ok(i < first || self.committed(&mut snap, id)?.is_some()))
                 .collect::<Result<_>>()?
         };
+        // Block i: its id, its tokens and its runs in `kv`.
         let block = |i: usize| (&ids[i], &tokens[i * b..(i + 1) * b]);
-        let fresh = self.write_blocks(&mut w, &ids, &present, &block, kv, kv_tokens)?;
-        self.counters
-            .blocks_deduped
-            .fetch_add((ids.len() - fresh.len()) as u64, Ordering::Relaxed);
+        let runs = |i: usize| block_chunks(&self.layout, kv, kv_tokens, i - first);
+        let fresh = self.write_blocks(&mut w, &ids, &present, &block, &runs)?;
+        self.counters.blocks_deduped.fetch_add(
+            (ids.len().saturating_sub(first) - fresh.len()) as u64,
+            Ordering::Relaxed,
+        );
         self.counters
             .blocks_written
             .fetch_add(fresh.len() as u64, Ordering::Relaxed);
@@ -106,8 +120,7 @@ impl Inner {
         if let Some(arena) = &self.arena {
             for &i in &fresh {
                 let (id, block_tokens) = block(i);
-                let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
-                arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
+                arena.insert(id, block_tokens, &runs(i), 0, 0, now_ms())?;
             }
         }
         Ok(full)
@@ -125,8 +138,7 @@ impl Inner {
         ids: &[BlockId],
         present: &[bool],
         block: &dyn Fn(usize) -> (&'t BlockId, &'t [u32]),
-        kv: &[u8],
-        kv_tokens: usize,
+        runs: &dyn Fn(usize) -> Vec<&'t [u8]>,
     ) -> Result<Vec<usize>> {
         // One time for the whole put: block i is stamped i µs earlier.
         let t0 = now_us();
@@ -138,7 +150,7 @@ impl Inner {
             if here || w.pending_ids.contains_key(id) {
                 continue;
             }
-            let chunks = block_chunks(&self.layout, kv, kv_tokens, i);
+            let chunks = runs(i);
             let res = record::encode(
                 &self.layout,
                 self.opts.compression_level,
@@ -241,4 +253,15 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// Checks that `start` is a block boundary within the sequence.
+pub(super) fn check_start(start: usize, block_size: usize, tokens: usize) -> Result<()> {
+    if !start.is_multiple_of(block_size) || start > tokens {
+        return Err(Error::InvalidInput(format!(
+            "start: expected a multiple of the block size {block_size} from 0 to {tokens} \
+             (the token ids given), got {start}"
+        )));
+    }
+    Ok(())
 }

@@ -156,14 +156,16 @@ impl Inner {
         self.committed(snap, id)
     }
 
-    pub(super) fn get_into(
+    pub(super) fn get_from(
         &self,
         tokens: &[u32],
+        start: usize,
         extra: &[u8],
         out: &mut [u8],
         out_tokens: usize,
     ) -> Result<usize> {
         let b = self.layout.block_size as usize;
+        super::put::check_start(start, b, tokens.len())?;
         let want = self
             .layout
             .kv_bytes(out_tokens)
@@ -174,70 +176,92 @@ impl Inner {
                 out.len()
             )));
         }
-        let usable = tokens.len().min(out_tokens) / b;
+        let (first, usable) = (start / b, tokens.len().min(start + out_tokens) / b);
         let ids = self.keyer.chain(&tokens[..usable * b], b, extra);
         let mut scratch = Vec::new();
         let mut served = 0;
         // One snapshot per call, so the cache notices a newer generation.
         let mut snap = Some(self.snapshot()?);
-        'blocks: for (i, id) in ids.iter().enumerate() {
-            let block_tokens = &tokens[i * b..(i + 1) * b];
-            if let Some(arena) = &self.arena {
-                let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i);
-                if arena.get(id, block_tokens, &mut chunks) {
-                    self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
-                    served += 1;
-                    continue 'blocks;
-                }
+        for (i, id) in ids.iter().enumerate() {
+            let found = if i < first {
+                // Before `start`: the prefix must hold it, the caller has its KV.
+                self.arena.as_ref().is_some_and(|a| a.contains(id))
+                    || self.find(&mut snap, id)?.is_some()
+            } else {
+                let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i - first);
+                let block_tokens = &tokens[i * b..(i + 1) * b];
+                self.read_block(&mut snap, id, block_tokens, &mut chunks, &mut scratch)?
+            };
+            if !found {
+                break;
             }
-            for attempt in 0..2 {
-                let Some(loc) = self.find(&mut snap, id)? else {
-                    break 'blocks;
-                };
-                let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i);
-                match self.read_record(&loc, id, Some(block_tokens), &mut chunks, &mut scratch) {
-                    Ok(()) => {
-                        self.counters
-                            .bytes_read
-                            .fetch_add(loc.record_len, Ordering::Relaxed);
-                        self.counters
-                            .disk_hit_blocks
-                            .fetch_add(1, Ordering::Relaxed);
-                        if let Some(arena) = &self.arena {
-                            // Promote: the next reader, in any process, gets it from memory.
-                            let chunks: Vec<&[u8]> = chunks.iter().map(|c| &**c).collect();
-                            arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
-                        }
-                        served += 1;
-                        continue 'blocks;
-                    }
-                    Err(ReadFail::Gone) if attempt == 0 => {
-                        // Compacted away since our snapshot: look it up afresh.
-                        snap = None;
-                        self.known.forget(id);
-                        self.readers
-                            .write()
-                            .expect("reader cache")
-                            .remove(&loc.segment);
-                    }
-                    Err(fail) => {
-                        // Damaged, or still pointing at a missing file after
-                        // a fresh look (lost, not compacted): out of the
-                        // index, so the next put of these tokens stores it
-                        // again. Another sequence's record is just a miss.
-                        if let Some(reason) = fail.damage() {
-                            drop(snap.take());
-                            self.known.forget(id);
-                            self.quarantine(id, &loc, &reason)?;
-                        }
-                        break 'blocks;
-                    }
-                }
-            }
+            served += 1;
         }
         self.count_hits(served, tokens.len() / b);
         self.touch(&ids[..served]);
         Ok(served * b)
+    }
+
+    /// Lands block `id` in `chunks`: from the hot tier, else from its record
+    /// (promoted into the hot tier). Whether it was served; a damaged record
+    /// is quarantined on the way.
+    fn read_block<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        id: &BlockId,
+        block_tokens: &[u32],
+        chunks: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+    ) -> Result<bool> {
+        if let Some(arena) = &self.arena {
+            if arena.get(id, block_tokens, chunks) {
+                self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
+                return Ok(true);
+            }
+        }
+        for attempt in 0..2 {
+            let Some(loc) = self.find(snap, id)? else {
+                return Ok(false);
+            };
+            match self.read_record(&loc, id, Some(block_tokens), chunks, scratch) {
+                Ok(()) => {
+                    self.counters
+                        .bytes_read
+                        .fetch_add(loc.record_len, Ordering::Relaxed);
+                    self.counters
+                        .disk_hit_blocks
+                        .fetch_add(1, Ordering::Relaxed);
+                    if let Some(arena) = &self.arena {
+                        // Promote: the next reader, in any process, gets it from memory.
+                        let chunks: Vec<&[u8]> = chunks.iter().map(|c| &**c).collect();
+                        arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
+                    }
+                    return Ok(true);
+                }
+                Err(ReadFail::Gone) if attempt == 0 => {
+                    // Compacted away since our snapshot: look it up afresh.
+                    *snap = None;
+                    self.known.forget(id);
+                    self.readers
+                        .write()
+                        .expect("reader cache")
+                        .remove(&loc.segment);
+                }
+                Err(fail) => {
+                    // Damaged, or still pointing at a missing file after
+                    // a fresh look (lost, not compacted): out of the
+                    // index, so the next put of these tokens stores it
+                    // again. Another sequence's record is just a miss.
+                    if let Some(reason) = fail.damage() {
+                        drop(snap.take());
+                        self.known.forget(id);
+                        self.quarantine(id, &loc, &reason)?;
+                    }
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(false)
     }
 
     pub(super) fn reader(&self, segment: u64) -> std::io::Result<Arc<File>> {

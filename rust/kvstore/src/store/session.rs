@@ -21,7 +21,7 @@ impl Inner {
         // The KV may cover fewer tokens than the session binds (a cache that has
         // not seen the last generated token): store what it covers.
         let covered = tokens.len().min(kv_tokens);
-        let n = self.put(&tokens[..covered], kv, kv_tokens, b"")?;
+        let n = self.put_from(&tokens[..covered], 0, kv, kv_tokens, b"")?;
         let mut w = self.writer.lock().expect("writer lock");
         self.commit_pending(&mut w)?;
         let mut txn = self.index.write()?;

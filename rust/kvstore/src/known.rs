@@ -3,8 +3,8 @@
 //! B-tree descent.
 //!
 //! Validity rests on the index's `generation` counter: every change that
-//! removes or moves a block entry bumps it (`Index::delete_block`,
-//! `Index::move_block`), and between bumps entries are only ever added. So
+//! removes or moves a block entry bumps it (`Index::delete_block_if_at`,
+//! `Index::move_block_if_at`), and between bumps entries are only ever added. So
 //! locations read at generation G stay true until the index reaches G + 1,
 //! when the cache is cleared. An entry is inserted only if it was read at the
 //! cache's own generation. Even a stale entry could never yield wrong KV:

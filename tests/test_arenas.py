@@ -49,8 +49,8 @@ def listed(hot: Path, prune: bool = False) -> dict[str, dict]:
     """`kvstore arenas` for the arenas in `hot` only, by file name."""
     return {
         Path(a["path"]).name: a
-        for a in kvstore.arenas(hot, prune=prune)
-        if Path(a["path"]).parent == hot
+        # Only `hot`: pruning must not touch the machine's other arenas.
+        for a in kvstore.arenas(prune=prune, dirs=[hot])
     }
 
 
@@ -91,7 +91,7 @@ def test_deleted_store_is_listed_as_orphan_and_pruned_by_the_cli(
     )
     assert out[b.name]["orphan"] is False
     assert a.exists(), "listing alone never removes anything"
-    assert cli(["arenas", "--hot-dir", str(hot), "--prune", "--json"]) == 0
+    assert cli(["arenas", "--dir", str(hot), "--prune", "--json"]) == 0
     out = {Path(x["path"]).name: x for x in json.loads(capsys.readouterr().out)}
     assert out[a.name]["pruned"] is True and out[b.name]["pruned"] is False
     assert sorted(p.name for p in hot.iterdir()) == [b.name]
@@ -175,16 +175,34 @@ def test_an_arena_a_live_process_maps_is_never_pruned(tmp_path: Path, hot: Path)
     kvstore.remove_arena(tmp_path / "b", hot_dir=hot)
 
 
+# A child that holds the arena's lifetime lock (a shared open-file-description lock,
+# as every kvstore process that has the arena open does) without mapping it, so the
+# /proc scan cannot see it: only the lock keeps the arena.
+LOCK_ONLY = """
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+# struct flock on x86-64/aarch64 Linux: l_type, l_whence, l_start, l_len, l_pid.
+fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hh4xqqi4x", fcntl.F_RDLCK, 0, 0, 0, 0))
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
 def test_the_lifetime_lock_alone_keeps_an_arena(tmp_path: Path, hot: Path) -> None:
-    """An arena this very process maps (the /proc scan sees it too, so to show the
-    lock works alone, the check runs while the lock is held but before any mapping:
-    here, simply, the store is open in this process)."""
     arena = make(tmp_path / "a", hot)
-    with open_store(tmp_path / "a", hot) as s:
+    child = subprocess.Popen(
+        child_argv(LOCK_ONLY, arena), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "locked"
         shutil.rmtree(tmp_path / "a")
-        assert listed(hot, prune=True)[arena.name]["pruned"] is False
-        assert s.stats()["hot_slots_used"] == 2
+        got = listed(hot, prune=True)[arena.name]
+        assert (got["orphan"], got["mapped_by"], got["pruned"]) == (True, 0, False)
+        assert arena.exists()
+    finally:
+        release(child)
     assert listed(hot, prune=True)[arena.name]["pruned"] is True
+    assert not arena.exists()
 
 
 def test_renamed_store_keeps_its_arena_and_takes_it_back(tmp_path: Path, hot: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -323,7 +324,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         raise KVStoreError("gc needs --max-bytes and/or --older-than")
     with _open(args.path) as s, _progress(not args.json, "compacting") as progress:
         r: dict[str, Any] = dict(s.gc(args.max_bytes, args.older_than, progress))
-    r["arenas_pruned"] = [a["path"] for a in arenas(prune=True) if a["pruned"]]
+    # Where this store's processes put arenas: $KVSTORE_HOT_DIR when set, else
+    # every place stores look.
+    hot = os.environ.get("KVSTORE_HOT_DIR")
+    found = arenas(prune=True, dirs=[hot] if hot else None)
+    r["arenas_pruned"] = [a["path"] for a in found if a["pruned"]]
 
     def human() -> None:
         c = r["compact"]
@@ -354,7 +359,7 @@ def _arena_state(a: dict[str, Any]) -> str:
 
 
 def cmd_arenas(args: argparse.Namespace) -> int:
-    found = arenas(args.hot_dir, prune=args.prune)
+    found = arenas(args.hot_dir, prune=args.prune, dirs=args.dir)
 
     def human() -> None:
         from rich.table import Table
@@ -444,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove arenas whose store is gone or no longer owns them, if no process maps them",
     )
     ar.add_argument("--hot-dir", help=hot_dir_help)
+    ar.add_argument(
+        "--dir",
+        action="append",
+        help="look in this directory only (repeatable; instead of every place stores look)",
+    )
     ra = add(
         "remove-arena",
         cmd_remove_arena,

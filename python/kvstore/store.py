@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -468,14 +468,19 @@ def _arena_dirs(hot_dir: str | os.PathLike[str] | None) -> list[Path]:
 
 
 def arenas(
-    hot_dir: str | os.PathLike[str] | None = None, *, prune: bool = False
+    hot_dir: str | os.PathLike[str] | None = None,
+    *,
+    prune: bool = False,
+    dirs: Sequence[str | os.PathLike[str]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every kvstore arena where stores look for them (`hot_dir`, $KVSTORE_HOT_DIR,
-    hugetlbfs mounts, /dev/shm): its file, the store its header names, whether that
-    store exists and still owns it (`orphan` if not), size, page kind, last use, and how
-    many live processes map it. With `prune=True`, removes the orphans no process maps
-    (marked `pruned`); never an arena whose store exists or whose header names none."""
-    return [dict(a) for a in _lib.arenas(_arena_dirs(hot_dir), prune)]
+    hugetlbfs mounts, /dev/shm), or in `dirs` only: its file, the store its header
+    names, whether that store exists and still owns it (`orphan` if not), size, page
+    kind, last use, and how many live processes map it. With `prune=True`, removes the
+    orphans no process maps (marked `pruned`); never an arena whose store exists or
+    whose header names none."""
+    where = [Path(d) for d in dirs] if dirs is not None else _arena_dirs(hot_dir)
+    return [dict(a) for a in _lib.arenas(where, prune)]
 
 
 def remove_arena(

@@ -380,6 +380,10 @@ impl Arena {
         let mut tries = 0;
         let (file, created) = loop {
             let (file, created) = Self::open_file(path)?;
+            // Refuse what is not ours before waiting on its lock: /dev/shm
+            // is writable by everyone, and another user's file could hold
+            // the lock (and this opener, and the store's LOCK) forever.
+            Self::check_ours(&file, path)?;
             // The lifetime lock, before anything is read or mapped; then the
             // path must still name this file (else a pruner removed it).
             ofd_lock(&file, OfdLock::SharedWait)
@@ -395,6 +399,22 @@ impl Arena {
                 )));
             }
         };
+        // Creation and adoption run under the arena lock: a second process
+        // waits here until the creator has filled the header.
+        file.lock()
+            .ctx(|| format!("locking arena {}", path.display()))?;
+        let res = Self::init_or_adopt(file, path, layout, tag, geo, owner);
+        if let Err(e) = &res {
+            if created && !matches!(e, Error::CorruptStore { .. }) {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        res
+    }
+
+    /// Refuses an arena file that is not a regular file of this user with
+    /// mode 600.
+    fn check_ours(file: &File, path: &Path) -> Result<()> {
         let meta = file.metadata().ctx(|| format!("stat {}", path.display()))?;
         let me = rustix::process::geteuid().as_raw();
         if !meta.file_type().is_file() {
@@ -415,23 +435,14 @@ impl Arena {
                 format!("its mode is {:o}; expected 600", meta.mode() & 0o777),
             ));
         }
-        // Creation and adoption run under the arena lock: a second process
-        // waits here until the creator has filled the header.
-        file.lock()
-            .ctx(|| format!("locking arena {}", path.display()))?;
-        let res = Self::init_or_adopt(file, path, layout, tag, geo, owner);
-        if let Err(e) = &res {
-            if created && !matches!(e, Error::CorruptStore { .. }) {
-                let _ = std::fs::remove_file(path);
-            }
-        }
-        res
+        Ok(())
     }
 
     /// Creates the arena file (`O_EXCL`), or opens the existing one; never
     /// follows a symlink. True if created.
     fn open_file(path: &Path) -> Result<(File, bool)> {
-        let nofollow = rustix::fs::OFlags::NOFOLLOW.bits() as i32;
+        // Non-blocking, so a FIFO planted under the name cannot hang the open.
+        let nofollow = (rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK).bits() as i32;
         let symlink =
             |e: &std::io::Error| e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error());
         match std::fs::OpenOptions::new()

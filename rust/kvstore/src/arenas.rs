@@ -333,7 +333,8 @@ fn open_arena_file(path: &Path, write: bool) -> Result<(File, std::fs::Metadata)
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(write)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        // Non-blocking: opening a FIFO planted under the name must not hang.
+        .custom_flags((rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK).bits() as i32)
         .open(path)
         .map_err(|e| {
             if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) {
@@ -394,8 +395,9 @@ fn describe(path: &Path, mapped: &HashMap<(u64, u64), u64>) -> ArenaInfo {
 
 /// Removes the arena at `path` if it is an orphan no process maps, under
 /// the exclusive lifetime lock (see `arena.rs`). Every check is made again
-/// under the lock. True if removed.
-fn prune_one(path: &Path) -> bool {
+/// under the lock. `mapped` is the pass's one `/proc` scan, made when the
+/// first orphan needs it. True if removed.
+fn prune_one(path: &Path, mapped: &mut Option<HashMap<(u64, u64), u64>>) -> bool {
     let Ok((file, meta)) = open_arena_file(path, true) else {
         return false;
     };
@@ -409,7 +411,8 @@ fn prune_one(path: &Path) -> bool {
         return false;
     }
     // Mapped by a process that holds no lock (an older kvstore): keep.
-    if mappers()
+    if mapped
+        .get_or_insert_with(mappers)
         .get(&(meta.dev(), meta.ino()))
         .copied()
         .unwrap_or(0)
@@ -424,13 +427,13 @@ fn prune_one(path: &Path) -> bool {
 /// Lists every arena in `dirs` (see `arena_dirs`); with `prune`, removes
 /// the orphans no process maps and marks them `pruned`.
 pub fn list_arenas(dirs: &[PathBuf], prune: bool) -> Vec<ArenaInfo> {
-    let mapped = mappers();
+    let mut mapped = Some(mappers());
     let mut out = Vec::new();
     for dir in dirs {
         for path in arena_files(dir, usize::MAX) {
-            let mut info = describe(&path, &mapped);
+            let mut info = describe(&path, mapped.as_ref().expect("scanned"));
             if prune && info.orphan && info.mapped_by == 0 {
-                info.pruned = prune_one(&path);
+                info.pruned = prune_one(&path, &mut mapped);
             }
             out.push(info);
         }
@@ -444,9 +447,10 @@ pub fn list_arenas(dirs: &[PathBuf], prune: bool) -> Vec<ArenaInfo> {
 /// attempt, a 4 KiB read and a MANIFEST read; `/proc` is scanned only for
 /// an orphan. Returns the paths removed.
 pub(crate) fn prune_dir(dir: &Path, skip: &Path, limit: usize) -> Vec<PathBuf> {
+    let mut mapped = None;
     arena_files(dir, limit)
         .into_iter()
-        .filter(|p| p != skip && prune_one(p))
+        .filter(|p| p != skip && prune_one(p, &mut mapped))
         .collect()
 }
 
@@ -464,18 +468,26 @@ fn peek(path: &Path, now_ms: u64) -> Option<ArenaStats> {
     let ins = inspect(&file, path, meta.len());
     let geo = ins.geo?;
     let head = read_header(&file, path).ok()?;
-    let mut hdrs = vec![0u8; geo.nslots.checked_mul(geo.slot_hdr)?];
-    file.read_exact_at(&mut hdrs, HEADER_LEN as u64).ok()?;
     let word = |h: &[u8], off: usize| u64::from_le_bytes(h[off..off + 8].try_into().expect("8"));
     let (mut used, mut pinned, mut torn) = (0, 0, 0);
-    for h in hdrs.chunks_exact(geo.slot_hdr) {
-        if word(h, S_VERSION) & 1 == 1 {
-            torn += 1;
-        } else if word(h, S_STATE) == 1 {
-            used += 1;
-            let (p, e) = (word(h, S_PRIORITY), word(h, S_EXPIRES));
-            if p > 0 && (e == 0 || e > now_ms) {
-                pinned += 1;
+    // Slot headers in bounded reads (about 1 MiB): the geometry comes from
+    // the file, and an arena may be gigabytes.
+    let per_read = (1usize << 20).div_ceil(geo.slot_hdr).max(1);
+    let mut buf = Vec::new();
+    for first in (0..geo.nslots).step_by(per_read) {
+        let n = per_read.min(geo.nslots - first);
+        buf.resize(n.checked_mul(geo.slot_hdr)?, 0);
+        let at = HEADER_LEN.checked_add(first.checked_mul(geo.slot_hdr)?)?;
+        file.read_exact_at(&mut buf, at as u64).ok()?;
+        for h in buf.chunks_exact(geo.slot_hdr) {
+            if word(h, S_VERSION) & 1 == 1 {
+                torn += 1;
+            } else if word(h, S_STATE) == 1 {
+                used += 1;
+                let (p, e) = (word(h, S_PRIORITY), word(h, S_EXPIRES));
+                if p > 0 && (e == 0 || e > now_ms) {
+                    pinned += 1;
+                }
             }
         }
     }

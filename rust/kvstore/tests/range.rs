@@ -99,7 +99,10 @@ fn a_missing_block_before_start_ends_the_prefix_there() {
     assert_eq!(s.lookup(&tokens, b"").unwrap(), 0);
     let mut out = vec![0x55u8; l.kv_bytes(8).unwrap()];
     assert_eq!(s.get_from(&tokens, 8, b"", &mut out, 8).unwrap(), 0);
-    assert!(out.iter().all(|&b| b == 0x55), "out written past the prefix");
+    assert!(
+        out.iter().all(|&b| b == 0x55),
+        "out written past the prefix"
+    );
     // Once the parents are stored, the whole chain is found.
     s.put_from(&tokens[..8], 0, &rows(&l, &kv, 16, 0, 8), 8, b"")
         .unwrap();
@@ -138,7 +141,8 @@ fn range_puts_dedupe_only_their_own_blocks() {
     let kv = kv_for(&l, &tokens);
     let dir = tempfile::tempdir().unwrap();
     let s = open(dir.path());
-    s.put(&tokens[..8], &rows(&l, &kv, 16, 0, 8), 8, b"").unwrap();
+    s.put(&tokens[..8], &rows(&l, &kv, 16, 0, 8), 8, b"")
+        .unwrap();
     // From 4: block 1 is stored already (deduped), 2 and 3 are new; block 0
     // is before the range and not counted at all.
     s.put_from(&tokens, 4, &rows(&l, &kv, 16, 4, 16), 12, b"")

@@ -22,8 +22,10 @@ ops.write_kv(key, value, key_cache, value_cache, slot_mapping)   # in place
   which is exact for values that stay at or above e4m3's smallest normal
   (`2**-6 * s`). So nothing saturates (only an inf would), and every value comes
   back within `2**-4 * |x| + 2**-10 * s` (half a unit in the last place of a 3-bit
-  mantissa, or half the subnormal step `2**-9 * s`; values that a grown scale pushes
-  below the smallest normal can be rounded twice, still within that bound).
+  mantissa, or half the subnormal step `2**-9 * s`) when its block's scale did not
+  grow after it was written, within `2**-4 * |x| + 2**-9 * s` in any case (values a
+  grown scale pushes below the smallest normal are rounded again, by at most half
+  the subnormal step of each scale the block grew through: a geometric sum).
   A block must be written from offset 0 (as paged engines do): that write resets
   the scale left by an earlier occupant.
 

@@ -293,3 +293,36 @@ def test_fp8_torch_compile_traces_the_ops():
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     args = (q, kc, vc, ks, vs, tables, lens)
     torch.testing.assert_close(compiled(*args), step(*args))
+
+
+# ----------------------------------------------------------------------------- BlockPool
+
+
+def test_fp8_block_pool_decodes_with_its_scales(tmp_path):
+    import kvstore
+    from kvstore.torch import BlockPool
+
+    layout = kvstore.Layout(
+        num_layers=2, num_kv_heads=2, head_dim=64, dtype="float8_e4m3fn", block_size=16
+    )
+    pool = BlockPool(layout, num_blocks=8, device="cpu", huge_pages=False)
+    assert pool.kv.dtype == FP8 and pool.kv.element_size() == 1
+    assert pool.scales is not None and pool.scales.shape == (2, 2, 8, 2)
+    assert pool.key_scales(1).shape == (8, 2) and pool.value_scales(1).shape == (8, 2)
+    seq = pool.new_sequence()
+    seq.reserve(40)
+    k, v = torch.randn(40, 2, 64), torch.randn(40, 2, 64)
+    layer = 1
+    kc, vc = pool.key_cache(layer), pool.value_cache(layer)
+    ks, vs = pool.key_scales(layer), pool.value_scales(layer)
+    ops.write_kv(k, v, kc, vc, seq.slot_mapping(0, 40), ks, vs)
+    q = torch.randn(1, 8, 64)
+    case = (q, kc, vc, ks, vs, seq.table[None], torch.tensor([40], dtype=torch.int32))
+    check_fp8_against_reference(case, 0.125)
+    assert torch.equal(pool.scales[0], torch.ones(2, 8, 2))  # layer 0 untouched
+    seq.length = 40
+    with kvstore.open(tmp_path / "s", layout=layout, model="m") as store:
+        with pytest.raises(kvstore.InvalidInput, match="raw e4m3 values only"):
+            pool.save(store, seq, list(range(40)))
+    with pytest.raises(kvstore.InvalidInput, match="scales"):
+        BlockPool(layout.__class__(1, 1, 64, "bfloat16"), 2, device="cpu").key_scales(0)

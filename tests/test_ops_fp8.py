@@ -268,7 +268,7 @@ def test_fp8_opcheck():
     before = [t.clone() for t in (q, kc.view(torch.uint8), vc.view(torch.uint8), ks, vs)]
     ops.paged_attention(q, kc, vc, tables, lens, 0.125, ks, vs)
     after = (q, kc.view(torch.uint8), vc.view(torch.uint8), ks, vs)
-    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after))
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after, strict=True))
     schema = torch.ops.kvstore.write_kv_fp8.default._schema
     assert [a.name for a in schema.arguments if a.is_write] == [
         "key_cache",
@@ -321,8 +321,10 @@ def test_fp8_block_pool_decodes_with_its_scales(tmp_path):
     check_fp8_against_reference(case, 0.125)
     assert torch.equal(pool.scales[0], torch.ones(2, 8, 2))  # layer 0 untouched
     seq.length = 40
-    with kvstore.open(tmp_path / "s", layout=layout, model="m") as store:
-        with pytest.raises(kvstore.InvalidInput, match="raw e4m3 values only"):
-            pool.save(store, seq, list(range(40)))
+    with (
+        kvstore.open(tmp_path / "s", layout=layout, model="m") as store,
+        pytest.raises(kvstore.InvalidInput, match="raw e4m3 values only"),
+    ):
+        pool.save(store, seq, list(range(40)))
     with pytest.raises(kvstore.InvalidInput, match="scales"):
         BlockPool(layout.__class__(1, 1, 64, "bfloat16"), 2, device="cpu").key_scales(0)

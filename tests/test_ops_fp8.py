@@ -268,7 +268,9 @@ def test_fp8_opcheck():
     before = [t.clone() for t in (q, kc.view(torch.uint8), vc.view(torch.uint8), ks, vs)]
     ops.paged_attention(q, kc, vc, tables, lens, 0.125, ks, vs)
     after = (q, kc.view(torch.uint8), vc.view(torch.uint8), ks, vs)
-    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after, strict=True))
+    assert all(
+        torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after, strict=True)
+    )
     schema = torch.ops.kvstore.write_kv_fp8.default._schema
     assert [a.name for a in schema.arguments if a.is_write] == [
         "key_cache",

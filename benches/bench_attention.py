@@ -16,7 +16,11 @@ per sequence) is timed with
 - sdpa: torch.nn.functional.scaled_dot_product_attention(enable_gqa=True) over
   the same KV gathered into contiguous [batch, H, T, D] tensors beforehand (the
   gather is not timed), i.e. the best case for SDPA; only up to --sdpa-max-gib
-  of KV (the copy doubles the memory).
+  of KV (the copy doubles the memory);
+- fp8: paged_attention over the same KV quantized to float8_e4m3fn by write_kv
+  (fp32 scales per block and kv head; 4 KiB pages like "paged 4k"): half the
+  bytes of bf16 per token. Its KV/stream counts its own (fp8) bytes, and
+  bf16/fp8 is the speed-up of the fastest fp8 call over the fastest paged 4k one.
 
 The limit of a decode step is the machine's read bandwidth: every KV byte is
 read once. It is measured in the same run, with the same threads, as a torch
@@ -103,8 +107,23 @@ def case(
     scale = HEAD_DIM**-0.5
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
 
+    # fp8: the 64 source blocks quantized once by write_kv, picked like the others.
+    fp8 = torch.float8_e4m3fn
+    src8 = torch.zeros((2, 64, *shape[1:]), dtype=torch.uint8).view(fp8)
+    scales8 = torch.zeros(2, 64, NUM_KV_HEADS)
+    flat = src.float().view(2, 64 * BLOCK, NUM_KV_HEADS, HEAD_DIM)
+    ops.write_kv(flat[0], flat[1], src8[0], src8[1], torch.arange(64 * BLOCK), *scales8)
+    key8, value8 = src8[0][pick], src8[1][pick]
+    kscale8, vscale8 = scales8[0][pick], scales8[1][pick]
+    fp8_bytes = kv_bytes // elem
+
     def paged() -> torch.Tensor:
         return ops.paged_attention(q, key_cache, value_cache, tables, seq_lens, scale)
+
+    def paged_fp8() -> torch.Tensor:
+        return ops.paged_attention(
+            q, key8, value8, tables, seq_lens, scale, key_scales=kscale8, value_scales=vscale8
+        )
 
     def paged_huge() -> torch.Tensor:
         return ops.paged_attention(q, huge[0], huge[1], tables, seq_lens, scale)
@@ -117,6 +136,10 @@ def case(
     row["page_kind"] = page_kind
     row["paged_bytes_per_s"] = kv_bytes / row["paged_ms_min"] * 1e3
     row["huge_bytes_per_s"] = kv_bytes / row["huge_ms_min"] * 1e3
+    row["fp8_max_abs_diff"] = (paged_fp8().float() - out.float()).abs().max().item()
+    row["fp8_ms_min"], row["fp8_ms_median"] = (t * 1e3 for t in timeit(paged_fp8, seconds))
+    row["fp8_bytes_per_s"] = fp8_bytes / row["fp8_ms_min"] * 1e3
+    row["fp8_speedup"] = row["paged_ms_min"] / row["fp8_ms_min"]
     if kv_bytes <= sdpa_max_bytes:
         # The same KV, contiguous, for SDPA: [batch, H, T, D].
         k = torch.empty(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype)
@@ -175,16 +198,21 @@ def main(argv: list[str] | None = None) -> int:
             r["read_stream_bytes_per_s"] = stream
             r["vs_read_stream"] = r["paged_bytes_per_s"] / stream
             r["huge_vs_read_stream"] = r["huge_bytes_per_s"] / stream
+            r["fp8_vs_read_stream"] = r["fp8_bytes_per_s"] / stream
             rows.append(r)
     stream_after = read_bandwidth(stream_bytes, args.seconds)
     load_after = load_average()
 
     head = (
         f"{'batch':>7} {'context':>7} {'paged 4k ms':>15} {'paged huge ms':>15} "
-        f"{'sdpa ms':>15} {'paged/sdpa':>10} {'KV/stream':>9} {'huge/stream':>11}"
+        f"{'sdpa ms':>15} {'paged/sdpa':>10} {'KV/stream':>9} {'huge/stream':>11} "
+        f"{'fp8 ms':>15} {'fp8/stream':>10} {'bf16/fp8':>8}"
     )
     print(head)
-    print(f"{'':>15} {'fastest median':>15} {'fastest median':>15} {'fastest median':>15}")
+    print(
+        f"{'':>15} {'fastest median':>15} {'fastest median':>15} {'fastest median':>15}"
+        f"{'':>33} {'fastest median':>15}"
+    )
     print("-" * len(head))
     for r in rows:
         batch = f"{r['batch']}" if r["batch"] == r["batch_asked"] else f"{r['batch']}*"
@@ -197,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{batch:>7} {r['context']:>7} "
             f"{r['paged_ms_min']:>7.2f} {r['paged_ms_median']:>7.2f} "
             f"{r['huge_ms_min']:>7.2f} {r['huge_ms_median']:>7.2f} {sdpa} "
-            f"{r['vs_read_stream']:>9.2f} {r['huge_vs_read_stream']:>11.2f}"
+            f"{r['vs_read_stream']:>9.2f} {r['huge_vs_read_stream']:>11.2f} "
+            f"{r['fp8_ms_min']:>7.2f} {r['fp8_ms_median']:>7.2f} "
+            f"{r['fp8_vs_read_stream']:>10.2f} {r['fp8_speedup']:>7.2f}x"
         )
     reduced = sorted(
         {
@@ -224,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if ratios:
         print(f"slowest paged/sdpa speed ratio: {min(ratios):.2f}x (target >= 0.8x)")
+    long = [r["fp8_speedup"] for r in rows if r["context"] >= 32768]
+    if long:
+        print(
+            f"fp8 over {args.dtype} at >= 32K: {min(long):.2f}x to {max(long):.2f}x "
+            "(fastest calls; target >= 1.6x); largest |fp8 - paged| "
+            f"{max(r['fp8_max_abs_diff'] for r in rows):.3g}"
+        )
     if args.json:
         doc = {"dtype": args.dtype, "load_average": [load_after], "rows": rows}
         args.json.write_text(json.dumps(doc, indent=2))

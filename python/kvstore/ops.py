@@ -12,6 +12,22 @@ ops.write_kv(key, value, key_cache, value_cache, slot_mapping)   # in place
   `slot = block * B + offset` (a negative slot skips its token). GQA:
   `num_heads % H == 0`, query head `i` attends with kv head `i // (num_heads // H)`.
 - float16, bfloat16 and float32; scores, softmax and sums in fp32.
+- fp8 KV: caches of dtype `torch.float8_e4m3fn` with fp32 scales per (block, kv
+  head), `key_scales`/`value_scales` `[num_blocks, H]` (a byte's value is its e4m3
+  value times its block's and head's scale). `paged_attention` dequantizes in
+  registers (query and output stay float16/bfloat16/float32); `write_kv` quantizes
+  on the way in: the token at offset 0 of a block sets the scale to the smallest
+  power of two `s` with `max|x| <= 448 * s`; a later token that does not fit grows
+  it (to the power of two it needs) and requantizes the block's earlier tokens,
+  which is exact for values that stay at or above e4m3's smallest normal
+  (`2**-6 * s`). So nothing saturates (only an inf would), and every value comes
+  back within `2**-4 * |x| + 2**-10 * s` (half a unit in the last place of a 3-bit
+  mantissa, or half the subnormal step `2**-9 * s`) when its block's scale did not
+  grow after it was written, within `2**-4 * |x| + 2**-9 * s` in any case (values a
+  grown scale pushes below the smallest normal are rounded again, by at most half
+  the subnormal step of each scale the block grew through: a geometric sum).
+  A block must be written from offset 0 (as paged engines do): that write resets
+  the scale left by an earlier occupant.
 
 The C++/CUDA sources (`python/kvstore/csrc` in the repository) are compiled with
 `torch.utils.cpp_extension.load` on the first call, not on import: into
@@ -51,7 +67,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["compile_check", "find_nvcc", "load", "paged_attention", "source_dir", "write_kv"]
+__all__ = [
+    "FP8_MAX",
+    "compile_check",
+    "find_nvcc",
+    "load",
+    "paged_attention",
+    "source_dir",
+    "write_kv",
+]
+
+#: The largest finite float8_e4m3fn value: a scale `s` covers `[-448 s, 448 s]`.
+FP8_MAX = 448.0
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -233,6 +260,49 @@ def _register_fakes() -> None:
         torch._check(key.dim() == 3, lambda: "key: expected [num_tokens, num_kv_heads, head_dim]")
         return None
 
+    @torch.library.register_fake("kvstore::paged_attention_fp8")
+    def _(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        key_scales: torch.Tensor,
+        value_scales: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        torch._check(query.dim() == 3, lambda: "query: expected [num_seqs, num_heads, head_dim]")
+        torch._check(key_cache.dim() == 4, lambda: "key_cache: expected 4 dims")
+        torch._check(key_cache.shape[3] == query.shape[2], lambda: "key_cache: head_dim != query's")
+        torch._check(
+            key_cache.dtype == torch.float8_e4m3fn, lambda: "key_cache: expected float8_e4m3fn"
+        )
+        torch._check(
+            key_scales.dim() == 2 and key_scales.dtype == torch.float32,
+            lambda: "key_scales: expected float32 [num_blocks, num_kv_heads]",
+        )
+        torch._check(
+            query.shape[1] % key_cache.shape[2] == 0,
+            lambda: "num_heads must be a multiple of num_kv_heads",
+        )
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("kvstore::write_kv_fp8")
+    def _(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        key_scales: torch.Tensor,
+        value_scales: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        torch._check(key.dim() == 3, lambda: "key: expected [num_tokens, num_kv_heads, head_dim]")
+        torch._check(
+            key_cache.dtype == torch.float8_e4m3fn, lambda: "key_cache: expected float8_e4m3fn"
+        )
+        return None
+
 
 def _ensure_loaded() -> None:
     # Under torch.compile the tracer must not step into the build; it is loaded by then.
@@ -247,6 +317,8 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over paged KV.
 
@@ -254,8 +326,20 @@ def paged_attention(
     head `i`, softmax(scale * q·K[:len]) · V[:len], K and V gathered through
     `block_tables[s]` (token `t` is at block `block_tables[s, t // B]`, offset
     `t % B`). A sequence of length 0 gives zeros.
+
+    fp8 caches (`torch.float8_e4m3fn`) need `key_scales` and `value_scales`
+    (float32 `[num_blocks, H]`): `torch.ops.kvstore.paged_attention_fp8`.
     """
     _ensure_loaded()
+    if key_cache.dtype == torch.float8_e4m3fn or key_scales is not None:
+        if key_scales is None or value_scales is None:
+            raise ValueError(
+                "kvstore.paged_attention: fp8 caches need key_scales and value_scales "
+                "(float32 [num_blocks, num_kv_heads])"
+            )
+        return torch.ops.kvstore.paged_attention_fp8(
+            query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, scale
+        )
     return torch.ops.kvstore.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale
     )
@@ -267,10 +351,27 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     """Writes `key`/`value` `[num_tokens, H, D]` into the caches at `slot_mapping`
-    (int64, `block * B + offset`; negative: skipped), in place."""
+    (int64, `block * B + offset`; negative: skipped), in place.
+
+    fp8 caches (`torch.float8_e4m3fn`, with `key_scales`/`value_scales` float32
+    `[num_blocks, H]`, updated in place) quantize on the way in, `key`/`value` in any
+    float dtype: `torch.ops.kvstore.write_kv_fp8`, scale policy in the module doc.
+    """
     _ensure_loaded()
+    if key_cache.dtype == torch.float8_e4m3fn or key_scales is not None:
+        if key_scales is None or value_scales is None:
+            raise ValueError(
+                "kvstore.write_kv: fp8 caches need key_scales and value_scales "
+                "(float32 [num_blocks, num_kv_heads])"
+            )
+        torch.ops.kvstore.write_kv_fp8(
+            key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping
+        )
+        return
     torch.ops.kvstore.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
 

@@ -26,6 +26,14 @@ Blocks added by decoding (`seq.reserve`, then `ops.write_kv` at
 `seq.slot_mapping`) belong to their sequence only; `pool.save(store, seq,
 tokens)` puts them into the store.
 
+fp8 pools (`layout.dtype == "float8_e4m3fn"`) hold e4m3 KV and, beside it,
+`pool.scales`, float32 `[L, 2, num_blocks, H]`: one scale per (block, kv head), the
+`key_scales(l)`/`value_scales(l)` views that `ops.paged_attention` and
+`ops.write_kv` take (which quantize and choose the scales, see `kvstore.ops`).
+Blocks read from an fp8 store are raw e4m3 values (the store keeps no scales), so
+they get scale 1; `save` of blocks whose scales are not all 1 raises InvalidInput
+rather than store values the store could not scale back.
+
 The store's block ids are salted, so tenants with different salts sharing one
 pool never reuse each other's blocks (as in the store itself); `namespace` (any
 hashable value) separates further when needed.
@@ -284,6 +292,10 @@ class BlockPool:
         else:
             self.kv = torch.empty(shape, dtype=self.dtype, device=self.device)
             self.page_kind = "device"
+        # fp8: a scale per (layer, K/V, block, kv head); 1 until write_kv sets it.
+        self.scales: torch.Tensor | None = None
+        if self.dtype == torch.float8_e4m3fn:
+            self.scales = torch.ones((L, 2, num_blocks, H), dtype=torch.float32, device=self.device)
         self._lock = threading.Lock()
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
@@ -305,6 +317,27 @@ class BlockPool:
     def value_cache(self, layer: int) -> torch.Tensor:
         """`[num_blocks, B, H, D]` values of `layer` (a view of `kv`)."""
         return self.kv[layer, 1]
+
+    def key_scales(self, layer: int) -> torch.Tensor:
+        """fp8 pools: `[num_blocks, H]` float32 key scales of `layer` (a view of `scales`)."""
+        return self._scales()[layer, 0]
+
+    def value_scales(self, layer: int) -> torch.Tensor:
+        """fp8 pools: `[num_blocks, H]` float32 value scales of `layer`."""
+        return self._scales()[layer, 1]
+
+    def _scales(self) -> torch.Tensor:
+        if self.scales is None:
+            raise InvalidInput(
+                f"scales: only an fp8 pool (dtype float8_e4m3fn) has them, this one is {self.dtype}"
+            )
+        return self.scales
+
+    def _unit_scales(self, blocks: list[int]) -> None:
+        """Blocks filled from a store hold raw e4m3 values: scale 1."""
+        if self.scales is not None and blocks:
+            idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+            self.scales.index_fill_(2, idx, 1.0)
 
     @property
     def num_free(self) -> int:
@@ -431,6 +464,7 @@ class BlockPool:
                 self._staging_done.record()
             else:
                 self.kv.index_copy_(2, dst_index, src)
+            self._unit_scales(new)
         self._publish(keys[first:], new)
         return new
 
@@ -478,6 +512,7 @@ class BlockPool:
         except BaseException:
             self._release(new)
             raise
+        self._unit_scales(new)
         self._publish(keys[first:], new)
         self.hot_loads += len(new)
         return new
@@ -504,6 +539,13 @@ class BlockPool:
         n = min(seq.length, len(toks)) // self.layout.block_size * self.layout.block_size
         if n == 0:
             return 0
+        if self.scales is not None:
+            idx = torch.tensor(seq.blocks[: n // self.layout.block_size], device=self.device)
+            if not bool((self.scales.index_select(2, idx) == 1).all()):
+                raise InvalidInput(
+                    "save: these fp8 blocks have per-block scales (from write_kv) and the "
+                    "store keeps raw e4m3 values only: save the unquantized KV instead"
+                )
         kv = self.gather(seq, n).cpu()
         return store.put(toks[:n], kv, extra=extra)
 

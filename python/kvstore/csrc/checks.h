@@ -47,11 +47,33 @@ inline void check_cache_layout(const at::Tensor& c, const char* op, const char* 
               ", ", d, ", 1]), got strides ", c.strides());
 }
 
+// Per-(block, kv head) fp32 scales of an fp8 cache: [num_blocks, num_kv_heads] with
+// packed heads; the block stride is free (a slice of a pool's [L, 2, N, H] scales).
+inline void check_scales(const at::Tensor& scales, const at::Tensor& cache, const char* op,
+                         const char* what) {
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat, op, ": ", what,
+              ": expected a float32 tensor [num_blocks, num_kv_heads], got ",
+              scales.scalar_type(), " of shape ", scales.sizes());
+  TORCH_CHECK(scales.size(0) == cache.size(0) && scales.size(1) == cache.size(2), op, ": ", what,
+              ": expected shape [", cache.size(0), ", ", cache.size(2),
+              "] (num_blocks, num_kv_heads of the cache), got ", scales.sizes());
+  TORCH_CHECK(scales.size(1) <= 1 || scales.stride(1) == 1, op, ": ", what,
+              ": expected packed heads (stride 1 along dim 1), got strides ", scales.strides());
+  check_same_device(scales, cache, op, what);
+}
+
+inline void check_fp8_cache(const at::Tensor& c, const char* op, const char* what) {
+  TORCH_CHECK(c.scalar_type() == at::kFloat8_e4m3fn, op, ": ", what,
+              ": expected dtype float8_e4m3fn, got ", c.scalar_type());
+}
+
+// fp8: the caches are float8_e4m3fn whatever query's dtype (checked by the caller
+// with check_scales); else they have query's dtype.
 inline PagedAttentionDims check_paged_attention(const at::Tensor& query,
                                                 const at::Tensor& key_cache,
                                                 const at::Tensor& value_cache,
                                                 const at::Tensor& block_tables,
-                                                const at::Tensor& seq_lens) {
+                                                const at::Tensor& seq_lens, bool fp8 = false) {
   constexpr const char* op = "kvstore.paged_attention";
   TORCH_CHECK(query.dim() == 3, op,
               ": query: expected 3 dims [num_seqs, num_heads, head_dim], got shape ",
@@ -62,12 +84,17 @@ inline PagedAttentionDims check_paged_attention(const at::Tensor& query,
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op,
               ": value_cache: expected the shape of key_cache ", key_cache.sizes(), ", got ",
               value_cache.sizes());
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), op,
-              ": key_cache: expected dtype ", query.scalar_type(), " (that of query), got ",
-              key_cache.scalar_type());
-  TORCH_CHECK(value_cache.scalar_type() == query.scalar_type(), op,
-              ": value_cache: expected dtype ", query.scalar_type(), " (that of query), got ",
-              value_cache.scalar_type());
+  if (fp8) {
+    check_fp8_cache(key_cache, op, "key_cache");
+    check_fp8_cache(value_cache, op, "value_cache");
+  } else {
+    TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), op,
+                ": key_cache: expected dtype ", query.scalar_type(), " (that of query), got ",
+                key_cache.scalar_type());
+    TORCH_CHECK(value_cache.scalar_type() == query.scalar_type(), op,
+                ": value_cache: expected dtype ", query.scalar_type(), " (that of query), got ",
+                value_cache.scalar_type());
+  }
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt, op,
               ": block_tables: expected an int32 tensor [num_seqs, max_blocks], got ",
               block_tables.scalar_type(), " of shape ", block_tables.sizes());
@@ -109,16 +136,23 @@ struct WriteKVDims {
   int64_t block_size;
 };
 
+// fp8: the caches are float8_e4m3fn and key/value any float dtype (quantized on the
+// way in; the scales are checked by the caller); else all four share one dtype.
 inline WriteKVDims check_write_kv(const at::Tensor& key, const at::Tensor& value,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                  const at::Tensor& slot_mapping) {
+                                  const at::Tensor& slot_mapping, bool fp8 = false) {
   constexpr const char* op = "kvstore.write_kv";
   TORCH_CHECK(key.dim() == 3, op,
               ": key: expected 3 dims [num_tokens, num_kv_heads, head_dim], got shape ",
               key.sizes());
   TORCH_CHECK(value.sizes() == key.sizes(), op, ": value: expected the shape of key ",
               key.sizes(), ", got ", value.sizes());
-  check_float_dtype(key_cache, op, "key_cache");
+  if (fp8) {
+    check_fp8_cache(key_cache, op, "key_cache");
+    check_float_dtype(key, op, "key");
+  } else {
+    check_float_dtype(key_cache, op, "key_cache");
+  }
   check_cache_layout(key_cache, op, "key_cache");
   check_cache_layout(value_cache, op, "value_cache");
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op,
@@ -127,10 +161,11 @@ inline WriteKVDims check_write_kv(const at::Tensor& key, const at::Tensor& value
   const auto dtype = key_cache.scalar_type();
   TORCH_CHECK(value_cache.scalar_type() == dtype, op, ": value_cache: expected dtype ", dtype,
               " (that of key_cache), got ", value_cache.scalar_type());
-  TORCH_CHECK(key.scalar_type() == dtype, op, ": key: expected dtype ", dtype,
+  const auto in_dtype = fp8 ? key.scalar_type() : dtype;
+  TORCH_CHECK(key.scalar_type() == in_dtype, op, ": key: expected dtype ", in_dtype,
               " (that of key_cache), got ", key.scalar_type());
-  TORCH_CHECK(value.scalar_type() == dtype, op, ": value: expected dtype ", dtype,
-              " (that of key_cache), got ", value.scalar_type());
+  TORCH_CHECK(value.scalar_type() == in_dtype, op, ": value: expected dtype ", in_dtype,
+              fp8 ? " (that of key)" : " (that of key_cache)", ", got ", value.scalar_type());
   TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), op,
               ": key: expected [num_tokens, ", key_cache.size(2), ", ", key_cache.size(3),
               "] (heads and head_dim of key_cache), got shape ", key.sizes());

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -70,7 +71,8 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 8;
 static_assert(kChunk % kLanes == 0, "a chunk is a whole number of vectors");
 
-enum class Kind { F32, F16, BF16 };
+// FP8: float8_e4m3fn caches (bytes) with fp32 scales per (block, kv head).
+enum class Kind { F32, F16, BF16, FP8 };
 
 template <Kind K>
 struct Storage {
@@ -80,6 +82,10 @@ template <>
 struct Storage<Kind::F32> {
   using type = float;
 };
+template <>
+struct Storage<Kind::FP8> {
+  using type = uint8_t;  // e4m3 bit patterns
+};
 
 struct Params {
   const void* query;  // [num_seqs, num_heads, head_dim], packed
@@ -87,6 +93,10 @@ struct Params {
   const void* value_cache;
   int64_t k_block_stride;  // elements
   int64_t v_block_stride;
+  const float* key_scales;    // fp8 only: [num_blocks, num_kv_heads], block stride below
+  const float* value_scales;
+  int64_t k_scale_stride;
+  int64_t v_scale_stride;
   const int32_t* block_tables;
   int64_t table_stride;
   const int32_t* seq_lens;
@@ -138,9 +148,9 @@ namespace cpu_avx2 {
 
 using AttendFn = void (*)(const Params&, const Scratch&, int64_t, int64_t);
 
-template <Kind K>
+template <Kind K, Kind C>
 void attend_base(const Params& p, const Scratch& w, int64_t b, int64_t e) {
-  cpu_base::attend_units<K>(p, w, b, e);
+  cpu_base::attend_units<K, C>(p, w, b, e);
 }
 
 #if KVSTORE_X86_DISPATCH
@@ -151,16 +161,16 @@ namespace cpu_avx512 {
 }  // namespace cpu_avx512
 #pragma GCC pop_options
 
-template <Kind K>
+template <Kind K, Kind C>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void attend_avx512(
     const Params& p, const Scratch& w, int64_t b, int64_t e) {
-  cpu_avx512::attend_units<K>(p, w, b, e);
+  cpu_avx512::attend_units<K, C>(p, w, b, e);
 }
 
-template <Kind K>
+template <Kind K, Kind C>
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const Scratch& w,
                                                           int64_t b, int64_t e) {
-  cpu_avx2::attend_units<K>(p, w, b, e);
+  cpu_avx2::attend_units<K, C>(p, w, b, e);
 }
 #endif
 
@@ -192,23 +202,30 @@ Isa cpu_isa() {
 #endif
 }
 
-AttendFn attend_fn(at::ScalarType dtype, int64_t head_dim) {
+template <Kind K, Kind C>
+AttendFn attend_for_isa(int64_t head_dim) {
 #if KVSTORE_X86_DISPATCH
   // The AVX-512 kernel reads whole 16-float columns: head_dim % 16 == 0.
-  if (cpu_isa() == Isa::Avx512 && head_dim % 16 == 0) {
-    if (dtype == at::kFloat) return &attend_avx512<Kind::F32>;
-    if (dtype == at::kHalf) return &attend_avx512<Kind::F16>;
-    return &attend_avx512<Kind::BF16>;
-  }
-  if (cpu_isa() != Isa::Base) {
-    if (dtype == at::kFloat) return &attend_avx2<Kind::F32>;
-    if (dtype == at::kHalf) return &attend_avx2<Kind::F16>;
-    return &attend_avx2<Kind::BF16>;
-  }
+  if (cpu_isa() == Isa::Avx512 && head_dim % 16 == 0) return &attend_avx512<K, C>;
+  if (cpu_isa() != Isa::Base) return &attend_avx2<K, C>;
+#else
+  (void)head_dim;
 #endif
-  if (dtype == at::kFloat) return &attend_base<Kind::F32>;
-  if (dtype == at::kHalf) return &attend_base<Kind::F16>;
-  return &attend_base<Kind::BF16>;
+  return &attend_base<K, C>;
+}
+
+// The kernel for query dtype `dtype` over caches of that dtype, or over fp8 caches.
+AttendFn attend_fn(at::ScalarType dtype, int64_t head_dim, bool fp8) {
+  if (dtype == at::kFloat) {
+    return fp8 ? attend_for_isa<Kind::F32, Kind::FP8>(head_dim)
+               : attend_for_isa<Kind::F32, Kind::F32>(head_dim);
+  }
+  if (dtype == at::kHalf) {
+    return fp8 ? attend_for_isa<Kind::F16, Kind::FP8>(head_dim)
+               : attend_for_isa<Kind::F16, Kind::F16>(head_dim);
+  }
+  return fp8 ? attend_for_isa<Kind::BF16, Kind::FP8>(head_dim)
+             : attend_for_isa<Kind::BF16, Kind::BF16>(head_dim);
 }
 
 // kMinPartitionTokens, or $KVSTORE_SPLIT_MIN_TOKENS (read on each call, rounded up to a
@@ -244,11 +261,18 @@ void merge_partitions(const Params& p, int64_t num_seqs) {
   });
 }
 
-at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
-                               const at::Tensor& value_cache, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, double scale) {
+// Both ops: `key_scales` and `value_scales` are defined for fp8 caches only.
+at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& key_scales,
+                                const at::Tensor& value_scales, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale) {
+  const bool fp8 = key_scales.defined();
   const PagedAttentionDims dims =
-      check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens);
+      check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, fp8);
+  if (fp8) {
+    check_scales(key_scales, key_cache, "kvstore.paged_attention", "key_scales");
+    check_scales(value_scales, value_cache, "kvstore.paged_attention", "value_scales");
+  }
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
@@ -292,6 +316,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   p.value_cache = value_cache.data_ptr();
   p.k_block_stride = key_cache.stride(0);
   p.v_block_stride = value_cache.stride(0);
+  if (fp8) {
+    p.key_scales = key_scales.data_ptr<float>();
+    p.value_scales = value_scales.data_ptr<float>();
+    p.k_scale_stride = key_scales.stride(0);
+    p.v_scale_stride = value_scales.stride(0);
+  }
   p.block_tables = tab;
   p.table_stride = dims.max_blocks;
   p.seq_lens = len_ptr;
@@ -315,7 +345,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
 
   const auto kind = q.scalar_type();
   const int64_t D = dims.head_dim, G = dims.group, NH = dims.num_heads;
-  const AttendFn attend = attend_fn(kind, D);
+  const AttendFn attend = attend_fn(kind, D, fp8);
   const int64_t unit_elements = std::max<int64_t>(1, 2 * std::min(max_len, partition_tokens) * D);
   const int64_t grain = std::max<int64_t>(1, kMinParallelElements / unit_elements);
   at::parallel_for(0, pairs * parts, grain, [&](int64_t begin, int64_t end) {
@@ -348,11 +378,22 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   return out;
 }
 
-void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                  at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  const WriteKVDims dims = check_write_kv(key, value, key_cache, value_cache, slot_mapping);
-  const at::Tensor slots = slot_mapping.contiguous();
-  const int64_t* slot = slots.data_ptr<int64_t>();
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, double scale) {
+  return paged_attention_impl(query, key_cache, value_cache, at::Tensor(), at::Tensor(),
+                              block_tables, seq_lens, scale);
+}
+
+at::Tensor paged_attention_fp8_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                                   const at::Tensor& value_cache, const at::Tensor& key_scales,
+                                   const at::Tensor& value_scales, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, double scale) {
+  return paged_attention_impl(query, key_cache, value_cache, key_scales, value_scales,
+                              block_tables, seq_lens, scale);
+}
+
+void check_slots(const int64_t* slot, const WriteKVDims& dims) {
   const int64_t num_slots = dims.num_blocks * dims.block_size;
   // Every slot is checked before the first write: a bad mapping changes nothing.
   for (int64_t t = 0; t < dims.num_tokens; ++t) {
@@ -360,6 +401,94 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
                 "]: expected a slot below ", num_slots, " (num_blocks * block_size) or negative "
                 "(skip), got ", slot[t]);
   }
+}
+
+template <typename T>
+float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// Quantizes the rows of kv head `h` of `src` [num_tokens, H, D] into an fp8 cache,
+// tokens in order, with the scale policy of fp8_scale_for (paged_attention_common.h):
+// each (block, head) is owned by one caller, so the tokens of a block go in order.
+template <typename T>
+void quantize_head(const T* src, int64_t stride0, int64_t stride1, uint8_t* cache,
+                   int64_t block_stride, float* scales, int64_t scale_stride, const int64_t* slot,
+                   const WriteKVDims& dims, int64_t h) {
+  const int64_t H = dims.num_kv_heads, D = dims.head_dim, B = dims.block_size;
+  for (int64_t t = 0; t < dims.num_tokens; ++t) {
+    if (slot[t] < 0) continue;
+    const int64_t blk = slot[t] / B, off = slot[t] % B;
+    const T* x = src + t * stride0 + h * stride1;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(to_float(x[d])));
+    float& s = scales[blk * scale_stride + h];
+    const float old = s;
+    const float now = fp8_scale_for(old, amax, off);
+    uint8_t* base = cache + blk * block_stride + h * D;
+    if (off > 0 && now != old && old > 0.f) {
+      // The block's earlier tokens move to the grown scale.
+      for (int64_t o = 0; o < off; ++o) {
+        uint8_t* row = base + o * H * D;
+        for (int64_t d = 0; d < D; ++d) {
+          row[d] = fp8_quantize(fp8_e4m3_bits_to_float(row[d]) * old, now);
+        }
+      }
+    }
+    s = now;
+    uint8_t* row = base + off * H * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = fp8_quantize(to_float(x[d]), now);
+  }
+}
+
+void write_kv_fp8_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                      at::Tensor& value_cache, at::Tensor& key_scales, at::Tensor& value_scales,
+                      const at::Tensor& slot_mapping) {
+  const WriteKVDims dims =
+      check_write_kv(key, value, key_cache, value_cache, slot_mapping, /*fp8=*/true);
+  check_scales(key_scales, key_cache, "kvstore.write_kv", "key_scales");
+  check_scales(value_scales, value_cache, "kvstore.write_kv", "value_scales");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  check_slots(slot, dims);
+  const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
+  const int64_t H = dims.num_kv_heads;
+  auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
+  auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+  float* ks = key_scales.data_ptr<float>();
+  float* vs = value_scales.data_ptr<float>();
+  // Work items: (K or V, kv head); each owns its scales and rows.
+  at::parallel_for(0, 2 * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const bool is_v = i >= H;
+      const int64_t h = i % H;
+      const at::Tensor& src = is_v ? v : k;
+      uint8_t* cache = is_v ? vc : kc;
+      const int64_t bs = (is_v ? value_cache : key_cache).stride(0);
+      float* sc = is_v ? vs : ks;
+      const int64_t ss = (is_v ? value_scales : key_scales).stride(0);
+      const auto dt = src.scalar_type();
+      if (dt == at::kFloat) {
+        quantize_head(src.data_ptr<float>(), src.stride(0), src.stride(1), cache, bs, sc, ss,
+                      slot, dims, h);
+      } else if (dt == at::kHalf) {
+        quantize_head(src.data_ptr<c10::Half>(), src.stride(0), src.stride(1), cache, bs, sc,
+                      ss, slot, dims, h);
+      } else {
+        quantize_head(src.data_ptr<c10::BFloat16>(), src.stride(0), src.stride(1), cache, bs,
+                      sc, ss, slot, dims, h);
+      }
+    }
+  });
+}
+
+void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                  at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const WriteKVDims dims = check_write_kv(key, value, key_cache, value_cache, slot_mapping);
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  check_slots(slot, dims);
   const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
   const int64_t H = dims.num_kv_heads, D = dims.head_dim;
@@ -389,4 +518,6 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
 TORCH_LIBRARY_IMPL(kvstore, CPU, m) {
   m.impl("paged_attention", &kvstore::paged_attention_cpu);
   m.impl("write_kv", &kvstore::write_kv_cpu);
+  m.impl("paged_attention_fp8", &kvstore::paged_attention_fp8_cpu);
+  m.impl("write_kv_fp8", &kvstore::write_kv_fp8_cpu);
 }

@@ -28,6 +28,16 @@ KVSTORE_INLINE __m512 load_row16(const typename Storage<K>::type* p) {
     return _mm512_loadu_ps(p);
   } else if constexpr (K == Kind::F16) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (K == Kind::FP8) {
+    // e4m3 / 256 as half precision (fp8_e4m3_to_fp16_bits), three integer ops: sign
+    // extension puts the sign in bits 15 and 14 after the shift, the mask clears 14.
+    // The caller's scale carries the factor 256. NaN bytes stay NaN.
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                       _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    const __mmask16 nan =
+        _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+    return _mm512_mask_blend_ps(nan, _mm512_cvtph_ps(h), _mm512_set1_ps(__builtin_nanf("")));
   } else {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -117,11 +127,14 @@ KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
 }
 
 // One 16-token chunk of one kv head for GT query heads (state index i0 .. i0 + GT - 1).
+// fp8 (K == FP8): kscale/vscale hold each token's (block, head) scale times 256. The
+// K scale multiplies the 16 summed scores at once; the V scale multiplies the
+// probabilities fed to P·V (not their sum): rows are never scaled one by one.
 template <Kind K, int GT>
 KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D,
                                 const typename Storage<K>::type* const* krows,
                                 const typename Storage<K>::type* const* vrows, int64_t n,
-                                __m512* dots) {
+                                __m512* dots, const float* kscale, const float* vscale) {
   qk_tile<K, GT>(w.q + i0 * D, krows, n, D, dots);
   float* p = w.scores;  // [GT, 16]
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
@@ -129,10 +142,16 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D,
   for (int g = 0; g < GT; ++g) {
     const int64_t i = i0 + g;
     // Lanes past n hold -inf: their exp is 0 (the stale dots there are never read).
-    const __m512 sc = _mm512_mask_blend_ps(valid, neg_inf, transpose_sum16(dots + g * kTile));
+    __m512 raw = transpose_sum16(dots + g * kTile);
+    if constexpr (K == Kind::FP8) raw = _mm512_mul_ps(raw, _mm512_loadu_ps(kscale));
+    const __m512 sc = _mm512_mask_blend_ps(valid, neg_inf, raw);
     const SoftmaxMerge mg = softmax_merge(w.m[i], _mm512_reduce_max_ps(sc));
     const __m512 e = exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(mg.max)));
-    _mm512_storeu_ps(p + g * kTile, e);
+    if constexpr (K == Kind::FP8) {
+      _mm512_storeu_ps(p + g * kTile, _mm512_mul_ps(e, _mm512_loadu_ps(vscale)));
+    } else {
+      _mm512_storeu_ps(p + g * kTile, e);
+    }
     float* acc = w.acc + i * D;
     if (mg.scale_a != 1.f) {
       const __m512 s = _mm512_set1_ps(mg.scale_a);
@@ -177,10 +196,12 @@ KVSTORE_INLINE void store_scalar(void* out, int64_t i, float v) {
   }
 }
 
-// The same work units and outputs as attend_units in paged_attention_cpu_kernel.h.
-template <Kind K>
+// The same work units and outputs as attend_units in paged_attention_cpu_kernel.h;
+// K: query and output dtype, C: cache dtype (K, or FP8 with per-(block, head) scales).
+template <Kind K, Kind C>
 KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
-  using T = typename Storage<K>::type;
+  using T = typename Storage<C>::type;
+  using TQ = typename Storage<K>::type;
   const int64_t D = p.head_dim, G = p.group, H = p.num_kv_heads, P = p.num_partitions;
   const int64_t row_stride = H * D;
   const T* kc = static_cast<const T*>(p.key_cache);
@@ -190,6 +211,8 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
   for (auto& d : dots) d = _mm512_setzero_ps();  // lanes past a short chunk: read, never used
   const T* krows[kTile];
   const T* vrows[kTile];
+  alignas(64) float kscale[kTile] = {};
+  alignas(64) float vscale[kTile] = {};
   for (int64_t unit = begin; unit < end;) {
     const int64_t s = unit / (P * H);
     const int64_t part = (unit / H) % P;
@@ -202,7 +225,7 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
     const int32_t* table = p.block_tables + s * p.table_stride;
 
     const int64_t heads = (h1 - h0) * G;
-    const T* q = static_cast<const T*>(p.query) + (s * p.num_heads + h0 * G) * D;
+    const TQ* q = static_cast<const TQ*>(p.query) + (s * p.num_heads + h0 * G) * D;
     for (int64_t i = 0; i < heads * D; ++i) w.q[i] = widen_scalar<K>(q[i]) * p.scale;
     for (int64_t i = 0; i < heads * D; ++i) w.acc[i] = 0.f;
     for (int64_t i = 0; i < heads; ++i) {
@@ -214,7 +237,9 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
     for (int64_t c0 = start; c0 < stop; c0 += kTile) {
       const int64_t n = min64(kTile, stop - c0);
       int64_t koff[kTile], voff[kTile];
+      [[maybe_unused]] int64_t blk[kTile];
       for (int64_t j = 0; j < n; ++j) {
+        if constexpr (C == Kind::FP8) blk[j] = table[(c0 + j) / p.block_size];
         koff[j] = token_row_offset(table, c0 + j, p.block_size, p.k_block_stride, row_stride, 0, D);
         voff[j] = token_row_offset(table, c0 + j, p.block_size, p.v_block_stride, row_stride, 0, D);
       }
@@ -237,16 +262,20 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
         for (int64_t j = 0; j < n; ++j) {
           krows[j] = kc + koff[j] + h * D;
           vrows[j] = vc + voff[j] + h * D;
+          if constexpr (C == Kind::FP8) {
+            kscale[j] = p.key_scales[blk[j] * p.k_scale_stride + h] * 256.f;
+            vscale[j] = p.value_scales[blk[j] * p.v_scale_stride + h] * 256.f;
+          }
         }
         int64_t g = 0;
         const int64_t i_h = (h - h0) * G;
         for (; g + kGroupTile <= G; g += kGroupTile) {
-          attend_tile<K, kGroupTile>(w, i_h + g, D, krows, vrows, n, dots);
+          attend_tile<C, kGroupTile>(w, i_h + g, D, krows, vrows, n, dots, kscale, vscale);
         }
         switch (G - g) {
-          case 3: attend_tile<K, 3>(w, i_h + g, D, krows, vrows, n, dots); break;
-          case 2: attend_tile<K, 2>(w, i_h + g, D, krows, vrows, n, dots); break;
-          case 1: attend_tile<K, 1>(w, i_h + g, D, krows, vrows, n, dots); break;
+          case 3: attend_tile<C, 3>(w, i_h + g, D, krows, vrows, n, dots, kscale, vscale); break;
+          case 2: attend_tile<C, 2>(w, i_h + g, D, krows, vrows, n, dots, kscale, vscale); break;
+          case 1: attend_tile<C, 1>(w, i_h + g, D, krows, vrows, n, dots, kscale, vscale); break;
           default: break;
         }
       }

@@ -74,6 +74,33 @@ KVSTORE_INLINE void widen(const typename Storage<K>::type* __restrict src, float
   for (; i < n; ++i) dst[i] = widen1<K>(src[i]);
 }
 
+// e4m3 bytes to fp32 times `scale256` (the block's scale times 256): each byte
+// becomes the half-precision pattern of its value / 256 (fp8_e4m3_to_fp16_bits),
+// widened like float16 above; NaN bytes stay NaN. Exact up to the one rounding of
+// the product, the rounding of the reference's dequantization.
+KVSTORE_INLINE void widen_fp8(const uint8_t* __restrict src, float* __restrict dst, int64_t n,
+                              float scale256) {
+  typedef uint8_t v8b __attribute__((vector_size(8)));
+  typedef int16_t v8s __attribute__((vector_size(16)));
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    v8b b;
+    __builtin_memcpy(&b, src + i, sizeof(b));
+    const v8h x = __builtin_convertvector(b, v8h);
+    const v8h bits = ((x & 0x7F) << 7) | ((x & 0x80) << 8);
+    uint16_t tmp[kLanes];
+    __builtin_memcpy(tmp, &bits, sizeof(tmp));
+    const v8f f = widen8<Kind::F16>(tmp) * scale256;
+    const v8s nan16 = (x & 0x7F) == 0x7F;
+    const v8i nan = __builtin_convertvector(nan16, v8i);
+    store8(dst + i, nan ? splat8(__builtin_nanf("")) : f);
+  }
+  for (; i < n; ++i) {
+    dst[i] = fp8_is_nan(src[i]) ? __builtin_nanf("")
+                                : fp16_bits_to_float(fp8_e4m3_to_fp16_bits(src[i])) * scale256;
+  }
+}
+
 KVSTORE_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // exp(x) for x <= 0 (scores minus the running max) on eight lanes: Cephes'
@@ -185,9 +212,12 @@ KVSTORE_INLINE void store_out(void* out, int64_t i, float v) {
 // chunk: the rows of all their heads for a chunk's tokens are adjacent in a page
 // ([B, H, D] blocks), so each page is visited once while it is hot (in the TLB,
 // in the prefetchers' stream) instead of once per head.
-template <Kind K>
+// K: the dtype of query and output; C: that of the caches, K or FP8 (e4m3 bytes
+// whose rows are dequantized with their (block, kv head) scale while widened).
+template <Kind K, Kind C>
 KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
-  using T = typename Storage<K>::type;
+  using T = typename Storage<C>::type;
+  using TQ = typename Storage<K>::type;
   const int64_t D = p.head_dim, G = p.group, H = p.num_kv_heads, P = p.num_partitions;
   const int64_t row_stride = H * D;
   const T* kc = static_cast<const T*>(p.key_cache);
@@ -205,7 +235,7 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
 
     // Query heads h0 * G .. h1 * G - 1, pre-scaled; state index (h - h0) * G + g.
     const int64_t heads = (h1 - h0) * G;
-    const T* q = static_cast<const T*>(p.query) + (s * p.num_heads + h0 * G) * D;
+    const TQ* q = static_cast<const TQ*>(p.query) + (s * p.num_heads + h0 * G) * D;
     for (int64_t i = 0; i < heads * D; ++i) w.q[i] = widen1<K>(q[i]) * p.scale;
     for (int64_t i = 0; i < heads * D; ++i) w.acc[i] = 0.f;
     for (int64_t i = 0; i < heads; ++i) {
@@ -241,12 +271,18 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
         for (int64_t j = 0; j < n; ++j) {
           const T* krow = kc + w.koff[j] + h * D;
           const T* vrow = vc + w.voff[j] + h * D;
-          if constexpr (K == Kind::F32) {
+          if constexpr (C == Kind::F32) {
             w.krows[j] = krow;
             w.vrows[j] = vrow;
+          } else if constexpr (C == Kind::FP8) {
+            const int64_t blk = table[(c0 + j) / p.block_size];
+            widen_fp8(krow, w.kf + j * D, D, p.key_scales[blk * p.k_scale_stride + h] * 256.f);
+            widen_fp8(vrow, w.vf + j * D, D, p.value_scales[blk * p.v_scale_stride + h] * 256.f);
+            w.krows[j] = w.kf + j * D;
+            w.vrows[j] = w.vf + j * D;
           } else {
-            widen<K>(krow, w.kf + j * D, D);
-            widen<K>(vrow, w.vf + j * D, D);
+            widen<C>(krow, w.kf + j * D, D);
+            widen<C>(vrow, w.vf + j * D, D);
             w.krows[j] = w.kf + j * D;
             w.vrows[j] = w.vf + j * D;
           }

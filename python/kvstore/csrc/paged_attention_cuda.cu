@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace kvstore {
 namespace {
@@ -109,6 +110,23 @@ struct Vec16<__nv_bfloat16> {
   }
 };
 
+// fp8 caches: e4m3 bytes, 16 per load, converted with the exact helper shared with
+// the CPU kernels (paged_attention_common.h); the (block, head) scale is applied
+// to the scores (K) and to the probabilities (V), as on the CPU, not per element.
+struct Fp8 {
+  uint8_t bits;
+};
+
+template <>
+struct Vec16<Fp8> {
+  static constexpr int kElems = 16;
+  __device__ __forceinline__ static void to_float(const uint4& raw, float* out) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = fp8_e4m3_bits_to_float(b[i]);
+  }
+};
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
@@ -131,6 +149,10 @@ struct KernelArgs {
   const void* value_cache;
   int64_t k_block_stride;  // elements
   int64_t v_block_stride;
+  const float* key_scales;  // fp8 caches only: [num_blocks, num_kv_heads], block stride below
+  const float* value_scales;
+  int64_t k_scale_stride;
+  int64_t v_scale_stride;
   const int32_t* block_tables;
   int64_t table_stride;
   const int32_t* seq_lens;
@@ -143,10 +165,13 @@ struct KernelArgs {
   float scale;
 };
 
-template <typename T, int D>
+// T: query and output type; C: cache type (T, or Fp8 with scales in `a`).
+template <typename T, typename C, int D>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelArgs a) {
   using V = Vec16<T>;
-  constexpr int kVec = V::kElems;         // elements per 16-byte load
+  using VC = Vec16<C>;
+  constexpr bool kFp8 = std::is_same_v<C, Fp8>;
+  constexpr int kVec = VC::kElems;        // cache elements per 16-byte load
   static_assert(D % kVec == 0, "a row must be whole 16-byte vectors");
   constexpr int kRowVecs = D / kVec;      // 16-byte vectors per K/V row
   constexpr int kTG = kRowVecs >= 32 ? 32 : next_pow2(kRowVecs);  // threads per row
@@ -192,8 +217,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
 
   const int32_t* table = a.block_tables + int64_t(s) * a.table_stride;
   const int64_t row_stride = int64_t(a.num_kv_heads) * D;
-  const T* kc = static_cast<const T*>(a.key_cache);
-  const T* vc = static_cast<const T*>(a.value_cache);
+  const C* kc = static_cast<const C*>(a.key_cache);
+  const C* vc = static_cast<const C*>(a.value_cache);
 
   // 1. Scores. Every thread runs the same number of passes, so the shuffles below
   // always see full warps; rows past n load nothing.
@@ -205,9 +230,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
     for (int v = 0; v < kVecsPerThread; ++v) {
       const int vi = tl + v * kTG;
       if (valid && vi < kRowVecs) {
-        const T* row = kc + token_row_offset(table, start + t, a.block_size, a.k_block_stride,
+        const C* row = kc + token_row_offset(table, start + t, a.block_size, a.k_block_stride,
                                              row_stride, kv_head, D);
-        V::to_float(__ldg(reinterpret_cast<const uint4*>(row) + vi), k[v]);
+        VC::to_float(__ldg(reinterpret_cast<const uint4*>(row) + vi), k[v]);
       } else {
 #pragma unroll
         for (int i = 0; i < kVec; ++i) k[v][i] = 0.f;
@@ -235,9 +260,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
       dots[g] = acc;
     }
     if (valid && tl == 0) {
+      float ks = 1.f;
+      if constexpr (kFp8) {
+        ks = a.key_scales[token_location(table, start + t, a.block_size).block *
+                              a.k_scale_stride +
+                          kv_head];
+      }
 #pragma unroll
       for (int g = 0; g < kGroupTile; ++g) {
-        if (g < gcount) logits[g][t] = dots[g];
+        if (g < gcount) logits[g][t] = dots[g] * ks;
       }
     }
   }
@@ -280,17 +311,23 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
     for (int v = 0; v < kVecsPerThread; ++v) {
       const int vi = tl + v * kTG;
       if (vi < kRowVecs) {
-        const T* row = vc + token_row_offset(table, start + t, a.block_size, a.v_block_stride,
+        const C* row = vc + token_row_offset(table, start + t, a.block_size, a.v_block_stride,
                                              row_stride, kv_head, D);
-        V::to_float(__ldg(reinterpret_cast<const uint4*>(row) + vi), val[v]);
+        VC::to_float(__ldg(reinterpret_cast<const uint4*>(row) + vi), val[v]);
       } else {
 #pragma unroll
         for (int i = 0; i < kVec; ++i) val[v][i] = 0.f;
       }
     }
+    float vs = 1.f;
+    if constexpr (kFp8) {
+      vs = a.value_scales[token_location(table, start + t, a.block_size).block *
+                              a.v_scale_stride +
+                          kv_head];
+    }
 #pragma unroll
     for (int g = 0; g < kGroupTile; ++g) {
-      const float p = g < gcount ? logits[g][t] : 0.f;
+      const float p = g < gcount ? logits[g][t] * vs : 0.f;
 #pragma unroll
       for (int v = 0; v < kVecsPerThread; ++v)
 #pragma unroll
@@ -367,26 +404,26 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(const 
   }
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void launch_attention(const KernelArgs& a, int num_seqs, cudaStream_t stream) {
   const dim3 grid(a.num_kv_heads * a.group_tiles, num_seqs, a.num_partitions);
-  paged_attention_kernel<T, D><<<grid, kThreads, 0, stream>>>(a);
+  paged_attention_kernel<T, C, D><<<grid, kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T>
+template <typename T, typename C>
 void launch_for_head_dim(const KernelArgs& a, int num_seqs, int head_dim, cudaStream_t stream) {
   switch (head_dim) {
     case 64:
-      return launch_attention<T, 64>(a, num_seqs, stream);
+      return launch_attention<T, C, 64>(a, num_seqs, stream);
     case 80:
-      return launch_attention<T, 80>(a, num_seqs, stream);
+      return launch_attention<T, C, 80>(a, num_seqs, stream);
     case 96:
-      return launch_attention<T, 96>(a, num_seqs, stream);
+      return launch_attention<T, C, 96>(a, num_seqs, stream);
     case 128:
-      return launch_attention<T, 128>(a, num_seqs, stream);
+      return launch_attention<T, C, 128>(a, num_seqs, stream);
     case 256:
-      return launch_attention<T, 256>(a, num_seqs, stream);
+      return launch_attention<T, C, 256>(a, num_seqs, stream);
     default:
       TORCH_CHECK(false, "kvstore.paged_attention: head_dim: expected one of 64, 80, 96, 128, "
                   "256 on CUDA, got ", head_dim);
@@ -404,11 +441,18 @@ void check_16_byte_rows(const at::Tensor& cache, const char* what) {
               ", itemsize ", elem);
 }
 
-at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_cache,
-                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+// Both ops: `key_scales` and `value_scales` are defined for fp8 caches only.
+at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& key_scales,
+                                const at::Tensor& value_scales, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double scale) {
+  const bool fp8 = key_scales.defined();
   const PagedAttentionDims dims =
-      check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens);
+      check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, fp8);
+  if (fp8) {
+    check_scales(key_scales, key_cache, "kvstore.paged_attention", "key_scales");
+    check_scales(value_scales, value_cache, "kvstore.paged_attention", "value_scales");
+  }
   check_16_byte_rows(key_cache, "key_cache");
   check_16_byte_rows(value_cache, "value_cache");
   TORCH_CHECK(dims.max_blocks * dims.block_size < (int64_t{1} << 31),
@@ -444,6 +488,12 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
   a.value_cache = value_cache.data_ptr();
   a.k_block_stride = key_cache.stride(0);
   a.v_block_stride = value_cache.stride(0);
+  if (fp8) {
+    a.key_scales = key_scales.data_ptr<float>();
+    a.value_scales = value_scales.data_ptr<float>();
+    a.k_scale_stride = key_scales.stride(0);
+    a.v_scale_stride = value_scales.stride(0);
+  }
   a.block_tables = tables.data_ptr<int32_t>();
   a.table_stride = dims.max_blocks;
   a.seq_lens = lens.data_ptr<int32_t>();
@@ -460,7 +510,11 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
   const int head_dim = static_cast<int>(dims.head_dim);
   dispatch_dtype(q.scalar_type(), "kvstore.paged_attention", [&](auto tag) {
     using T = decltype(tag);
-    launch_for_head_dim<T>(a, num_seqs, head_dim, stream);
+    if (fp8) {
+      launch_for_head_dim<T, Fp8>(a, num_seqs, head_dim, stream);
+    } else {
+      launch_for_head_dim<T, T>(a, num_seqs, head_dim, stream);
+    }
     if (num_partitions > 1) {
       const dim3 grid(a.num_heads, num_seqs);
       paged_attention_reduce_kernel<T><<<grid, kThreads, 0, stream>>>(a, head_dim);
@@ -468,6 +522,22 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
     }
   });
   return out;
+}
+
+at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale) {
+  return paged_attention_impl(query, key_cache, value_cache, at::Tensor(), at::Tensor(),
+                              block_tables, seq_lens, scale);
+}
+
+at::Tensor paged_attention_fp8_cuda(const at::Tensor& query, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& key_scales,
+                                    const at::Tensor& value_scales,
+                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                    double scale) {
+  return paged_attention_impl(query, key_cache, value_cache, key_scales, value_scales,
+                              block_tables, seq_lens, scale);
 }
 
 template <typename T>
@@ -514,10 +584,102 @@ void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   });
 }
 
+// fp8 quantization, one CTA per (kv head, K or V): the CTA owns that head's scales
+// and rows, so it walks the tokens in order and a block's tokens are quantized,
+// and its scale grown, in the order the CPU op follows (fp8_scale_for). Sequential
+// over tokens: a prefill of T tokens is T steps of one CTA per head.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) write_kv_fp8_kernel(
+    const T* __restrict__ key, const T* __restrict__ value, uint8_t* key_cache,
+    uint8_t* value_cache, float* key_scales, float* value_scales,
+    const int64_t* __restrict__ slots, int64_t num_tokens, int64_t k_stride0, int64_t k_stride1,
+    int64_t v_stride0, int64_t v_stride1, int64_t k_block_stride, int64_t v_block_stride,
+    int64_t k_scale_stride, int64_t v_scale_stride, int heads, int head_dim, int block_size,
+    int64_t num_slots) {
+  using V = Vec16<T>;
+  const int h = blockIdx.x;
+  const bool is_v = blockIdx.y == 1;
+  const T* src = is_v ? value : key;
+  const int64_t stride0 = is_v ? v_stride0 : k_stride0, stride1 = is_v ? v_stride1 : k_stride1;
+  uint8_t* cache = is_v ? value_cache : key_cache;
+  const int64_t block_stride = is_v ? v_block_stride : k_block_stride;
+  float* scales = is_v ? value_scales : key_scales;
+  const int64_t scale_stride = is_v ? v_scale_stride : k_scale_stride;
+  const int64_t row = int64_t(heads) * head_dim;
+  __shared__ float warp_amax[kWarps];
+  __shared__ float old_scale, new_scale;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= num_slots) continue;  // the same for every thread
+    const int64_t blk = slot / block_size, off = slot % block_size;
+    const T* x = src + t * stride0 + h * stride1;
+    float m = 0.f;
+    for (int d = tid; d < head_dim; d += kThreads) m = fmaxf(m, fabsf(V::load1(x + d)));
+    m = warp_max(m);
+    if (lane == 0) warp_amax[warp] = m;
+    __syncthreads();
+    if (tid == 0) {
+      float amax = 0.f;
+      for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
+      float* s = scales + blk * scale_stride + h;
+      old_scale = *s;
+      new_scale = fp8_scale_for(old_scale, amax, off);
+      *s = new_scale;
+    }
+    __syncthreads();
+    const float old = old_scale, now = new_scale;
+    uint8_t* base = cache + blk * block_stride + int64_t(h) * head_dim;
+    if (off > 0 && now != old && old > 0.f) {
+      // The block's earlier tokens move to the grown scale.
+      for (int64_t i = tid; i < off * head_dim; i += kThreads) {
+        uint8_t* b = base + (i / head_dim) * row + i % head_dim;
+        *b = fp8_quantize(fp8_e4m3_bits_to_float(*b) * old, now);
+      }
+    }
+    for (int d = tid; d < head_dim; d += kThreads) {
+      base[off * row + d] = fp8_quantize(V::load1(x + d), now);
+    }
+    __syncthreads();  // this token's rows and scale before the next token reads them
+  }
+}
+
+void write_kv_fp8_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, at::Tensor& key_scales, at::Tensor& value_scales,
+                       const at::Tensor& slot_mapping) {
+  const WriteKVDims dims =
+      check_write_kv(key, value, key_cache, value_cache, slot_mapping, /*fp8=*/true);
+  check_scales(key_scales, key_cache, "kvstore.write_kv", "key_scales");
+  check_scales(value_scales, value_cache, "kvstore.write_kv", "value_scales");
+  if (dims.num_tokens == 0 || dims.num_kv_heads == 0) return;
+  TORCH_CHECK(dims.num_kv_heads <= 65535, "kvstore.write_kv: expected at most 65535 kv heads "
+              "on CUDA (a grid dimension), got ", dims.num_kv_heads);
+  const c10::cuda::CUDAGuard guard(key.device());
+  const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_dtype(k.scalar_type(), "kvstore.write_kv", [&](auto tag) {
+    using T = decltype(tag);
+    const dim3 grid(static_cast<unsigned>(dims.num_kv_heads), 2);
+    write_kv_fp8_kernel<T><<<grid, kThreads, 0, stream>>>(
+        static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr()),
+        static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()),
+        key_scales.data_ptr<float>(), value_scales.data_ptr<float>(), slots.data_ptr<int64_t>(),
+        dims.num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_cache.stride(0),
+        value_cache.stride(0), key_scales.stride(0), value_scales.stride(0),
+        static_cast<int>(dims.num_kv_heads), static_cast<int>(dims.head_dim),
+        static_cast<int>(dims.block_size), dims.num_blocks * dims.block_size);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 }  // namespace
 }  // namespace kvstore
 
 TORCH_LIBRARY_IMPL(kvstore, CUDA, m) {
   m.impl("paged_attention", &kvstore::paged_attention_cuda);
   m.impl("write_kv", &kvstore::write_kv_cuda);
+  m.impl("paged_attention_fp8", &kvstore::paged_attention_fp8_cuda);
+  m.impl("write_kv_fp8", &kvstore::write_kv_fp8_cuda);
 }

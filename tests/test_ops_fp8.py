@@ -1,0 +1,332 @@
+"""kvstore.ops over fp8 (float8_e4m3fn) KV with fp32 scales per (block, kv head).
+
+Attention is checked against the float64 reference of tests/test_ops.py computed
+over the *dequantized* caches (e4m3 value times scale), so the tolerance is the
+kernel's (that of the query dtype), not quantization's. Unused slots hold NaN
+bytes (0x7f) and unused blocks NaN scales: a kernel that reads past a sequence's
+length returns NaN.
+
+write_kv's quantization: every value comes back within
+`2**-4 * |x| + 2**-9 * s` (s: its block's final scale; half an ulp of the 3-bit
+mantissa, plus half the subnormal step `2**-9 * s'` for each scale s' the block
+grew through, a geometric sum below `2**-9 * s`), scales are the smallest
+power of two covering the block's largest magnitude (`amax <= 448 * s`), and the
+bytes are torch's own `(x / s).to(float8_e4m3fn)` where the scale did not grow.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvstore import ops  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_ops import DTYPES, TOL, reference  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+NAN_BYTE = 0x7F
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    ops.load()
+
+
+def nan_cache(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.full(shape, NAN_BYTE, dtype=torch.uint8).view(FP8)
+
+
+def dequantize(cache: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return cache.double() * scales.double()[:, None, :, None]
+
+
+def fp8_case(lens, num_kv_heads, group, head_dim, qdtype, block_size=16, seed=0):
+    """Random K/V quantized per (block, kv head) with arbitrary (not power-of-two)
+    scales into NaN-filled fp8 caches; random non-contiguous block tables whose
+    extra columns point at a NaN block."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    width = max(blocks_per_seq) + 2
+    num_blocks = sum(blocks_per_seq) + 5
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kc, vc = nan_cache(shape), nan_cache(shape)
+    ks = torch.full((num_blocks, num_kv_heads), float("nan"))
+    vs = torch.full((num_blocks, num_kv_heads), float("nan"))
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(lens), width), int(perm[-1]), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens):
+        ids = perm[used : used + blocks_per_seq[s]]
+        used += blocks_per_seq[s]
+        tables[s, : len(ids)] = ids.int()
+        for cache, sc in ((kc, ks), (vc, vs)):
+            x = torch.randn(len(ids) * block_size, num_kv_heads, head_dim, generator=g)
+            x = x.view(len(ids), block_size, num_kv_heads, head_dim)
+            amax = x.abs().amax(dim=(1, 3))
+            scale = amax / 448 * (1 + torch.rand(amax.shape, generator=g))
+            q8 = (x / scale[:, None, :, None]).to(FP8)
+            for i, blk in enumerate(ids.tolist()):
+                rows = min(block_size, n - i * block_size)
+                cache[blk, :rows] = q8[i, :rows]
+                sc[blk] = scale[i]
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(qdtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    return q, kc, vc, ks, vs, tables, lens_t
+
+
+def check_fp8_against_reference(case, scale) -> None:
+    q, kc, vc, ks, vs, tables, lens = case
+    out = ops.paged_attention(q, kc, vc, tables, lens, scale, ks, vs)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ref = reference(q, dequantize(kc, ks), dequantize(vc, vs), tables, lens, scale)
+    got = out.double()
+    assert not got.isnan().any(), "NaN: the kernel read a slot past a sequence's length"
+    torch.testing.assert_close(got, ref, atol=TOL[q.dtype], rtol=TOL[q.dtype])
+
+
+@pytest.mark.parametrize("qdtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_fp8_attention_matches_float64_reference(qdtype, group):
+    # Lengths 1, not multiples of B, a multiple of B, several chunks; head sizes in turn.
+    head_dim = (64, 128, 256)[group % 3]
+    case = fp8_case([1, 37, 16, 301], 2, group, head_dim, qdtype, seed=group)
+    check_fp8_against_reference(case, 1 / math.sqrt(head_dim))
+
+
+@pytest.fixture
+def split_k(monkeypatch):
+    """Partitions of 32 tokens on two threads: one sequence with one kv head splits."""
+    monkeypatch.setenv("KVSTORE_SPLIT_MIN_TOKENS", "32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_fp8_split_k_matches_float64_reference(split_k, group, head_dim, block_size):
+    qdtype = DTYPES[(group + head_dim // 64 + block_size // 16) % 3]
+    case = fp8_case([1, 613], 1, group, head_dim, qdtype, block_size=block_size, seed=group)
+    check_fp8_against_reference(case, 1 / math.sqrt(head_dim))
+
+
+def test_fp8_odd_block_size_and_head_dim():
+    # head_dim 72: no AVX-512 kernel (not a multiple of 16), scalar tails of the widening.
+    case = fp8_case([1, 29, 77], 3, 2, 72, torch.float32, block_size=5, seed=3)
+    check_fp8_against_reference(case, 0.1)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_fp8_narrower_cpu_kernels(capability):
+    code = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_ops_fp8 import fp8_case, check_fp8_against_reference
+        from test_ops import DTYPES
+        for dtype in DTYPES:
+            for group in (1, 4):
+                check_fp8_against_reference(fp8_case([3, 40, 700], 2, group, 64, dtype), 0.125)
+        os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = "32"
+        case = fp8_case([1, 301], 1, 8, 128, torch.bfloat16, block_size=32, seed=7)
+        check_fp8_against_reference(case, 0.1)
+        print("ok")
+        """
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------ write_kv
+
+
+def empty_fp8(num_blocks, block_size, heads, head_dim):
+    shape = (num_blocks, block_size, heads, head_dim)
+    scales = torch.zeros(num_blocks, heads)
+    return nan_cache(shape), nan_cache(shape), scales, scales.clone()
+
+
+def wide_range_kv(tokens, heads, head_dim, seed):
+    """Per-token magnitudes spread over four decades, so blocks' scales must grow."""
+    g = torch.Generator().manual_seed(seed)
+    mag = 10 ** (4 * torch.rand(tokens, 1, 1, generator=g) - 2)
+    return torch.randn(tokens, heads, head_dim, generator=g) * mag
+
+
+def check_round_trip(x, cache, scales, slots, block_size):
+    """Every value within 2^-4 |x| + 2^-9 s of its dequantization; scales minimal
+    powers of two of their block's amax."""
+    blk, off = slots // block_size, slots % block_size
+    deq = cache[blk, off].float() * scales[blk][:, :, None]
+    s = scales[blk][:, :, None].expand_as(x)
+    bound = 2**-4 * x.abs() + 2**-9 * s
+    assert ((deq - x).abs() <= bound * (1 + 1e-6)).all()
+    m, _ = torch.frexp(scales[scales > 0])
+    assert (m == 0.5).all(), "scales are powers of two"
+    used = torch.unique(blk)
+    for b in used.tolist():
+        amax = x[blk == b].abs().amax(dim=(0, 2))
+        assert (amax <= 448 * scales[b]).all() and (amax > 224 * scales[b]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_fp8_round_trip_token_by_token_and_prefill(dtype):
+    B, H, D, T = 16, 2, 64, 70
+    x_k = wide_range_kv(T, H, D, 1).to(dtype)
+    x_v = wide_range_kv(T, H, D, 2).to(dtype)
+    slots = torch.tensor([(5 - t // B) * B + t % B for t in range(T)])  # blocks 5, 4, 3, ...
+    decode = empty_fp8(8, B, H, D)
+    for t in range(T):  # one token per call, as decoding writes
+        ops.write_kv(x_k[t : t + 1], x_v[t : t + 1], *decode[:2], slots[t : t + 1], *decode[2:])
+    prefill = empty_fp8(8, B, H, D)
+    ops.write_kv(x_k, x_v, *prefill[:2], slots, *prefill[2:])
+    for kc, vc, ks, vs in (decode, prefill):
+        check_round_trip(x_k.float(), kc, ks, slots, B)
+        check_round_trip(x_v.float(), vc, vs, slots, B)
+    # Same final scales either way: the largest magnitude of each block decides.
+    assert torch.equal(decode[2], prefill[2]) and torch.equal(decode[3], prefill[3])
+
+
+def test_write_kv_fp8_bytes_are_torch_rounding_when_the_scale_holds():
+    # The first token of each block holds its largest magnitude: no growth, so each
+    # byte is torch's round-to-nearest-even of x / s. Values span e4m3's subnormals.
+    B, H, D = 16, 3, 128
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2 * B, H, D, generator=g) * 10 ** (6 * torch.rand(2 * B, H, D, generator=g) - 5)
+    x[0, :, 0] = x[B, :, 0] = 1000.0
+    kc, vc, ks, vs = empty_fp8(2, B, H, D)
+    ops.write_kv(x, -x, kc, vc, torch.arange(2 * B), ks, vs)
+    assert torch.equal(ks, torch.full((2, H), 4.0)) and torch.equal(vs, ks)  # 1000 <= 448*4
+    expect = (x / 4.0).to(FP8).view(2, B, H, D)
+    assert torch.equal(kc.view(torch.uint8), expect.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), (-expect.float()).to(FP8).view(torch.uint8))
+
+
+def test_write_kv_fp8_first_token_resets_a_reused_block_and_skips_negative_slots():
+    kc, vc, ks, vs = empty_fp8(2, 4, 1, 16)
+    ks.fill_(1e6)  # a stale scale from an earlier occupant
+    x = torch.ones(3, 1, 16)
+    ops.write_kv(x, x, kc, vc, torch.tensor([0, -1, 1]), ks, vs)
+    assert ks[0, 0] == 2.0**-8  # 1 <= 448 * 2^-8 < 2
+    assert torch.equal(kc[0, :2].float() * ks[0, 0], torch.ones(2, 1, 16))
+    assert kc[0, 2:].view(torch.uint8).eq(NAN_BYTE).all()  # untouched
+
+
+def test_write_kv_fp8_then_attention():
+    B, H, D, G = 16, 2, 128, 4
+    T = 333
+    k, v = wide_range_kv(T, H, D, 5), torch.randn(T, H, D)
+    kc, vc, ks, vs = empty_fp8(32, B, H, D)
+    blocks = torch.randperm(32, generator=torch.Generator().manual_seed(0))[: -(-T // B)]
+    slots = blocks[torch.arange(T) // B] * B + torch.arange(T) % B
+    ops.write_kv(k.bfloat16(), v.bfloat16(), kc, vc, slots, ks, vs)
+    q = torch.randn(1, H * G, D, dtype=torch.bfloat16)
+    table = blocks.int()[None]
+    lens = torch.tensor([T], dtype=torch.int32)
+    check_fp8_against_reference((q, kc, vc, ks, vs, table, lens), 0.05)
+
+
+def test_fp8_bad_arguments_raise_clear_errors():
+    q, kc, vc, ks, vs, tables, lens = fp8_case([5], 2, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="key_scales and value_scales"):
+        ops.paged_attention(q, kc, vc, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match=r"key_scales: expected shape"):
+        ops.paged_attention(q, kc, vc, tables, lens, 0.1, ks[:, :1], vs)
+    with pytest.raises(RuntimeError, match="key_scales: expected a float32"):
+        ops.paged_attention(q, kc, vc, tables, lens, 0.1, ks.double(), vs)
+    with pytest.raises(RuntimeError, match="expected dtype float8_e4m3fn"):
+        torch.ops.kvstore.paged_attention_fp8(q, kc.float(), vc, ks, vs, tables, lens, 0.1)
+    key = torch.randn(1, 2, 64)
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        ops.write_kv(key, key, kc, vc, torch.tensor([10**6]), ks, vs)
+
+
+# opcheck's test_schema compares tensors before and after with arithmetic torch has
+# no float8 CPU kernel for ("mul_cpu_reduced_float" not implemented for Float8_e4m3fn);
+# the other checks run, and the declared mutations are checked by hand below.
+FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def test_fp8_opcheck():
+    q, kc, vc, ks, vs, tables, lens = fp8_case([5, 40], 2, 4, 64, torch.bfloat16)
+    torch.library.opcheck(
+        torch.ops.kvstore.paged_attention_fp8.default,
+        (q, kc, vc, ks, vs, tables, lens, 0.125),
+        test_utils=FP8_OPCHECKS,
+    )
+    before = [t.clone() for t in (q, kc.view(torch.uint8), vc.view(torch.uint8), ks, vs)]
+    ops.paged_attention(q, kc, vc, tables, lens, 0.125, ks, vs)
+    after = (q, kc.view(torch.uint8), vc.view(torch.uint8), ks, vs)
+    assert all(
+        torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after, strict=True)
+    )
+    schema = torch.ops.kvstore.write_kv_fp8.default._schema
+    assert [a.name for a in schema.arguments if a.is_write] == [
+        "key_cache",
+        "value_cache",
+        "key_scales",
+        "value_scales",
+    ]
+    key = torch.randn(3, 2, 64).bfloat16()
+    kc2, vc2, ks2, vs2 = empty_fp8(4, 16, 2, 64)
+    kc2.view(torch.uint8).zero_()
+    vc2.view(torch.uint8).zero_()
+    args = (key, -key, kc2, vc2, ks2, vs2, torch.tensor([0, 17, 33]))
+    torch.library.opcheck(torch.ops.kvstore.write_kv_fp8.default, args, test_utils=FP8_OPCHECKS)
+
+
+def test_fp8_torch_compile_traces_the_ops():
+    q, kc, vc, ks, vs, tables, lens = fp8_case([5, 40], 2, 4, 64, torch.float32)
+
+    def step(q, kc, vc, ks, vs, tables, lens):
+        return ops.paged_attention(q, kc, vc, tables, lens, 0.125, ks, vs) * 2
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    args = (q, kc, vc, ks, vs, tables, lens)
+    torch.testing.assert_close(compiled(*args), step(*args))
+
+
+# ----------------------------------------------------------------------------- BlockPool
+
+
+def test_fp8_block_pool_decodes_with_its_scales(tmp_path):
+    import kvstore
+    from kvstore.torch import BlockPool
+
+    layout = kvstore.Layout(
+        num_layers=2, num_kv_heads=2, head_dim=64, dtype="float8_e4m3fn", block_size=16
+    )
+    pool = BlockPool(layout, num_blocks=8, device="cpu", huge_pages=False)
+    assert pool.kv.dtype == FP8 and pool.kv.element_size() == 1
+    assert pool.scales is not None and pool.scales.shape == (2, 2, 8, 2)
+    assert pool.key_scales(1).shape == (8, 2) and pool.value_scales(1).shape == (8, 2)
+    seq = pool.new_sequence()
+    seq.reserve(40)
+    k, v = torch.randn(40, 2, 64), torch.randn(40, 2, 64)
+    layer = 1
+    kc, vc = pool.key_cache(layer), pool.value_cache(layer)
+    ks, vs = pool.key_scales(layer), pool.value_scales(layer)
+    ops.write_kv(k, v, kc, vc, seq.slot_mapping(0, 40), ks, vs)
+    q = torch.randn(1, 8, 64)
+    case = (q, kc, vc, ks, vs, seq.table[None], torch.tensor([40], dtype=torch.int32))
+    check_fp8_against_reference(case, 0.125)
+    assert torch.equal(pool.scales[0], torch.ones(2, 8, 2))  # layer 0 untouched
+    seq.length = 40
+    with (
+        kvstore.open(tmp_path / "s", layout=layout, model="m") as store,
+        pytest.raises(kvstore.InvalidInput, match="raw e4m3 values only"),
+    ):
+        pool.save(store, seq, list(range(40)))
+    with pytest.raises(kvstore.InvalidInput, match="scales"):
+        BlockPool(layout.__class__(1, 1, 64, "bfloat16"), 2, device="cpu").key_scales(0)

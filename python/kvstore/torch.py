@@ -118,6 +118,9 @@ def register_arena(store: Store) -> bool:
 
 _HUGE_PAGE = 2 << 20
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000 if sys.platform.startswith("linux") else 0)
+# 2 MiB pages explicitly: without a size, MAP_HUGETLB takes the system's default huge
+# page, which may be 1 GiB (the mapping would then be rounded up past `rounded`).
+_MAP_HUGE_2MB = 21 << 26
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -150,7 +153,7 @@ def host_pages(nbytes: int, huge_pages: bool = True) -> tuple[torch.Tensor, str]
     anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if _MAP_HUGETLB:
         try:
-            m = mmap.mmap(-1, rounded, flags=anon | _MAP_HUGETLB)
+            m = mmap.mmap(-1, rounded, flags=anon | _MAP_HUGETLB | _MAP_HUGE_2MB)
         except OSError:  # no hugetlb pages reserved (vm.nr_hugepages), or not enough
             pass
         else:
@@ -159,14 +162,37 @@ def host_pages(nbytes: int, huge_pages: bool = True) -> tuple[torch.Tensor, str]
     # whole aligned 2 MiB ranges.
     m = mmap.mmap(-1, rounded + _HUGE_PAGE, flags=anon)
     kind = "normal"
+    base = _tensor_of(m, 0, 1).data_ptr()
+    start = -base % _HUGE_PAGE
     if _thp_mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
-            kind = "thp"
         except OSError:
             pass
-    base = _tensor_of(m, 0, 1).data_ptr()
-    return _tensor_of(m, -base % _HUGE_PAGE, nbytes), kind
+        else:
+            # Asked is not given: fault in the first aligned 2 MiB and report "thp"
+            # only if the kernel backed it with a huge page.
+            m[start] = 0
+            kind = "thp" if _anon_huge_bytes(base + start) > 0 else "normal"
+    return _tensor_of(m, start, nbytes), kind
+
+
+def _anon_huge_bytes(addr: int) -> int:
+    """AnonHugePages of the mapping that holds `addr`, from /proc/self/smaps (0 if
+    it cannot be read)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, _, hi = head.partition("-")
+                    inside = int(lo, 16) <= addr < int(hi, 16)
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _tensor_of(m: mmap.mmap, offset: int, nbytes: int) -> torch.Tensor:

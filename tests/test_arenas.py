@@ -205,6 +205,38 @@ def test_the_lifetime_lock_alone_keeps_an_arena(tmp_path: Path, hot: Path) -> No
     assert not arena.exists()
 
 
+def _ofd_read_locks(path: Path) -> int:
+    """Shared open-file-description locks on `path`'s inode, from /proc/locks."""
+    ino = os.stat(path).st_ino
+    return sum(
+        1
+        for line in Path("/proc/locks").read_text().splitlines()
+        if " OFDLCK " in f" {line} " and " READ " in line and line.split()[5].endswith(f":{ino}")
+    )
+
+
+def test_an_arena_view_holds_the_lifetime_lock_after_its_store_closes(
+    tmp_path: Path, hot: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    from kvstore.torch import arena_view
+
+    arena = make(tmp_path / "a", hot)
+    s = open_store(tmp_path / "a", hot)
+    assert _ofd_read_locks(arena) == 1  # the store's own handle
+    view = arena_view(s)
+    assert isinstance(view, torch.Tensor)
+    assert _ofd_read_locks(arena) == 2
+    s.close()
+    assert _ofd_read_locks(arena) == 1, "the view outlives the store: its lock must too"
+    del view, s  # the store's entry in the view cache goes with it
+    import gc
+
+    gc.collect()
+    assert _ofd_read_locks(arena) == 0
+    kvstore.remove_arena(tmp_path / "a", hot_dir=hot)
+
+
 def test_renamed_store_keeps_its_arena_and_takes_it_back(tmp_path: Path, hot: Path) -> None:
     arena = make(tmp_path / "a", hot, blocks=3)
     child = hold(tmp_path / "a", hot)

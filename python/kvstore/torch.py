@@ -41,8 +41,10 @@ hashable value) separates further when needed.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import struct
 import sys
 import threading
 import warnings
@@ -60,6 +62,10 @@ from .layout import Layout
 from .store import Store
 
 __all__ = ["BlockPool", "BlockTable", "PoolFull", "arena_view", "host_pages", "register_arena"]
+
+# struct flock for a whole-file read lock (l_type, l_whence, l_start, l_len, l_pid;
+# the layout of x86-64 and aarch64 Linux).
+_SHARED_LOCK = struct.pack("hh4xqqi4x", fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
 
 # Per store: a read-only mapping of its hot-tier file, as a uint8 tensor. The
 # tensor's storage keeps the mmap (its owner) alive; the entry goes with the store.
@@ -85,6 +91,13 @@ def arena_view(store: Store) -> torch.Tensor | None:
         if (st.st_dev, st.st_ino) != (dev, ino):
             # Replaced since the store mapped it: slot versions would not match these bytes.
             raise KVStoreError(f"hot-tier file {path} was replaced; reopen the store")
+        # The arena's lifetime lock (see rust/kvstore/src/arena.rs), shared: mmap keeps
+        # its own duplicate of this descriptor, so the lock lives as long as the view,
+        # and no pruner removes the file under a view that outlives its store.
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _SHARED_LOCK)
+        except OSError as e:
+            raise KVStoreError(f"hot-tier file {path} is being removed ({e}); reopen") from None
         mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)

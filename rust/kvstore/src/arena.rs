@@ -54,7 +54,10 @@
 //!   has the file open, which is as long as it maps it. It takes it before
 //!   it reads or maps anything, then checks that the path still names the
 //!   file it locked (a pruner may have unlinked it meanwhile: then it
-//!   retries, creating a fresh arena);
+//!   retries, creating a fresh arena). Python's `kvstore.torch.arena_view`,
+//!   which maps the file on its own, takes the same lock on the descriptor it
+//!   maps, whose duplicate the mapping keeps: the lock lives as long as the
+//!   view, even past its store's handle;
 //! - a pruner takes the exclusive lock without waiting (held by anyone:
 //!   keep), then reads the header, checks the store, scans `/proc/*/maps`
 //!   for the file's device and inode (mappers that hold no lock: kvstore

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 from conftest import assert_kv_equal, kv_for, run_child, seq, small_layout
+from support.redis_cluster import Cluster, RespError, cmd, env_ok, free_ports
 
 import kvstore
-from support.redis_cluster import Cluster, RespError, cmd, env_ok, free_ports
 
 pytestmark = pytest.mark.skipif(not env_ok(), reason="needs redis-server and redis-cli")
 
@@ -293,18 +293,30 @@ def test_open_errors_name_node_and_user_not_password(tmp_path_factory, tmp_path,
         monkeypatch.setenv("KV_BAD", "wrong-" + secret)
         node = f"127.0.0.1:{port}"
         with pytest.raises(kvstore.RemoteError) as e:
-            kvstore.open(tmp_path / "x", LAYOUT, MODEL,
-                         remote=kvstore.Remote([node], username="alice", password_env="KV_BAD"))
+            kvstore.open(
+                tmp_path / "x",
+                LAYOUT,
+                MODEL,
+                remote=kvstore.Remote([node], username="alice", password_env="KV_BAD"),
+            )
         assert node in str(e.value) and "alice" in str(e.value)
         assert secret not in str(e.value) and secret not in repr(e.value)
         with pytest.raises(kvstore.RemoteError) as e:
-            kvstore.open(tmp_path / "y", LAYOUT, MODEL,
-                         remote=kvstore.Remote([node], username="mallory", password_env="KV_PW"))
+            kvstore.open(
+                tmp_path / "y",
+                LAYOUT,
+                MODEL,
+                remote=kvstore.Remote([node], username="mallory", password_env="KV_PW"),
+            )
         assert "mallory" in str(e.value) and secret not in str(e.value)
         free = free_ports(1)[0]
         with pytest.raises(kvstore.RemoteError, match=f"127.0.0.1:{free}"):
-            kvstore.open(tmp_path / "z", LAYOUT, MODEL,
-                         remote=kvstore.Remote([f"127.0.0.1:{free}"], timeout=0.3))
+            kvstore.open(
+                tmp_path / "z",
+                LAYOUT,
+                MODEL,
+                remote=kvstore.Remote([f"127.0.0.1:{free}"], timeout=0.3),
+            )
         r = kvstore.Remote([node], username="alice", password_env="KV_PW")
         assert secret not in repr(r)
         tokens = seq(1, 4 * B)
@@ -321,7 +333,9 @@ def test_open_errors_name_node_and_user_not_password(tmp_path_factory, tmp_path,
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
 def test_small_maxmemory(tmp_path_factory, tmp_path, policy):
-    single = _start(tmp_path_factory, 1, False, ["--maxmemory", "2mb", "--maxmemory-policy", policy])
+    single = _start(
+        tmp_path_factory, 1, False, ["--maxmemory", "2mb", "--maxmemory-policy", policy]
+    )
     try:
         chains = [seq(100000 * (k + 1), 128 * B) for k in range(24)]  # ~3.3 MiB of values
         with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none",
@@ -338,8 +352,10 @@ def test_small_maxmemory(tmp_path_factory, tmp_path, policy):
         with kvstore.open(tmp_path / "b", LAYOUT, MODEL, durability="none",
                           remote=kvstore.Remote(single.nodes)) as b:  # fmt: skip
             found = [b.lookup(t) for t in chains]
-            assert any(n < len(t) for n, t in zip(found, chains)), "not all fit in 2 MiB"
-            for n, t in zip(found, chains):
+            assert any(n < len(t) for n, t in zip(found, chains, strict=True)), (
+                "not all fit in 2 MiB"
+            )
+            for n, t in zip(found, chains, strict=True):
                 if n:
                     assert_kv_equal(b.get(t[:n]), kv_for(LAYOUT, t[:n]))
             assert remote_stats(b)["invalid"] == 0

@@ -7,6 +7,15 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 step() { printf '\n==> %s\n' "$*"; }
 
+step "a Redis server for the remote-tier tests (tests/test_remote.py)"
+if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq redis-server
+    else
+        echo "neither redis-server nor valkey-server found (and not root): remote tests skip"
+    fi
+fi
+
 step "install kvstore with its test dependencies (torch, lmdb, zstandard, pytest, ruff, mypy)"
 python3 -m pip install --quiet --editable '.[test]'
 

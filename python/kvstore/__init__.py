@@ -15,6 +15,7 @@ from .errors import (
     InvalidInput,
     KVStoreError,
     LayoutMismatch,
+    RemoteError,
     SessionNotFound,
     StoreClosed,
     StoreFull,
@@ -22,6 +23,7 @@ from .errors import (
     StoreLocked,
 )
 from .layout import Layout
+from .remote import Remote
 from .store import Store, arenas, open, rebuild_index, remove_arena
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "KVStoreError",
     "Layout",
     "LayoutMismatch",
+    "Remote",
+    "RemoteError",
     "SessionNotFound",
     "Store",
     "StoreClosed",

@@ -41,6 +41,41 @@ class OpenOptions(TypedDict):
     hot_bytes: NotRequired[int | None]
     hot_dir: NotRequired[str | None]
     index_bytes: NotRequired[int | None]
+    remote: NotRequired[RemoteOptions | None]
+
+@type_check_only
+class RemoteOptions(TypedDict):
+    """What `kvstore.Remote` hands the binding (the password by reference only)."""
+
+    nodes: list[str]
+    username: str | None
+    password_env: str | None
+    password_file: str | None
+    tls_ca: str | None
+    prefix: str
+    write: str
+    ttl_ms: int | None
+    timeout_ms: int | None
+
+@type_check_only
+class RemoteStats(TypedDict):
+    hits: int
+    misses: int
+    invalid: int
+    errors_timeout: int
+    errors_connection: int
+    errors_permission: int
+    errors_oom: int
+    errors_cluster_down: int
+    errors_other: int
+    breaker_skips: int
+    bytes_read: int
+    bytes_written: int
+    blocks_uploaded: int
+    blocks_present: int
+    writes_dropped: int
+    write_failures: int
+    queued_bytes: int
 
 @type_check_only
 class Manifest(TypedDict):
@@ -87,6 +122,7 @@ class Stats(TypedDict):
     hot_slots_torn: int
     page_kind: str
     hot_mapped: bool
+    remote: RemoteStats | None
 
 @type_check_only
 class SegmentReport(TypedDict):
@@ -215,6 +251,7 @@ class Store:
     def flush(self) -> None: ...
     def close(self) -> None: ...
     def stats(self) -> Stats: ...
+    def remote_ping(self) -> list[tuple[str, float | None, str | None]]: ...
     def segments(self) -> list[SegmentReport]: ...
     def verify(
         self, progress: Callable[[int, int], None] | None = None, repair: bool = False

@@ -17,6 +17,7 @@ __all__ = [
     "CorruptStore",
     "SessionNotFound",
     "StoreIOError",
+    "RemoteError",
 ]
 
 
@@ -58,3 +59,9 @@ class SessionNotFound(KVStoreError, KeyError):
 
 class StoreIOError(KVStoreError, OSError):
     """An I/O error of the operating system, or writes disabled after a failed fdatasync."""
+
+
+class RemoteError(KVStoreError):
+    """The remote tier could not be opened: no node reachable, or authentication,
+    permission or TLS failed. Names the node and the user, never the password. After
+    open, remote failures are misses counted in `stats()["remote"]`, never this."""

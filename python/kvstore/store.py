@@ -24,6 +24,7 @@ from . import _lib
 from ._convert import U32_MAX, extra_bytes, is_torch, kv_bytes, out_bytes, tokens_array
 from .errors import InvalidInput
 from .layout import Layout
+from .remote import Remote
 
 if TYPE_CHECKING:
     from ._lib import (
@@ -382,6 +383,7 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     create: bool = True,
     hot_dir: str | os.PathLike[str] | None = None,
     index_bytes: int | None = None,
+    remote: Remote | None = None,
 ) -> Store:
     """Opens (creating if needed) the store at `path`, bound to `model` + `layout`.
 
@@ -401,6 +403,8 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     - `index_bytes`: bound on the LMDB index map (at least 2 MiB; default 64 GiB,
       reserved virtually). Puts raise StoreFull at three quarters of it (all but 1 MiB
       at least), keeping the rest for gc. The first handle of a process sets it.
+    - `remote`: a `kvstore.Remote` (Redis/Valkey) behind the local tiers: puts go to it
+      in the background, lookups and gets continue into it (README: "Remote tier").
     - With `layout` and `model` both None, opens an existing store as its MANIFEST says.
     """
     if (layout is None) != (model is None):
@@ -454,6 +458,8 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         "hot_dir": os.fspath(hot_dir) if hot_dir is not None else None,
         "index_bytes": index_bytes,
     }
+    if remote is not None:
+        options["remote"] = remote._options()
     raw = _lib.Store.open(os.fspath(path), options)
     num_layers, num_kv_heads, head_dim, dtype, block_size = raw.layout()
     actual = Layout(num_layers, num_kv_heads, head_dim, dtype, block_size)

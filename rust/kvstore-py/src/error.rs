@@ -14,6 +14,7 @@ pyo3::import_exception!(kvstore.errors, StoreLocked);
 pyo3::import_exception!(kvstore.errors, CorruptStore);
 pyo3::import_exception!(kvstore.errors, SessionNotFound);
 pyo3::import_exception!(kvstore.errors, StoreIOError);
+pyo3::import_exception!(kvstore.errors, RemoteError);
 
 pub fn to_pyerr(e: kvstore::Error) -> PyErr {
     use kvstore::Error as E;
@@ -27,6 +28,7 @@ pub fn to_pyerr(e: kvstore::Error) -> PyErr {
         E::CorruptStore { .. } => CorruptStore::new_err(msg),
         E::SessionNotFound(_) => SessionNotFound::new_err(msg),
         E::Poisoned(_) | E::Io { .. } => StoreIOError::new_err(msg),
+        E::Remote(_) => RemoteError::new_err(msg),
         E::Index(_) => KVStoreError::new_err(msg),
     }
 }

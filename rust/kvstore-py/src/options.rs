@@ -1,8 +1,8 @@
 //! The options of `Store.open`, read from one Python dict (`OpenOptions` in
 //! `_lib.pyi`). Keys left out take the engine's defaults.
 
-use crate::error::PyResultExt;
-use kvstore::{DType, Durability, Layout, Options};
+use crate::error::{invalid, PyResultExt};
+use kvstore::{DType, Durability, Layout, Options, RemoteOptions, WriteMode};
 use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -28,6 +28,62 @@ impl LayoutArg {
             self.block_size,
         )
         .py()
+    }
+}
+
+/// The remote tier, read from the dict `kvstore.Remote` makes. The password
+/// is read here from the environment variable or file it names, and goes
+/// nowhere but the engine's connection settings.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+pub struct RemoteArg {
+    nodes: Vec<String>,
+    #[pyo3(default)]
+    username: Option<String>,
+    #[pyo3(default)]
+    password_env: Option<String>,
+    #[pyo3(default)]
+    password_file: Option<PathBuf>,
+    #[pyo3(default)]
+    tls_ca: Option<PathBuf>,
+    prefix: String,
+    write: String,
+    #[pyo3(default)]
+    ttl_ms: Option<u64>,
+    #[pyo3(default)]
+    timeout_ms: Option<u64>,
+}
+
+impl RemoteArg {
+    fn to_engine(&self) -> PyResult<RemoteOptions> {
+        let d = RemoteOptions::default();
+        let password = match (&self.password_env, &self.password_file) {
+            (Some(var), _) => Some(std::env::var(var).map_err(|_| {
+                invalid(format!(
+                    "remote password_env: the environment variable {var:?} is not set (or not UTF-8)"
+                ))
+            })?),
+            (None, Some(f)) => Some(
+                std::fs::read_to_string(f)
+                    .map_err(|e| {
+                        invalid(format!("remote password_file {}: {e}", f.display()))
+                    })?
+                    .trim_end_matches(['\n', '\r'])
+                    .to_string(),
+            ),
+            (None, None) => None,
+        };
+        Ok(RemoteOptions {
+            nodes: self.nodes.clone(),
+            username: self.username.clone(),
+            password,
+            tls_ca: self.tls_ca.clone(),
+            prefix: self.prefix.clone(),
+            write: WriteMode::parse(&self.write).py()?,
+            ttl: self.ttl_ms.map(Duration::from_millis),
+            timeout: self.timeout_ms.map_or(d.timeout, Duration::from_millis),
+            ..d
+        })
     }
 }
 
@@ -58,6 +114,8 @@ pub struct OpenOptions {
     hot_dir: Option<PathBuf>,
     #[pyo3(default)]
     index_bytes: Option<u64>,
+    #[pyo3(default)]
+    remote: Option<RemoteArg>,
 }
 
 impl OpenOptions {
@@ -79,6 +137,7 @@ impl OpenOptions {
             hot_bytes: self.hot_bytes,
             hot_dir: self.hot_dir.clone(),
             index_bytes: self.index_bytes.unwrap_or(d.index_bytes),
+            remote: self.remote.as_ref().map(RemoteArg::to_engine).transpose()?,
             ..d
         })
     }

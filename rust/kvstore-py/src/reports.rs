@@ -176,6 +176,31 @@ pub struct Stats {
     /// Whether this handle maps the arena (false: opened without a hot
     /// tier, the figures read from the store's arena file).
     pub hot_mapped: bool,
+    /// The remote tier, if this handle has one.
+    pub remote: Option<RemoteStats>,
+}
+
+report! {
+    /// `Store.stats()["remote"]`: what the remote tier did for this handle.
+    RemoteStats from kvstore::RemoteStats {
+        hits: u64,
+        misses: u64,
+        invalid: u64,
+        errors_timeout: u64,
+        errors_connection: u64,
+        errors_permission: u64,
+        errors_oom: u64,
+        errors_cluster_down: u64,
+        errors_other: u64,
+        breaker_skips: u64,
+        bytes_read: u64,
+        bytes_written: u64,
+        blocks_uploaded: u64,
+        blocks_present: u64,
+        writes_dropped: u64,
+        write_failures: u64,
+        queued_bytes: u64,
+    }
 }
 
 impl From<kvstore::Stats> for Stats {
@@ -222,6 +247,7 @@ impl From<kvstore::Stats> for Stats {
             hot_slots_torn: a.slots_torn,
             page_kind: a.page_kind,
             hot_mapped: a.mapped,
+            remote: s.remote.map(RemoteStats::from),
         }
     }
 }

@@ -13,6 +13,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// A handle on one store; all methods may be called from many threads.
+/// `(node, round-trip seconds or None, error or None)`: a row of `remote_ping`.
+type PingRow = (String, Option<f64>, Option<String>);
+
 #[pyclass(frozen, module = "kvstore._lib", name = "Store")]
 pub struct Store {
     engine: Engine,
@@ -238,6 +241,18 @@ impl Store {
 
     fn stats(&self, py: Python<'_>) -> PyResult<Stats> {
         Ok(py.detach(|| self.engine.stats()).py()?.into())
+    }
+
+    /// One row per node of the remote tier (see `PingRow`).
+    fn remote_ping(&self, py: Python<'_>) -> PyResult<Vec<PingRow>> {
+        let rows = py.detach(|| self.engine.remote_ping()).py()?;
+        Ok(rows
+            .into_iter()
+            .map(|(n, r)| match r {
+                Ok(d) => (n, Some(d.as_secs_f64()), None),
+                Err(e) => (n, None, Some(e)),
+            })
+            .collect())
     }
 
     fn segments(&self, py: Python<'_>) -> PyResult<Vec<SegmentReport>> {

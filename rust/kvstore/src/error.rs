@@ -61,6 +61,12 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// The remote tier could not be opened: no node reachable, authentication,
+    /// permission or TLS failure. Names the node and the user, never the
+    /// password. After open, remote failures are misses, never this.
+    #[error("{0}")]
+    Remote(String),
+
     /// An LMDB error not covered by a more specific variant.
     #[error("index: {0}")]
     Index(String),

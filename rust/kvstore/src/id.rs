@@ -93,6 +93,13 @@ impl Keyer {
         ids
     }
 
+    /// The key of the MACs on values in the remote tier: derived from this
+    /// keyer's key (fingerprint, layout, salt), so only holders of the salt
+    /// can make a value another handle of the tenant accepts.
+    pub(crate) fn remote_mac_key(&self) -> [u8; 32] {
+        *blake3::keyed_hash(&self.key, b"kvstore remote value mac").as_bytes()
+    }
+
     /// A tag that identifies the tenant (salt) without revealing it; used to
     /// keep one tenant's session names out of another's listing.
     pub fn tenant_tag(&self) -> [u8; 16] {

@@ -52,6 +52,7 @@ mod known;
 mod layout;
 mod os;
 mod progress;
+mod remote;
 mod repair;
 mod store;
 
@@ -63,6 +64,7 @@ pub use id::{hex as block_id_hex, BlockId, Keyer};
 pub use index::DEFAULT_MAP_SIZE as DEFAULT_INDEX_BYTES;
 pub use layout::{DType, Layout};
 pub use progress::Progress;
+pub use remote::{RemoteOptions, RemoteStats, WriteMode};
 pub use repair::{rebuild_index, RebuildReport};
 pub use scan::DamagedRange;
 

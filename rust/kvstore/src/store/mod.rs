@@ -32,6 +32,7 @@ mod pin;
 mod put;
 mod read;
 mod recover;
+mod remote;
 mod session;
 mod stats;
 mod verify;
@@ -85,6 +86,7 @@ struct Inner {
     touched: Mutex<Touched>,
     arena: Option<Arena>,
     counters: Counters,
+    remote: Option<crate::remote::Remote>,
 }
 
 /// A handle on a store directory. `Sync`: share it between threads.
@@ -325,12 +327,23 @@ impl Store {
         inner.commit_pending(&mut w)?;
         drop(w);
         inner.save_advisory();
+        inner.remote_flush();
         Ok(())
     }
 
     /// Counters of this handle and figures of the store (see [`Stats`]).
     pub fn stats(&self) -> Result<Stats> {
         self.live()?.stats()
+    }
+
+    /// `PING` to every node of the remote tier: `(node, round trip or the
+    /// error)`; `InvalidInput` without a remote tier.
+    pub fn remote_ping(&self) -> Result<Vec<(String, std::result::Result<Duration, String>)>> {
+        let inner = self.live()?;
+        let r = inner.remote.as_ref().ok_or_else(|| {
+            Error::InvalidInput("this store was opened without a remote tier".into())
+        })?;
+        Ok(r.ping())
     }
 
     /// Every segment, as `kvstore stats` lists it.
@@ -376,6 +389,7 @@ impl Store {
         // Taking the write lock waits for every call in flight on this handle.
         let inner = self.inner.write().expect("store lock").take();
         let Some(inner) = inner else { return Ok(()) };
+        inner.remote_close();
         inner.closing.store(true, Ordering::SeqCst);
         inner.wake.notify_all();
         if let Some(t) = self.flusher.lock().expect("flusher lock").take() {
@@ -483,7 +497,13 @@ impl Inner {
             None => None,
             Some(bytes) => Some(open_arena(root, &opts, &manifest, &layout, bytes)?),
         };
+        let remote = opts
+            .remote
+            .as_ref()
+            .map(|r| crate::remote::Remote::open(r, &keyer.tenant_tag(), keyer.remote_mac_key()))
+            .transpose()?;
         let inner = Inner {
+            remote,
             dir,
             tag: keyer.tenant_tag(),
             keyer,

@@ -75,6 +75,8 @@ pub struct Options {
     /// 1 MiB, if less); the rest is kept for gc and eviction. The first handle of a process to open the store
     /// sets it.
     pub index_bytes: u64,
+    /// A Redis/Valkey server or cluster behind the local store (`None`: none).
+    pub remote: Option<crate::remote::RemoteOptions>,
 }
 
 impl Default for Options {
@@ -93,6 +95,7 @@ impl Default for Options {
             hot_bytes: None,
             hot_dir: None,
             index_bytes: crate::index::DEFAULT_MAP_SIZE,
+            remote: None,
         }
     }
 }

@@ -123,6 +123,8 @@ impl Inner {
                 arena.insert(id, block_tokens, &runs(i), 0, 0, now_ms())?;
             }
         }
+        drop(w);
+        self.remote_put(&ids, tokens, kv, kv_tokens);
         Ok(full)
     }
 
@@ -132,7 +134,7 @@ impl Inner {
     /// forgotten (dead bytes): a failed put publishes nothing. Blocks
     /// committed by a segment roll inside this put stay: they are durable and
     /// sound.
-    fn write_blocks<'t>(
+    pub(super) fn write_blocks<'t>(
         &self,
         w: &mut Writer,
         ids: &[BlockId],

@@ -100,7 +100,8 @@ impl Inner {
             }
             n += 1;
         }
-        Ok(n)
+        drop(snap);
+        Ok(n + self.remote_extend(&ids, tokens, n, None))
     }
 
     /// A fresh index snapshot; advances the location cache (and drops open
@@ -197,6 +198,8 @@ impl Inner {
             }
             served += 1;
         }
+        drop(snap);
+        served += self.remote_extend(&ids, tokens, served, Some((out, out_tokens)));
         self.count_hits(served, tokens.len() / b);
         self.touch(&ids[..served]);
         Ok(served * b)

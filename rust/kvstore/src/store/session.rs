@@ -27,14 +27,24 @@ impl Inner {
         let mut txn = self.index.write()?;
         self.index.put_session(&mut txn, &self.tag, name, tokens)?;
         self.index.commit(txn, self.durable())?;
+        self.remote_save_session(name, tokens);
         Ok(n)
     }
 
     pub(super) fn session_tokens(&self, name: &str) -> Result<Vec<u32>> {
         let txn = self.index.read()?;
-        self.index
-            .get_session(&txn, &self.tag, name)?
-            .ok_or_else(|| Error::SessionNotFound(name.to_string()))
+        if let Some(t) = self.index.get_session(&txn, &self.tag, name)? {
+            return Ok(t);
+        }
+        drop(txn);
+        // Saved on another host: from the remote tier, kept here too.
+        let t = self
+            .remote_session(name)
+            .ok_or_else(|| Error::SessionNotFound(name.to_string()))?;
+        let mut txn = self.index.write()?;
+        self.index.put_session(&mut txn, &self.tag, name, &t)?;
+        self.index.commit(txn, self.durable())?;
+        Ok(t)
     }
 
     pub(super) fn sessions(&self) -> Result<Vec<(String, usize)>> {

@@ -71,6 +71,8 @@ pub struct Stats {
     pub disk_hit_blocks: u64,
     /// The hot tier, if this handle has one.
     pub arena: Option<ArenaStats>,
+    /// The remote tier, if this handle has one.
+    pub remote: Option<crate::remote::RemoteStats>,
 }
 
 /// One segment, as `kvstore stats` lists it.
@@ -142,6 +144,7 @@ impl Inner {
                     now_ms(),
                 ),
             },
+            remote: self.remote.as_ref().map(crate::remote::Remote::stats),
         })
     }
 

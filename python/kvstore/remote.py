@@ -1,0 +1,71 @@
+"""The remote tier: a Redis or Valkey server or cluster shared by every host.
+
+    store = kvstore.open(path, layout, model,
+                         remote=kvstore.Remote(nodes=["10.0.0.5:6379", "10.0.0.6:6379"],
+                                               username="kv", password_env="KV_REDIS_PASSWORD"))
+
+The local store stays the first tier and the source of durability; see README.md,
+"Remote tier", for the key and value format and the server settings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import InvalidInput
+
+if TYPE_CHECKING:
+    from ._lib import RemoteOptions
+
+__all__ = ["Remote"]
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Where the remote tier is and how to use it.
+
+    - `nodes`: "host:port" of one node or of some cluster nodes (the cluster is
+      discovered from the first that answers).
+    - `username`: ACL user (None: "default").
+    - `password_env` / `password_file`: the environment variable or file holding the
+      password (never the password itself, so it is never in a repr or a log).
+    - `tls_ca`: CA certificate for TLS (not supported by this build yet: RemoteError).
+    - `prefix`: key namespace on the server (and the root of ACL key patterns).
+    - `write`: "behind" (background, bounded queue; full: dropped and counted) or
+      "through" (before put returns; a failure is counted, never raised).
+    - `ttl`: seconds a value lives, renewed on read (None: server eviction only).
+    - `timeout`: seconds, connection and response timeout of every call.
+    """
+
+    nodes: list[str] | tuple[str, ...]
+    username: str | None = None
+    password_env: str | None = None
+    tls_ca: str | os.PathLike[str] | None = None
+    prefix: str = "kvstore"
+    write: str = "behind"
+    ttl: float | None = None
+    timeout: float = 1.0
+    password_file: str | os.PathLike[str] | None = field(default=None, kw_only=True)
+
+    def _options(self) -> RemoteOptions:
+        nodes = [self.nodes] if isinstance(self.nodes, str) else list(self.nodes)
+        if not nodes or not all(isinstance(n, str) and n for n in nodes):
+            raise InvalidInput(f"remote nodes: expected a list of 'host:port', got {self.nodes!r}")
+        if self.write not in ("behind", "through"):
+            raise InvalidInput(f"remote write: expected 'behind' or 'through', got {self.write!r}")
+        for name, value in (("ttl", self.ttl), ("timeout", self.timeout)):
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise InvalidInput(f"remote {name}: expected positive seconds, got {value!r}")
+        return {
+            "nodes": nodes,
+            "username": self.username,
+            "password_env": self.password_env,
+            "password_file": os.fspath(self.password_file) if self.password_file else None,
+            "tls_ca": os.fspath(self.tls_ca) if self.tls_ca is not None else None,
+            "prefix": self.prefix,
+            "write": self.write,
+            "ttl_ms": None if self.ttl is None else max(1, round(self.ttl * 1000)),
+            "timeout_ms": max(1, round(self.timeout * 1000)),
+        }

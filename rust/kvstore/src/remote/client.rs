@@ -1,0 +1,374 @@
+//! The connection to the server: one node or a cluster, through the `redis`
+//! crate's sync clients (its async cluster client stalled after a node died;
+//! see the notes). Every call has a deadline: connection and response
+//! timeouts. Which node serves a key is read from `CLUSTER SLOTS` at open,
+//! for the circuit breaker.
+
+use super::keys::slot;
+use super::RemoteOptions;
+use crate::error::{Error, Result};
+use redis::cluster::{ClusterClientBuilder, ClusterConnection};
+use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, RedisError, Value};
+
+pub(crate) use super::fault::Fault;
+
+// Two per store handle: their size does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Conn {
+    Single {
+        info: ConnectionInfo,
+        conn: Option<redis::Connection>,
+    },
+    Cluster(Box<ClusterConnection>),
+}
+
+/// One connection (a reader's or the uploader's) and the slot map.
+pub(crate) struct Client {
+    conn: Conn,
+    /// `(first slot, last slot, node)`, sorted; empty for one node.
+    slots: Vec<(u16, u16, String)>,
+    single_node: String,
+    timeout: std::time::Duration,
+}
+
+fn node_url(node: &str) -> String {
+    if node.contains("://") {
+        node.to_string()
+    } else {
+        format!("redis://{node}")
+    }
+}
+
+fn info_for(opts: &RemoteOptions, node: &str) -> Result<ConnectionInfo> {
+    let info = node_url(node)
+        .into_connection_info()
+        .map_err(|e| Error::Remote(format!("remote node {node:?}: not an address ({e})")))?;
+    let mut settings = info.redis_settings().clone();
+    if let Some(u) = &opts.username {
+        settings = settings.set_username(u);
+    }
+    if let Some(p) = &opts.password {
+        settings = settings.set_password(p);
+    }
+    Ok(info.set_redis_settings(settings))
+}
+
+/// A message naming the node and the user, never the password.
+fn open_error(opts: &RemoteOptions, node: &str, what: &str, e: &RedisError) -> Error {
+    let user = opts.username.as_deref().unwrap_or("default");
+    let mut msg = format!("remote node {node} (user {user:?}): {what}: {e}");
+    if let Some(p) = opts.password.as_deref().filter(|p| !p.is_empty()) {
+        msg = msg.replace(p, "***");
+    }
+    Error::Remote(msg)
+}
+
+impl Client {
+    /// Connects to the first reachable node of `opts.nodes`, finds out
+    /// whether it is a cluster, and checks that the user may read and write
+    /// `probe_key`. Every failure is `Error::Remote`.
+    pub(crate) fn connect(opts: &RemoteOptions, probe_key: &str) -> Result<Client> {
+        if opts.tls_ca.is_some() || opts.nodes.iter().any(|n| n.starts_with("rediss://")) {
+            return Err(Error::Remote(
+                "TLS (tls_ca, rediss://) is not supported by this build of the remote tier".into(),
+            ));
+        }
+        let mut last = None;
+        for node in &opts.nodes {
+            let info = info_for(opts, node)?;
+            let client = redis::Client::open(info.clone())
+                .map_err(|e| open_error(opts, node, "bad address", &e))?;
+            let mut conn = match client.get_connection_with_timeout(opts.timeout) {
+                Ok(c) => c,
+                Err(e) if Fault::of(&e) == Fault::Permission => {
+                    return Err(open_error(opts, node, "authentication failed", &e));
+                }
+                Err(e) => {
+                    last = Some(open_error(opts, node, "unreachable", &e));
+                    continue;
+                }
+            };
+            let set = |c: &redis::Connection| {
+                c.set_read_timeout(Some(opts.timeout))?;
+                c.set_write_timeout(Some(opts.timeout))
+            };
+            set(&conn).map_err(|e| open_error(opts, node, "socket options", &e))?;
+            let info_text: String = redis::cmd("INFO")
+                .arg("cluster")
+                .query(&mut conn)
+                .map_err(|e| open_error(opts, node, "INFO cluster", &e))?;
+            let mut me = if info_text.contains("cluster_enabled:1") {
+                let slots = cluster_slots(&mut conn)
+                    .map_err(|e| open_error(opts, node, "CLUSTER SLOTS", &e))?;
+                let cluster = cluster_connection(opts)
+                    .map_err(|e| open_error(opts, node, "cluster connection", &e))?;
+                Client {
+                    conn: Conn::Cluster(Box::new(cluster)),
+                    slots,
+                    single_node: node.clone(),
+                    timeout: opts.timeout,
+                }
+            } else {
+                Client {
+                    conn: Conn::Single {
+                        info,
+                        conn: Some(conn),
+                    },
+                    slots: Vec::new(),
+                    single_node: node.clone(),
+                    timeout: opts.timeout,
+                }
+            };
+            let probe: RedisResult<Vec<i64>> =
+                me.run(&[redis::cmd("EXISTS").arg(probe_key).clone()]);
+            if let Err(e) = probe {
+                return Err(open_error(
+                    opts,
+                    node,
+                    &format!("may not use the keys under {probe_key:?}"),
+                    &e,
+                ));
+            }
+            return Ok(me);
+        }
+        Err(last.unwrap_or_else(|| Error::Remote("remote: no nodes given".into())))
+    }
+
+    /// A second connection with the same settings (for the uploader).
+    pub(crate) fn connect_again(&self, opts: &RemoteOptions) -> Result<Client> {
+        let conn = match &self.conn {
+            Conn::Single { info, .. } => Conn::Single {
+                info: info.clone(),
+                conn: None,
+            },
+            Conn::Cluster(_) => {
+                Conn::Cluster(Box::new(cluster_connection(opts).map_err(|e| {
+                    open_error(opts, &self.single_node, "cluster connection", &e)
+                })?))
+            }
+        };
+        Ok(Client {
+            conn,
+            slots: self.slots.clone(),
+            single_node: self.single_node.clone(),
+            timeout: self.timeout,
+        })
+    }
+
+    /// The node serving `key` (for the breaker).
+    pub(crate) fn node_of(&self, key: &str) -> &str {
+        if self.slots.is_empty() {
+            return &self.single_node;
+        }
+        let s = slot(key.as_bytes());
+        let i = self.slots.partition_point(|r| r.1 < s);
+        match self.slots.get(i) {
+            Some(r) if r.0 <= s => &r.2,
+            _ => &self.single_node,
+        }
+    }
+
+    /// Runs `cmds` (keys of one slot) as one pipeline; one result each.
+    fn run<T: redis::FromRedisValue>(&mut self, cmds: &[Cmd]) -> RedisResult<Vec<T>> {
+        match &mut self.conn {
+            Conn::Cluster(c) => {
+                let mut p = redis::cluster::cluster_pipe();
+                for cmd in cmds {
+                    p.add_command(cmd.clone());
+                }
+                p.query(c)
+            }
+            Conn::Single { info, conn } => {
+                if conn.is_none() {
+                    let c = redis::Client::open(info.clone())?
+                        .get_connection_with_timeout(self.timeout)?;
+                    c.set_read_timeout(Some(self.timeout))?;
+                    c.set_write_timeout(Some(self.timeout))?;
+                    *conn = Some(c);
+                }
+                let c = conn.as_mut().expect("connection");
+                let mut p = redis::pipe();
+                for cmd in cmds {
+                    p.add_command(cmd.clone());
+                }
+                let res = p.query(c);
+                if let Err(e) = &res {
+                    if matches!(Fault::of(e), Fault::Timeout | Fault::Connection) {
+                        // A late reply would answer the next request: start afresh.
+                        *conn = None;
+                    }
+                }
+                res
+            }
+        }
+    }
+
+    /// Runs one command.
+    fn one(&mut self, cmd: &Cmd) -> RedisResult<Value> {
+        match &mut self.conn {
+            Conn::Cluster(c) => cmd.query(&mut **c),
+            Conn::Single { .. } => {
+                let mut v: Vec<Value> = self.run(std::slice::from_ref(cmd))?;
+                Ok(v.pop().unwrap_or(Value::Nil))
+            }
+        }
+    }
+}
+
+/// The operations the remote tier uses; every failure is a [`Fault`].
+impl Client {
+    /// Values of `keys` (one slot), `None` where absent.
+    pub(crate) fn mget(&mut self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, Fault> {
+        let v = self
+            .one(redis::cmd("MGET").arg(keys))
+            .map_err(|e| Fault::of(&e))?;
+        let Value::Array(items) = v else {
+            return Err(Fault::Other);
+        };
+        if items.len() != keys.len() {
+            return Err(Fault::Other);
+        }
+        Ok(items
+            .into_iter()
+            .map(|i| match i {
+                Value::BulkString(b) => Some(b),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Whether each of `keys` (one slot) exists.
+    pub(crate) fn exists(&mut self, keys: &[&str]) -> Result<Vec<bool>, Fault> {
+        let cmds: Vec<Cmd> = keys
+            .iter()
+            .map(|k| redis::cmd("EXISTS").arg(*k).clone())
+            .collect();
+        let n: Vec<i64> = self.run(&cmds).map_err(|e| Fault::of(&e))?;
+        Ok(n.into_iter().map(|n| n > 0).collect())
+    }
+
+    /// Sets each `(key, value)` (one slot), with a time to live if given.
+    pub(crate) fn set_all(
+        &mut self,
+        items: &[(&str, &[u8])],
+        ttl: Option<std::time::Duration>,
+    ) -> Result<(), Fault> {
+        let cmds: Vec<Cmd> = items
+            .iter()
+            .map(|(k, v)| {
+                let mut c = redis::cmd("SET");
+                c.arg(*k).arg(*v);
+                if let Some(t) = ttl {
+                    c.arg("PX").arg(t.as_millis() as u64);
+                }
+                c
+            })
+            .collect();
+        let _: Vec<Value> = self.run(&cmds).map_err(|e| Fault::of(&e))?;
+        Ok(())
+    }
+
+    /// Renews the time to live of `keys` (one slot).
+    pub(crate) fn expire(
+        &mut self,
+        keys: &[String],
+        ttl: std::time::Duration,
+    ) -> Result<(), Fault> {
+        let cmds: Vec<Cmd> = keys
+            .iter()
+            .map(|k| {
+                redis::cmd("PEXPIRE")
+                    .arg(k)
+                    .arg(ttl.as_millis() as u64)
+                    .clone()
+            })
+            .collect();
+        let _: Vec<Value> = self.run(&cmds).map_err(|e| Fault::of(&e))?;
+        Ok(())
+    }
+
+    /// The value of one key.
+    pub(crate) fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>, Fault> {
+        match self
+            .one(redis::cmd("GET").arg(key))
+            .map_err(|e| Fault::of(&e))?
+        {
+            Value::BulkString(b) => Ok(Some(b)),
+            Value::Nil => Ok(None),
+            _ => Err(Fault::Other),
+        }
+    }
+
+    /// Every node of the slot map (or the one node) answers `PING`:
+    /// `(node, round trip or the error)`.
+    pub(crate) fn ping_all(
+        &self,
+        opts: &RemoteOptions,
+    ) -> Vec<(String, Result<std::time::Duration, String>)> {
+        let mut nodes: Vec<String> = self.slots.iter().map(|r| r.2.clone()).collect();
+        if nodes.is_empty() {
+            nodes.push(self.single_node.clone());
+        }
+        nodes.dedup();
+        nodes
+            .into_iter()
+            .map(|n| {
+                let t0 = std::time::Instant::now();
+                let r = info_for(opts, &n)
+                    .map_err(|e| e.to_string())
+                    .and_then(|info| {
+                        let mut c = redis::Client::open(info)
+                            .and_then(|c| c.get_connection_with_timeout(opts.timeout))
+                            .map_err(|e| open_error(opts, &n, "unreachable", &e).to_string())?;
+                        c.set_read_timeout(Some(opts.timeout))
+                            .map_err(|e| e.to_string())?;
+                        redis::cmd("PING")
+                            .query::<String>(&mut c)
+                            .map_err(|e| open_error(opts, &n, "PING", &e).to_string())
+                    })
+                    .map(|_| t0.elapsed());
+                (n, r)
+            })
+            .collect()
+    }
+}
+
+type RedisResult<T> = redis::RedisResult<T>;
+
+fn cluster_connection(opts: &RemoteOptions) -> RedisResult<ClusterConnection> {
+    let mut b = ClusterClientBuilder::new(opts.nodes.iter().map(|n| node_url(n)))
+        .connection_timeout(opts.timeout)
+        .response_timeout(opts.timeout)
+        .retries(1);
+    if let Some(u) = &opts.username {
+        b = b.username(u);
+    }
+    if let Some(p) = &opts.password {
+        b = b.password(p);
+    }
+    b.build()?.get_connection()
+}
+
+/// `(first, last, "host:port")` of every slot range, sorted.
+fn cluster_slots(conn: &mut redis::Connection) -> RedisResult<Vec<(u16, u16, String)>> {
+    let v: Vec<Value> = redis::cmd("CLUSTER").arg("SLOTS").query(conn)?;
+    let mut out = Vec::new();
+    for r in v {
+        let Value::Array(r) = r else { continue };
+        let (Some(Value::Int(a)), Some(Value::Int(b)), Some(Value::Array(m))) =
+            (r.first(), r.get(1), r.get(2))
+        else {
+            continue;
+        };
+        let host = match m.first() {
+            Some(Value::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
+            _ => continue,
+        };
+        let Some(Value::Int(port)) = m.get(1) else {
+            continue;
+        };
+        out.push((*a as u16, *b as u16, format!("{host}:{port}")));
+    }
+    out.sort();
+    Ok(out)
+}

@@ -1,0 +1,193 @@
+//! Key names and value framing on the server.
+//!
+//! A block's key is `<prefix>:<tenant tag hex>:{<group>}:<block id hex>`,
+//! where `group` is the first 16 hex digits of the id of the chain's block at
+//! index `i - i % GROUP` ([`GROUP`] consecutive blocks share one hash tag, so
+//! one slot and one `MGET`; different chains spread over the cluster). A
+//! session's key is `<prefix>:<tenant tag hex>:session:<blake3(name) hex>`.
+//!
+//! A value is a payload (a block's record exactly as in a segment, or a
+//! session's frame) followed by a 32-byte MAC: BLAKE3 keyed by a key derived
+//! from the store's keyer (model fingerprint, layout and salt) over the key
+//! name and the payload. With a salt, nobody without it can forge a value;
+//! without one it still binds the value to its key, model and layout.
+
+use crate::id::{hex, BlockId};
+
+/// Consecutive blocks of a chain that share one hash tag.
+pub(crate) const GROUP: usize = 16;
+/// Bytes of the MAC after each value's payload.
+pub(crate) const MAC_LEN: usize = 32;
+const SESSION_MAGIC: &[u8; 4] = b"KVSS";
+
+/// Names keys for one tenant under one prefix and seals values.
+pub(crate) struct Keys {
+    base: String,
+    mac_key: [u8; 32],
+}
+
+impl Keys {
+    pub(crate) fn new(prefix: &str, tag: &[u8; 16], mac_key: [u8; 32]) -> Keys {
+        Keys {
+            base: format!("{prefix}:{}", hex(tag)),
+            mac_key,
+        }
+    }
+
+    /// The hash tag of the block at `index` in a chain of `ids`.
+    pub(crate) fn group_of(ids: &[BlockId], index: usize) -> String {
+        hex(&ids[index - index % GROUP][..8])
+    }
+
+    /// The key of block `ids[index]`.
+    pub(crate) fn block(&self, ids: &[BlockId], index: usize) -> String {
+        format!(
+            "{}:{{{}}}:{}",
+            self.base,
+            Self::group_of(ids, index),
+            hex(&ids[index])
+        )
+    }
+
+    /// The key of a session.
+    pub(crate) fn session(&self, name: &str) -> String {
+        format!(
+            "{}:session:{}",
+            self.base,
+            blake3::hash(name.as_bytes()).to_hex()
+        )
+    }
+
+    fn mac(&self, key: &str, payload: &[u8]) -> blake3::Hash {
+        let mut h = blake3::Hasher::new_keyed(&self.mac_key);
+        h.update(&(key.len() as u64).to_le_bytes());
+        h.update(key.as_bytes());
+        h.update(payload);
+        h.finalize()
+    }
+
+    /// `payload` + its MAC under `key`.
+    pub(crate) fn seal(&self, key: &str, mut payload: Vec<u8>) -> Vec<u8> {
+        let mac = self.mac(key, &payload);
+        payload.extend_from_slice(mac.as_bytes());
+        payload
+    }
+
+    /// The payload of a value read under `key`, if its MAC is right.
+    pub(crate) fn open<'v>(&self, key: &str, value: &'v [u8]) -> Option<&'v [u8]> {
+        let cut = value.len().checked_sub(MAC_LEN)?;
+        let (payload, mac) = value.split_at(cut);
+        // blake3::Hash compares in constant time.
+        (self.mac(key, payload) == blake3::Hash::from_bytes(mac.try_into().ok()?))
+            .then_some(payload)
+    }
+}
+
+/// A session's payload: magic, name length, name, token count, tokens (LE).
+pub(crate) fn encode_session(name: &str, tokens: &[u32]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(12 + name.len() + 4 * tokens.len());
+    v.extend_from_slice(SESSION_MAGIC);
+    v.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    v.extend_from_slice(name.as_bytes());
+    v.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+    for t in tokens {
+        v.extend_from_slice(&t.to_le_bytes());
+    }
+    v
+}
+
+/// The tokens of session `name` from its payload; `None` if it is not one.
+pub(crate) fn decode_session(name: &str, p: &[u8]) -> Option<Vec<u32>> {
+    let u32_at = |at: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(p.get(at..at + 4)?.try_into().ok()?))
+    };
+    if p.get(..4)? != SESSION_MAGIC {
+        return None;
+    }
+    let n = u32_at(4)? as usize;
+    if p.get(8..8 + n)? != name.as_bytes() {
+        return None;
+    }
+    let count = u32_at(8 + n)? as usize;
+    let body = p.get(12 + n..)?;
+    if body.len() != count.checked_mul(4)? {
+        return None;
+    }
+    Some(
+        body.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}
+
+/// The cluster slot of a key: CRC16 (XMODEM) of its hash tag, mod 16384.
+pub(crate) fn slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(key);
+    crc16(tagged) % 16384
+}
+
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in data {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_redis() {
+        // Values from the Redis cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+        assert_eq!(slot(b"foo"), 12182);
+        assert_eq!(slot(b"{user1000}.following"), slot(b"{user1000}.followers"));
+        assert_eq!(slot(b"foo{}{bar}"), slot(b"foo{}{bar}"));
+        assert_eq!(slot(b"foo{}{bar}"), crc16(b"foo{}{bar}") % 16384);
+    }
+
+    #[test]
+    fn keys_group_chains_and_values_are_sealed() {
+        let ids: Vec<BlockId> = (0..40u8).map(|i| [i; 32]).collect();
+        let k = Keys::new("kv", &[7; 16], [1; 32]);
+        let slots: Vec<u16> = (0..40).map(|i| slot(k.block(&ids, i).as_bytes())).collect();
+        assert!(slots[..16].iter().all(|&s| s == slots[0]));
+        assert!(slots[16..32].iter().all(|&s| s == slots[16]));
+        assert_ne!(slots[0], slots[16]);
+        let key = k.block(&ids, 3);
+        assert!(key.starts_with("kv:07070707070707070707070707070707:{0000000000000000}:0303"));
+        let v = k.seal(&key, b"record".to_vec());
+        assert_eq!(k.open(&key, &v), Some(&b"record"[..]));
+        assert_eq!(k.open(&k.block(&ids, 4), &v), None, "another key");
+        let other = Keys::new("kv", &[7; 16], [2; 32]);
+        assert_eq!(other.open(&key, &v), None, "another MAC key (salt)");
+        for cut in 0..v.len() {
+            assert_eq!(k.open(&key, &v[..cut]), None, "truncated to {cut}");
+        }
+    }
+
+    #[test]
+    fn sessions_round_trip() {
+        let p = encode_session("a", &[1, 2, 3]);
+        assert_eq!(decode_session("a", &p), Some(vec![1, 2, 3]));
+        assert_eq!(decode_session("b", &p), None);
+        assert_eq!(decode_session("a", &p[..p.len() - 1]), None);
+    }
+}

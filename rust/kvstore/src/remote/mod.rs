@@ -1,0 +1,461 @@
+//! The remote tier: a Redis or Valkey server or cluster behind the local
+//! store, shared by every host. The local store stays the first tier and the
+//! source of durability; the server is a cache that may lose anything.
+//!
+//! - [`keys`]: key names (tenant tag, hash tags grouping a chain's blocks)
+//!   and the MAC sealing each value.
+//! - `client`: the connection (the `redis` crate's sync clients).
+//! - [`queue`]: the bounded queue of the background uploader.
+//! - [`breaker`]: skips a node that timed out, for a while.
+//!
+//! After open, every remote failure is a miss (or a dropped write) and a
+//! counter; nothing here fails a local put or get.
+
+mod breaker;
+#[cfg(feature = "remote")]
+mod client;
+#[cfg(not(feature = "remote"))]
+#[path = "off.rs"]
+mod client;
+mod fault;
+pub(crate) mod keys;
+mod queue;
+
+use crate::error::{Error, Result};
+use crate::id::BlockId;
+use breaker::Breaker;
+use client::{Client, Fault};
+use keys::Keys;
+pub(crate) use queue::Item;
+use queue::Queue;
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// When a put's blocks reach the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteMode {
+    /// In the background, through a bounded queue (full: dropped, counted).
+    Behind,
+    /// Before `put` returns (a failure is counted, never raised).
+    Through,
+}
+
+impl WriteMode {
+    /// Parses `"behind"` or `"through"`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "behind" => Ok(WriteMode::Behind),
+            "through" => Ok(WriteMode::Through),
+            other => Err(Error::InvalidInput(format!(
+                "remote write: expected \"behind\" or \"through\", got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// How to reach the remote tier.
+#[derive(Clone)]
+pub struct RemoteOptions {
+    /// `host:port` (or `redis://host:port`) of one node or of cluster nodes;
+    /// the cluster is discovered from the first that answers.
+    pub nodes: Vec<String>,
+    /// ACL user; `None`: `default`.
+    pub username: Option<String>,
+    /// Password; never shown in a message or `Debug`.
+    pub password: Option<String>,
+    /// CA certificate for TLS (not supported by this build yet: an error).
+    pub tls_ca: Option<PathBuf>,
+    /// Key namespace (and ACL key pattern root) on the server.
+    pub prefix: String,
+    /// When a put's blocks reach the server.
+    pub write: WriteMode,
+    /// Time to live of values, renewed on read; `None`: server eviction only.
+    pub ttl: Option<Duration>,
+    /// Connection and response timeout of every call.
+    pub timeout: Duration,
+    /// How long a node that timed out or was unreachable is skipped.
+    pub breaker: Duration,
+    /// Bound on bytes queued for upload.
+    pub queue_bytes: usize,
+    /// How long `close` waits for the queue to drain.
+    pub close_timeout: Duration,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            nodes: Vec::new(),
+            username: None,
+            password: None,
+            tls_ca: None,
+            prefix: "kvstore".into(),
+            write: WriteMode::Behind,
+            ttl: None,
+            timeout: Duration::from_secs(1),
+            breaker: Duration::from_secs(3),
+            queue_bytes: 256 << 20,
+            close_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl std::fmt::Debug for RemoteOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteOptions")
+            .field("nodes", &self.nodes)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("tls_ca", &self.tls_ca)
+            .field("prefix", &self.prefix)
+            .field("write", &self.write)
+            .field("ttl", &self.ttl)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the remote tier did for one handle (`Stats::remote`).
+#[derive(Clone, Debug, Default)]
+pub struct RemoteStats {
+    /// Blocks served from the server (verified).
+    pub hits: u64,
+    /// Blocks asked of the server and not there (or not reachable).
+    pub misses: u64,
+    /// Values under a block's key that failed verification (served as misses).
+    pub invalid: u64,
+    /// Calls that timed out.
+    pub errors_timeout: u64,
+    /// Calls that could not reach their node.
+    pub errors_connection: u64,
+    /// Calls refused for lack of permission (ACL).
+    pub errors_permission: u64,
+    /// Writes refused for lack of memory (`noeviction`).
+    pub errors_oom: u64,
+    /// Calls answered `CLUSTERDOWN`.
+    pub errors_cluster_down: u64,
+    /// Other failed calls.
+    pub errors_other: u64,
+    /// Calls skipped because their node's breaker was open.
+    pub breaker_skips: u64,
+    /// Value bytes read from the server.
+    pub bytes_read: u64,
+    /// Value bytes written to the server.
+    pub bytes_written: u64,
+    /// Blocks uploaded.
+    pub blocks_uploaded: u64,
+    /// Blocks not uploaded because the server had them.
+    pub blocks_present: u64,
+    /// Blocks dropped: queue full, or still queued at close.
+    pub writes_dropped: u64,
+    /// Blocks whose upload failed (counted by kind too).
+    pub write_failures: u64,
+    /// Bytes waiting in the upload queue.
+    pub queued_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    invalid: AtomicU64,
+    faults: [AtomicU64; 6],
+    breaker_skips: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    blocks_uploaded: AtomicU64,
+    blocks_present: AtomicU64,
+    writes_dropped: AtomicU64,
+    write_failures: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: usize) {
+    c.fetch_add(n as u64, Ordering::Relaxed);
+}
+
+/// Ids this handle believes the server holds (uploaded or read), bounded.
+const KNOWN_MAX: usize = 1 << 20;
+
+/// What the uploader thread and the callers share.
+struct Shared {
+    opts: RemoteOptions,
+    breaker: Breaker,
+    counters: Counters,
+    queue: Queue,
+    writer: Mutex<Client>,
+    known: Mutex<HashSet<BlockId>>,
+}
+
+/// An open remote tier (one per store handle).
+pub(crate) struct Remote {
+    pub(crate) keys: Keys,
+    shared: Arc<Shared>,
+    reader: Mutex<Client>,
+    uploader: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Remote {
+    /// Connects (`Error::Remote` if no node answers, or authentication or
+    /// permission fails) and starts the uploader.
+    pub(crate) fn open(opts: &RemoteOptions, tag: &[u8; 16], mac_key: [u8; 32]) -> Result<Remote> {
+        if opts.nodes.is_empty() {
+            return Err(Error::InvalidInput("remote: nodes is empty".into()));
+        }
+        if opts.prefix.is_empty() || opts.prefix.contains(['{', '}']) {
+            return Err(Error::InvalidInput(format!(
+                "remote prefix: expected a non-empty string without braces, got {:?}",
+                opts.prefix
+            )));
+        }
+        let keys = Keys::new(&opts.prefix, tag, mac_key);
+        let reader = Client::connect(opts, &keys.session("kvstore-probe"))?;
+        let writer = reader.connect_again(opts)?;
+        let shared = Arc::new(Shared {
+            opts: opts.clone(),
+            breaker: Breaker::new(opts.breaker),
+            counters: Counters::default(),
+            queue: Queue::new(opts.queue_bytes),
+            writer: Mutex::new(writer),
+            known: Mutex::new(HashSet::new()),
+        });
+        let uploader = (opts.write == WriteMode::Behind).then(|| {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name("kvstore-remote".into())
+                .spawn(move || {
+                    while let Some(batch) = s.queue.pop() {
+                        s.write(&batch);
+                        s.queue.done();
+                    }
+                })
+                .expect("spawn remote uploader")
+        });
+        Ok(Remote {
+            keys,
+            shared,
+            reader: Mutex::new(reader),
+            uploader: Mutex::new(uploader),
+        })
+    }
+
+    /// Whether the server is believed to hold block `id` already.
+    pub(crate) fn knows(&self, id: &BlockId) -> bool {
+        self.shared.known.lock().expect("known lock").contains(id)
+    }
+
+    /// Remembers (or forgets) that the server holds these blocks.
+    pub(crate) fn mark(&self, ids: &[BlockId], held: bool) {
+        self.shared.mark(ids.iter(), held);
+    }
+
+    /// Sends a batch (one hash-tag group) to the server: queued (behind) or
+    /// at once (through). Never fails: drops are counted.
+    pub(crate) fn upload(&self, batch: Vec<Item>) {
+        if batch.is_empty() {
+            return;
+        }
+        let ids: Vec<BlockId> = batch.iter().filter_map(|i| i.id).collect();
+        self.shared.mark(ids.iter(), true);
+        if self.shared.opts.write == WriteMode::Through {
+            self.shared.write(&batch);
+            return;
+        }
+        if let Err(batch) = self.shared.queue.push(batch) {
+            add(&self.shared.counters.writes_dropped, batch.len());
+            self.shared.mark(ids.iter(), false);
+        }
+    }
+
+    /// The values under `keys` (one hash-tag group); any failure reads as
+    /// all absent (and is counted).
+    pub(crate) fn fetch(&self, keys: &[String]) -> Vec<Option<Vec<u8>>> {
+        let s = &self.shared;
+        let mut c = self.reader.lock().expect("remote reader");
+        let res = s.call(&mut c, &keys[0], |c| c.mget(keys));
+        let vals = res.unwrap_or_else(|| vec![None; keys.len()]);
+        let got: usize = vals.iter().flatten().map(Vec::len).sum();
+        add(&s.counters.bytes_read, got);
+        if let (Some(ttl), true) = (s.opts.ttl, got > 0) {
+            let hit: Vec<String> = keys
+                .iter()
+                .zip(&vals)
+                .filter(|(_, v)| v.is_some())
+                .map(|(k, _)| k.clone())
+                .collect();
+            let _ = s.call(&mut c, &hit[0], |c| c.expire(&hit, ttl));
+        }
+        vals
+    }
+
+    /// The value under one key (absent on any failure, counted).
+    pub(crate) fn get(&self, key: &str) -> Option<Vec<u8>> {
+        let mut c = self.reader.lock().expect("remote reader");
+        let v = self.shared.call(&mut c, key, |c| c.get(key)).flatten();
+        add(
+            &self.shared.counters.bytes_read,
+            v.as_ref().map_or(0, Vec::len),
+        );
+        v
+    }
+
+    /// Counts blocks served, missed and refused.
+    pub(crate) fn count(&self, hits: usize, misses: usize, invalid: usize) {
+        let c = &self.shared.counters;
+        add(&c.hits, hits);
+        add(&c.misses, misses);
+        add(&c.invalid, invalid);
+    }
+
+    /// Waits (up to `timeout`) for the queue to drain; whether it did.
+    pub(crate) fn flush(&self, timeout: Duration) -> bool {
+        self.shared.queue.drain(Instant::now() + timeout)
+    }
+
+    /// Drains within the close timeout, drops what is left, stops the uploader.
+    pub(crate) fn close(&self) {
+        self.flush(self.shared.opts.close_timeout);
+        let dropped = self.shared.queue.close(true);
+        add(&self.shared.counters.writes_dropped, dropped);
+        if let Some(t) = self.uploader.lock().expect("uploader lock").take() {
+            let _ = t.join();
+        }
+    }
+
+    /// `(node, round trip or error)` for every node.
+    pub(crate) fn ping(&self) -> Vec<(String, Result<Duration, String>)> {
+        self.reader
+            .lock()
+            .expect("remote reader")
+            .ping_all(&self.shared.opts)
+    }
+
+    pub(crate) fn stats(&self) -> RemoteStats {
+        let c = &self.shared.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RemoteStats {
+            hits: g(&c.hits),
+            misses: g(&c.misses),
+            invalid: g(&c.invalid),
+            errors_timeout: g(&c.faults[Fault::Timeout as usize]),
+            errors_connection: g(&c.faults[Fault::Connection as usize]),
+            errors_permission: g(&c.faults[Fault::Permission as usize]),
+            errors_oom: g(&c.faults[Fault::OutOfMemory as usize]),
+            errors_cluster_down: g(&c.faults[Fault::ClusterDown as usize]),
+            errors_other: g(&c.faults[Fault::Other as usize]),
+            breaker_skips: g(&c.breaker_skips),
+            bytes_read: g(&c.bytes_read),
+            bytes_written: g(&c.bytes_written),
+            blocks_uploaded: g(&c.blocks_uploaded),
+            blocks_present: g(&c.blocks_present),
+            writes_dropped: g(&c.writes_dropped),
+            write_failures: g(&c.write_failures),
+            queued_bytes: self.shared.queue.bytes() as u64,
+        }
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        self.shared.queue.close(true);
+        if let Some(t) = self.uploader.get_mut().ok().and_then(Option::take) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    fn mark<'a>(&self, ids: impl Iterator<Item = &'a BlockId>, held: bool) {
+        let mut k = self.known.lock().expect("known lock");
+        if held && k.len() >= KNOWN_MAX {
+            k.clear();
+        }
+        for id in ids {
+            if held {
+                k.insert(*id);
+            } else {
+                k.remove(id);
+            }
+        }
+    }
+
+    /// Runs `f` on `c` unless the breaker of `key`'s node is open; counts
+    /// failures and trips the breaker on timeouts and unreachable nodes.
+    fn call<T>(
+        &self,
+        c: &mut Client,
+        key: &str,
+        f: impl FnOnce(&mut Client) -> Result<T, Fault>,
+    ) -> Option<T> {
+        let node = c.node_of(key).to_string();
+        if !self.breaker.allow(&node) {
+            add(&self.counters.breaker_skips, 1);
+            return None;
+        }
+        match f(c) {
+            Ok(v) => {
+                self.breaker.reset(&node);
+                Some(v)
+            }
+            Err(fault) => {
+                add(&self.counters.faults[fault as usize], 1);
+                if matches!(fault, Fault::Timeout | Fault::Connection) {
+                    self.breaker.trip(&node);
+                }
+                None
+            }
+        }
+    }
+
+    /// Uploads the items of one batch (one slot) that the server lacks.
+    fn write(&self, batch: &[Item]) {
+        let mut c = self.writer.lock().expect("remote writer");
+        let keys: Vec<&str> = batch.iter().map(|i| i.key.as_str()).collect();
+        let ok = self
+            .call(&mut c, keys[0], |c| c.exists(&keys))
+            .and_then(|there| {
+                let todo: Vec<&Item> = batch
+                    .iter()
+                    .zip(&there)
+                    .filter(|(_, &t)| !t)
+                    .map(|(i, _)| i)
+                    .collect();
+                // Blocks only (a session has no id).
+                let blocks = |items: &mut dyn Iterator<Item = &Item>| {
+                    items.filter(|i| i.id.is_some()).count()
+                };
+                add(
+                    &self.counters.blocks_present,
+                    blocks(&mut batch.iter()) - blocks(&mut todo.iter().copied()),
+                );
+                if todo.is_empty() {
+                    return Some(());
+                }
+                let pairs: Vec<(&str, &[u8])> = todo
+                    .iter()
+                    .map(|i| (i.key.as_str(), i.value.as_slice()))
+                    .collect();
+                let ttl = self.opts.ttl;
+                self.call(&mut c, keys[0], |c| c.set_all(&pairs, ttl))?;
+                add(
+                    &self.counters.blocks_uploaded,
+                    blocks(&mut todo.iter().copied()),
+                );
+                let todo = pairs;
+                add(
+                    &self.counters.bytes_written,
+                    todo.iter().map(|(_, v)| v.len()).sum(),
+                );
+                Some(())
+            });
+        if ok.is_none() {
+            add(
+                &self.counters.write_failures,
+                batch.iter().filter(|i| i.id.is_some()).count(),
+            );
+            self.mark(batch.iter().filter_map(|i| i.id.as_ref()), false);
+        }
+    }
+}

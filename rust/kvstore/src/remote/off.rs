@@ -1,0 +1,49 @@
+//! The remote tier in a build without the `remote` feature: opening a store
+//! with one is an error, so nothing else here can run.
+
+use super::RemoteOptions;
+use crate::error::{Error, Result};
+use std::convert::Infallible;
+use std::time::Duration;
+
+pub(crate) use super::fault::Fault;
+
+/// Never made: `connect` fails.
+pub(crate) struct Client(Infallible);
+
+#[allow(clippy::unused_self, clippy::needless_pass_by_ref_mut)]
+impl Client {
+    pub(crate) fn connect(_: &RemoteOptions, _: &str) -> Result<Client> {
+        Err(Error::Remote(
+            "this build of kvstore has no remote tier (cargo feature `remote`)".into(),
+        ))
+    }
+    pub(crate) fn connect_again(&self, _: &RemoteOptions) -> Result<Client> {
+        match self.0 {}
+    }
+    pub(crate) fn node_of(&self, _: &str) -> &str {
+        match self.0 {}
+    }
+    pub(crate) fn mget(&mut self, _: &[String]) -> Result<Vec<Option<Vec<u8>>>, Fault> {
+        match self.0 {}
+    }
+    pub(crate) fn exists(&mut self, _: &[&str]) -> Result<Vec<bool>, Fault> {
+        match self.0 {}
+    }
+    pub(crate) fn set_all(
+        &mut self,
+        _: &[(&str, &[u8])],
+        _: Option<Duration>,
+    ) -> Result<(), Fault> {
+        match self.0 {}
+    }
+    pub(crate) fn expire(&mut self, _: &[String], _: Duration) -> Result<(), Fault> {
+        match self.0 {}
+    }
+    pub(crate) fn get(&mut self, _: &str) -> Result<Option<Vec<u8>>, Fault> {
+        match self.0 {}
+    }
+    pub(crate) fn ping_all(&self, _: &RemoteOptions) -> Vec<(String, Result<Duration, String>)> {
+        match self.0 {}
+    }
+}

@@ -1,0 +1,291 @@
+//! The store's side of the remote tier (`crate::remote`): what a put sends,
+//! how a lookup or get continues past the local prefix, and how a block read
+//! from the server is checked exactly like a local record and promoted into
+//! the local tiers through the normal write path.
+
+use super::{Durability, Inner};
+use crate::clock::now_ms;
+use crate::error::Result;
+use crate::id::BlockId;
+use crate::layout::Layout;
+use crate::record::{self, Mismatch};
+use crate::remote::keys::{decode_session, encode_session, GROUP};
+use crate::remote::{Item, Remote};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// How long `flush` waits for uploads to drain.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The `2L` runs of block `i` in a `[L, 2, total_tokens, H, D]` buffer.
+fn runs(
+    layout: &Layout,
+    total_tokens: usize,
+    i: usize,
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let tb = layout.token_bytes();
+    let cb = layout.chunk_bytes();
+    let b = layout.block_size as usize;
+    (0..layout.num_layers as usize * 2).map(move |lk| {
+        let start = (lk * total_tokens + i * b) * tb;
+        start..start + cb
+    })
+}
+
+fn chunks_mut<'a>(
+    layout: &Layout,
+    kv: &'a mut [u8],
+    total_tokens: usize,
+    i: usize,
+) -> Vec<&'a mut [u8]> {
+    let tb = layout.token_bytes();
+    let off = i * layout.block_size as usize * tb;
+    let len = layout.chunk_bytes();
+    kv.chunks_mut(total_tokens * tb)
+        .take(layout.num_layers as usize * 2)
+        .map(|run| &mut run[off..off + len])
+        .collect()
+}
+
+/// Checks `payload` (a record read from the server) against block `id`, its
+/// `tokens` and the layout, and lands its KV in `out`. Any failure: `false`.
+fn land(
+    layout: &Layout,
+    payload: &[u8],
+    id: &BlockId,
+    tokens: &[u32],
+    out: &mut [&mut [u8]],
+) -> bool {
+    let meta_len = record::meta_len(layout);
+    let Some(stored_len) = payload.len().checked_sub(meta_len) else {
+        return false;
+    };
+    if stored_len > layout.block_bytes() {
+        return false;
+    }
+    let (meta, stored) = payload.split_at(meta_len);
+    let header = match record::check_read(layout, meta, id, stored_len as u64, Some(tokens)) {
+        Ok(h) => h,
+        Err(Mismatch::Damaged(_) | Mismatch::OtherTokens) => return false,
+    };
+    if stored_len == layout.block_bytes() {
+        for (dst, src) in out.iter_mut().zip(stored.chunks(layout.chunk_bytes())) {
+            dst.copy_from_slice(src);
+        }
+        record::check_raw(&header, out).is_ok()
+    } else {
+        let mut scratch = Vec::new();
+        record::decode_compressed(layout, &header, stored, out, &mut scratch).is_ok()
+    }
+}
+
+impl Inner {
+    fn remote(&self) -> Option<&Remote> {
+        self.remote.as_ref()
+    }
+
+    /// After a local put: sends the blocks the server is not known to hold.
+    pub(super) fn remote_put(&self, ids: &[BlockId], tokens: &[u32], kv: &[u8], kv_tokens: usize) {
+        let Some(r) = self.remote() else { return };
+        let b = self.layout.block_size as usize;
+        let mut batch = Vec::new();
+        for i in 0..ids.len() {
+            if i % GROUP == 0 {
+                r.upload(std::mem::take(&mut batch));
+            }
+            if r.knows(&ids[i]) {
+                continue;
+            }
+            let chunks: Vec<&[u8]> = runs(&self.layout, kv_tokens, i).map(|rg| &kv[rg]).collect();
+            let Ok(rec) = record::encode(
+                &self.layout,
+                self.opts.compression_level,
+                &ids[i],
+                &tokens[i * b..(i + 1) * b],
+                &chunks,
+            ) else {
+                continue;
+            };
+            let mut value = Vec::with_capacity(rec.record_len() as usize + 32);
+            for s in rec.slices() {
+                value.extend_from_slice(&s);
+            }
+            let key = r.keys.block(ids, i);
+            let value = r.keys.seal(&key, value);
+            batch.push(Item {
+                key,
+                value,
+                id: Some(ids[i]),
+            });
+        }
+        r.upload(batch);
+    }
+
+    /// Continues a prefix of `from` local blocks into the server: fetches
+    /// the next blocks in chain order (one `MGET` per hash-tag group), stops
+    /// at the first miss or bad value, lands them in `out` (`[L, 2,
+    /// out_tokens, H, D]`) if given, and promotes them into the local tiers.
+    /// Returns the blocks added.
+    pub(super) fn remote_extend(
+        &self,
+        ids: &[BlockId],
+        tokens: &[u32],
+        from: usize,
+        mut out: Option<(&mut [u8], usize)>,
+    ) -> usize {
+        let Some(r) = self.remote() else {
+            return 0;
+        };
+        let b = self.layout.block_size as usize;
+        let mut at = from;
+        while at < ids.len() {
+            let end = (at - at % GROUP + GROUP).min(ids.len());
+            let keys: Vec<String> = (at..end).map(|j| r.keys.block(ids, j)).collect();
+            let vals = r.fetch(&keys);
+            // Without `out`, the group lands in a scratch buffer of its own.
+            let mut scratch = Vec::new();
+            let (buf, total, base) = if let Some((o, t)) = out.as_mut() {
+                (&mut **o, *t, 0)
+            } else {
+                scratch.resize(self.layout.block_bytes() * (end - at), 0);
+                (&mut scratch[..], (end - at) * b, at)
+            };
+            let mut good = 0;
+            let mut invalid = 0;
+            for (k, v) in vals.iter().enumerate() {
+                let j = at + k;
+                let Some(v) = v else { break };
+                let mut dst = chunks_mut(&self.layout, buf, total, j - base);
+                let ok = r.keys.open(&keys[k], v).is_some_and(|p| {
+                    land(
+                        &self.layout,
+                        p,
+                        &ids[j],
+                        &tokens[j * b..(j + 1) * b],
+                        &mut dst,
+                    )
+                });
+                if !ok {
+                    invalid = 1;
+                    break;
+                }
+                good += 1;
+            }
+            let missed = usize::from(good < end - at) - invalid;
+            r.count(good, missed, invalid);
+            r.mark(&ids[at..at + good], true);
+            if good < end - at {
+                // Not there (evicted, lost with a node): upload it again next time.
+                r.mark(&ids[at + good..=at + good], false);
+            }
+            if good > 0 {
+                let promoted = if base == 0 {
+                    self.promote(
+                        &ids[..at + good],
+                        &tokens[..(at + good) * b],
+                        at,
+                        buf,
+                        total,
+                    )
+                } else {
+                    self.promote(
+                        &ids[at..at + good],
+                        &tokens[at * b..(at + good) * b],
+                        0,
+                        buf,
+                        total,
+                    )
+                };
+                if promoted.is_err() && base != 0 {
+                    // Nowhere to keep it: a lookup must not claim it.
+                    return at - from;
+                }
+            }
+            at += good;
+            if at < end {
+                break;
+            }
+        }
+        at - from
+    }
+
+    /// Writes blocks `skip..` of `ids` (KV in `kv`, `[L, 2, kv_tokens, H, D]`,
+    /// block `i` at index `i`) through the normal write path and the hot tier.
+    fn promote(
+        &self,
+        ids: &[BlockId],
+        tokens: &[u32],
+        skip: usize,
+        kv: &[u8],
+        kv_tokens: usize,
+    ) -> Result<()> {
+        let b = self.layout.block_size as usize;
+        let mut w = self.writer.lock().expect("writer lock");
+        if w.poisoned.is_some() || self.closing.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let present: Vec<bool> = {
+            let mut snap = Some(self.snapshot()?);
+            ids.iter()
+                .enumerate()
+                .map(|(i, id)| Ok(i < skip || self.committed(&mut snap, id)?.is_some()))
+                .collect::<Result<_>>()?
+        };
+        let block = |i: usize| (&ids[i], &tokens[i * b..(i + 1) * b]);
+        let fresh = self.write_blocks(&mut w, ids, &present, &block, kv, kv_tokens)?;
+        self.counters
+            .blocks_written
+            .fetch_add(fresh.len() as u64, Ordering::Relaxed);
+        if self.opts.durability != Durability::Batch || w.pending_bytes >= self.opts.batch_bytes {
+            self.commit_pending(&mut w)?;
+        }
+        drop(w);
+        if let Some(arena) = &self.arena {
+            for &i in &fresh {
+                let (id, block_tokens) = block(i);
+                let chunks: Vec<&[u8]> =
+                    runs(&self.layout, kv_tokens, i).map(|rg| &kv[rg]).collect();
+                arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A session saved here goes to the server too.
+    pub(super) fn remote_save_session(&self, name: &str, tokens: &[u32]) {
+        let Some(r) = self.remote() else { return };
+        let key = r.keys.session(name);
+        let value = r.keys.seal(&key, encode_session(name, tokens));
+        r.upload(vec![Item {
+            key,
+            value,
+            id: None,
+        }]);
+    }
+
+    /// A session not saved here, from the server (checked).
+    pub(super) fn remote_session(&self, name: &str) -> Option<Vec<u32>> {
+        let r = self.remote()?;
+        let key = r.keys.session(name);
+        let v = r.get(&key)?;
+        let tokens = r.keys.open(&key, &v).and_then(|p| decode_session(name, p));
+        if tokens.is_none() {
+            r.count(0, 0, 1);
+        }
+        tokens
+    }
+
+    /// Waits for queued uploads (bounded).
+    pub(super) fn remote_flush(&self) {
+        if let Some(r) = self.remote() {
+            r.flush(FLUSH_TIMEOUT);
+        }
+    }
+
+    /// Drains (bounded) and stops the uploader.
+    pub(super) fn remote_close(&self) {
+        if let Some(r) = self.remote() {
+            r.close();
+        }
+    }
+}

@@ -1,0 +1,184 @@
+"""Real Redis servers on 127.0.0.1 for the remote-tier tests: a single node or a
+3-master cluster, started in a temp dir on free ports and stopped by the tests,
+and a minimal RESP client (binary-safe, follows MOVED) to inspect and tamper."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
+CLI = shutil.which("redis-cli") or shutil.which("valkey-cli")
+
+
+class RespError(Exception):
+    pass
+
+
+def _read_line(f) -> bytes:
+    line = f.readline()
+    if not line:
+        raise ConnectionError("closed")
+    return line[:-2]
+
+
+def _read(f) -> Any:
+    line = _read_line(f)
+    kind, rest = line[:1], line[1:]
+    if kind == b"+":
+        return rest.decode()
+    if kind == b"-":
+        return RespError(rest.decode())
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        n = int(rest)
+        if n < 0:
+            return None
+        data = f.read(n + 2)
+        return data[:-2]
+    if kind == b"*":
+        n = int(rest)
+        return None if n < 0 else [_read(f) for _ in range(n)]
+    raise RespError(f"bad reply {line!r}")
+
+
+def cmd(port: int, *args: Any, password: str | None = None, timeout: float = 5) -> Any:
+    """One command to the node on `port`; a server error is raised as RespError."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        f = s.makefile("rb")
+        calls = ([("AUTH", password)] if password else []) + [args]
+        for c in calls:
+            parts = [a if isinstance(a, bytes) else str(a).encode() for a in c]
+            s.sendall(
+                b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+            )
+            r = _read(f)
+        if isinstance(r, RespError):
+            raise r
+        return r
+
+
+class Cluster:
+    def __init__(self, root: Path, ports: list[int], cluster: bool, extra: list[str]):
+        self.root, self.ports, self.cluster, self.extra = root, ports, cluster, extra
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def nodes(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def start_node(self, port: int) -> None:
+        d = self.root / str(port)
+        d.mkdir(parents=True, exist_ok=True)
+        args = [SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d)]
+        args += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args += ["--cluster-require-full-coverage", "no"]
+            args += ["--cluster-allow-reads-when-down", "yes", "--cluster-node-timeout", "2000"]
+        log = open(d / "server.log", "ab")  # noqa: SIM115 - the server keeps it
+        self.procs[port] = subprocess.Popen(args + self.extra, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if cmd(port, "PING") == "PONG":
+                    return
+            except RespError as e:
+                if "NOAUTH" in str(e):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                tail = (d / "server.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis on {port} did not start:\n{tail}")
+            time.sleep(0.05)
+
+    def start(self) -> None:
+        for p in self.ports:
+            self.start_node(p)
+        if self.cluster:
+            subprocess.run(
+                [CLI, "--cluster", "create", *self.nodes, "--cluster-replicas", "0",
+                 "--cluster-yes"],
+                check=True, capture_output=True, timeout=60,
+            )  # fmt: skip
+            self.wait_ok()
+
+    def wait_ok(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if all(b"cluster_state:ok" in cmd(p, "CLUSTER", "INFO") for p in self.ports):
+                    return
+            except (OSError, RespError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("cluster not ok")
+
+    def kill(self, port: int, sig: int = signal.SIGKILL) -> None:
+        self.procs[port].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[port].wait()
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()
+
+    def call(self, key: bytes | str, *args: Any) -> Any:
+        """A command about `key`, sent to the node that serves it."""
+        port = self.ports[0]
+        for _ in range(3):
+            try:
+                return cmd(port, *args)
+            except RespError as e:
+                if not str(e).startswith("MOVED"):
+                    raise
+                port = int(str(e).split()[2].rsplit(":", 1)[1])
+        raise RuntimeError("too many redirects")
+
+    def keys(self, pattern: str = "*") -> list[bytes]:
+        out: list[bytes] = []
+        for p in self.ports:
+            if self.procs[p].poll() is None:
+                out += cmd(p, "KEYS", pattern)
+        return out
+
+    def flushall(self) -> None:
+        for p in self.ports:
+            cmd(p, "FLUSHALL")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` free ports whose cluster bus ports (port + 10000) are free too."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p < 55000 and p not in ports and _free(p + 10000):
+            ports.append(p)
+    return ports
+
+
+def env_ok() -> bool:
+    return SERVER is not None and CLI is not None and os.name == "posix"

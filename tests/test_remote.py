@@ -1,0 +1,380 @@
+"""The remote tier on real Redis servers (started and stopped here): blocks put on
+one host are bit-exact hits on another, verified like local blocks; every remote
+failure after open is a miss plus a counter; failures at open are RemoteError."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import assert_kv_equal, kv_for, run_child, seq, small_layout
+from support.redis_cluster import Cluster, RespError, cmd, env_ok, free_ports
+
+import kvstore
+
+pytestmark = pytest.mark.skipif(not env_ok(), reason="needs redis-server and redis-cli")
+
+MODEL = "test/remote@1"
+LAYOUT = small_layout(block_size=4)  # 1 KiB blocks
+B = LAYOUT.block_size
+
+
+def _start(tmp_path_factory, n: int, cluster: bool, extra: list[str] | None = None) -> Cluster:
+    c = Cluster(tmp_path_factory.mktemp("redis"), free_ports(n), cluster, extra or [])
+    try:
+        c.start()
+    except Exception:
+        c.stop()
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = _start(tmp_path_factory, 3, True)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def clean(cluster):
+    cluster.flushall()
+    return cluster
+
+
+@pytest.fixture
+def fresh_cluster(tmp_path_factory):
+    """A cluster of its own, for tests that kill nodes."""
+    c = _start(tmp_path_factory, 3, True)
+    yield c
+    c.stop()
+
+
+def open_host(path, c: Cluster, **kw):
+    remote = kvstore.Remote(nodes=c.nodes, **kw.pop("remote", {}))
+    return kvstore.open(path, LAYOUT, MODEL, remote=remote, durability="none", **kw)
+
+
+def remote_stats(store) -> dict:
+    r = store.stats()["remote"]
+    assert r is not None
+    return r
+
+
+def block_key(c: Cluster, store, tokens, i: int) -> bytes:
+    hexid = store.block_ids(tokens)[i].hex()
+    (key,) = c.keys(f"kvstore:*:{hexid}")
+    return key
+
+
+# Host A runs in another process: its own store directory, same cluster.
+PUT_CHILD = """
+import sys, kvstore
+from conftest import kv_for, small_layout
+path, nodes, n = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+layout = small_layout(block_size=4)
+tokens = list(range(1000, 1000 + n))
+with kvstore.open(path, layout, "test/remote@1", durability="none",
+                  remote=kvstore.Remote(nodes=nodes)) as s:
+    s.put(tokens, kv_for(layout, tokens))
+    s.flush()
+    r = s.stats()["remote"]
+    print(r["blocks_uploaded"], r["writes_dropped"], r["write_failures"])
+"""
+
+
+def test_two_hosts_share_blocks_bit_exact(clean, tmp_path):
+    n = 40 * B  # three hash-tag groups
+    p = run_child(PUT_CHILD, tmp_path / "a", ",".join(clean.nodes), n)
+    uploaded, dropped, failed = map(int, p.stdout.split())
+    assert (uploaded, dropped, failed) == (40, 0, 0)
+    assert len(clean.keys("kvstore:*")) == 40
+    tokens = seq(1000, n)
+    with open_host(tmp_path / "b", clean) as b:
+        assert b.lookup(tokens + [1, 2, 3]) == n
+        got = b.get(tokens)
+        assert_kv_equal(got, kv_for(LAYOUT, tokens))
+        r = remote_stats(b)
+        assert r["hits"] == 40 and r["invalid"] == 0
+        assert r["bytes_read"] > 40 * LAYOUT.block_bytes
+        # Promoted: served locally now, without the cluster.
+        clean.flushall()
+        assert_kv_equal(b.get(tokens), kv_for(LAYOUT, tokens))
+        assert remote_stats(b)["hits"] == 40
+
+
+def test_shared_prefix_uploaded_once_and_sessions_travel(clean, tmp_path):
+    shared = seq(5000, 12 * B)
+    a_tokens, b_tokens = shared + seq(1, 4 * B), shared + seq(90000, 6 * B)
+    with open_host(tmp_path / "a", clean) as a:
+        a.put(a_tokens, kv_for(LAYOUT, a_tokens))
+        a.save_session("agent-1", a_tokens, kv_for(LAYOUT, a_tokens))
+        a.flush()
+        assert remote_stats(a)["blocks_uploaded"] == 16
+    with open_host(tmp_path / "b", clean) as b:
+        b.put(b_tokens, kv_for(LAYOUT, b_tokens))
+        b.flush()
+        r = remote_stats(b)
+        assert r["blocks_uploaded"] == 6, r
+        assert r["blocks_present"] == 12, r
+        assert len(clean.keys("kvstore:*:{*}:*")) == 16 + 6
+        toks, kv = b.load_session("agent-1")
+        assert list(toks) == a_tokens
+        assert_kv_equal(kv, kv_for(LAYOUT, a_tokens))
+        with pytest.raises(kvstore.SessionNotFound):
+            b.load_session("nobody")
+
+
+def test_deleted_key_mid_chain_ends_prefix(clean, tmp_path):
+    tokens = seq(7000, 10 * B)
+    with open_host(tmp_path / "a", clean) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        a.flush()
+        key = block_key(clean, a, tokens, 6)
+    assert clean.call(key, "DEL", key) == 1
+    with open_host(tmp_path / "b", clean) as b:
+        assert b.lookup(tokens) == 6 * B
+        assert_kv_equal(b.get(tokens), kv_for(LAYOUT, tokens[: 6 * B]))
+        r = remote_stats(b)
+        assert r["hits"] == 6 and r["misses"] >= 1 and r["invalid"] == 0
+
+
+def test_every_wrong_value_is_a_counted_miss(clean, tmp_path):
+    tokens = seq(9000, 8 * B)
+    other = seq(123, 8 * B)
+    with open_host(tmp_path / "a", clean) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        a.put(other, kv_for(LAYOUT, other))
+        a.flush()
+        key = block_key(clean, a, tokens, 3)
+        good = clean.call(key, "GET", key)
+        other_key = block_key(clean, a, other, 3)
+        other_value = clean.call(other_key, "GET", other_key)
+    with kvstore.open(
+        tmp_path / "salted", LAYOUT, MODEL, salt="tenant-2", durability="none",
+        remote=kvstore.Remote(nodes=clean.nodes),
+    ) as t:  # fmt: skip
+        t.put(tokens, kv_for(LAYOUT, tokens))
+        t.flush()
+    salted = [k for k in clean.keys("kvstore:*") if k.split(b":")[1] != key.split(b":")[1]]
+    salted_value = clean.call(salted[0], "GET", salted[0])
+    flipped = bytearray(good)
+    flipped[200] ^= 1
+    rng = np.random.default_rng(0)
+    wrong = {
+        "random bytes": rng.bytes(len(good)),
+        "another block's value": other_value,
+        "another tenant's value": salted_value,
+        "truncated": good[:-1],
+        "truncated record": good[:100],
+        "oversized": good + b"\0" * 4096,
+        "one bit flipped": bytes(flipped),
+        "empty": b"",
+    }
+    for n, (what, value) in enumerate(wrong.items()):
+        assert value != good
+        clean.call(key, "SET", key, value)
+        with open_host(tmp_path / f"b{n}", clean) as b:
+            assert b.lookup(tokens) == 3 * B, what
+            got = b.get(tokens)
+            assert_kv_equal(got, kv_for(LAYOUT, tokens[: 3 * B]), what)
+            r = remote_stats(b)
+            assert r["invalid"] >= 1 and r["hits"] == 3, (what, r)
+    clean.call(key, "SET", key, good)
+    with open_host(tmp_path / "c", clean) as c:
+        assert c.lookup(tokens) == 8 * B
+        assert remote_stats(c)["invalid"] == 0
+
+
+def test_node_kill_and_restart(fresh_cluster, tmp_path):
+    c = fresh_cluster
+    timeout = 0.5
+    chains = [seq(20000 + 1000 * k, 16 * B) for k in range(12)]
+    with open_host(tmp_path / "a", c, remote={"timeout": timeout}) as a:
+        for t in chains:
+            a.put(t, kv_for(LAYOUT, t))
+        a.flush()
+        assert remote_stats(a)["blocks_uploaded"] == 12 * 16
+    victim = c.ports[1]
+    on_victim = {k for k in cmd(victim, "KEYS", "kvstore:*")}
+    assert on_victim, "the chains spread over every node"
+    c.kill(victim)
+    worst = 0.0
+    with open_host(tmp_path / "b", c, remote={"timeout": timeout}) as b:
+        served = 0
+        for t in chains:
+            t0 = time.monotonic()
+            n = b.lookup(t)
+            worst = max(worst, time.monotonic() - t0)
+            served += n == len(t)
+            x = seq(70000 + len(t), 4 * B)
+            b.put(t[:B] + x, kv_for(LAYOUT, t[:B] + x))  # local puts keep working
+        r = remote_stats(b)
+        assert 0 < served < len(chains), "live nodes serve, the dead node's chains miss"
+        assert r["errors_connection"] + r["breaker_skips"] + r["errors_cluster_down"] > 0, r
+        assert worst < 4 * timeout + 1, worst
+    c.start_node(victim)
+    c.wait_ok()
+    time.sleep(3.2)  # the breaker's cool-down
+    with open_host(tmp_path / "c", c, remote={"timeout": timeout}) as h:
+        misses = [t for t in chains if h.lookup(t) < len(t)]
+        assert misses, "the restarted node came back empty"
+    with open_host(tmp_path / "a", c, remote={"timeout": timeout}) as a:
+        deadline = time.monotonic() + 10
+        while True:
+            for t in chains:
+                a.lookup(t)  # misses make the host forget what it uploaded...
+                a.put(t, kv_for(LAYOUT, t))  # ...so the put sends it again
+            a.flush()
+            with open_host(tmp_path / f"d{time.monotonic_ns()}", c) as d:
+                if all(d.lookup(t) == len(t) for t in chains):
+                    assert_kv_equal(d.get(chains[0]), kv_for(LAYOUT, chains[0]))
+                    break
+            assert time.monotonic() < deadline, "blocks were not uploaded again"
+            time.sleep(0.5)
+
+
+def test_frozen_node_costs_one_timeout(fresh_cluster, tmp_path):
+    c = fresh_cluster
+    timeout = 0.5
+    chains = [seq(40000 + 1000 * k, 16 * B) for k in range(12)]
+    with open_host(tmp_path / "a", c, remote={"timeout": timeout}) as a:
+        for t in chains:
+            a.put(t, kv_for(LAYOUT, t))
+        a.flush()
+    with open_host(tmp_path / "b", c, remote={"timeout": timeout}) as b:
+        c.kill(c.ports[2], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            for t in chains:
+                b.lookup(t)
+            total = time.monotonic() - t0
+            r = remote_stats(b)
+        finally:
+            c.kill(c.ports[2], signal.SIGCONT)
+        assert r["errors_timeout"] >= 1, r
+        # Without the breaker every chain on the frozen node would cost a timeout
+        # (or two, with one retry).
+        assert total < 4 * timeout + 1, (total, r)
+        assert r["hits"] > 0, r
+
+
+def test_cluster_down_after_open_is_misses(fresh_cluster, tmp_path):
+    c = fresh_cluster
+    tokens = seq(3000, 8 * B)
+    with open_host(tmp_path / "b", c, remote={"timeout": 0.3}) as b:
+        for p in c.ports:
+            c.kill(p)
+        t0 = time.monotonic()
+        assert b.lookup(tokens) == 0
+        b.put(tokens, kv_for(LAYOUT, tokens))
+        assert b.lookup(tokens) == 8 * B
+        assert_kv_equal(b.get(tokens), kv_for(LAYOUT, tokens))
+        b.flush()
+        assert time.monotonic() - t0 < 10
+        r = remote_stats(b)
+        assert r["errors_connection"] + r["breaker_skips"] + r["errors_timeout"] > 0, r
+        assert r["write_failures"] + r["writes_dropped"] > 0, r
+
+
+def test_open_errors_name_node_and_user_not_password(tmp_path_factory, tmp_path, monkeypatch):
+    secret = "s3cret-Pa55"
+    single = _start(tmp_path_factory, 1, False, ["--requirepass", secret])
+    try:
+        port = single.ports[0]
+        cmd(port, "ACL", "SETUSER", "alice", "on", ">" + secret, "~kvstore:*", "+@all",
+            password=secret)  # fmt: skip
+        cmd(port, "ACL", "SETUSER", "mallory", "on", ">" + secret, "~other:*", "+@all",
+            password=secret)  # fmt: skip
+        monkeypatch.setenv("KV_PW", secret)
+        monkeypatch.setenv("KV_BAD", "wrong-" + secret)
+        node = f"127.0.0.1:{port}"
+        with pytest.raises(kvstore.RemoteError) as e:
+            kvstore.open(
+                tmp_path / "x",
+                LAYOUT,
+                MODEL,
+                remote=kvstore.Remote([node], username="alice", password_env="KV_BAD"),
+            )
+        assert node in str(e.value) and "alice" in str(e.value)
+        assert secret not in str(e.value) and secret not in repr(e.value)
+        with pytest.raises(kvstore.RemoteError) as e:
+            kvstore.open(
+                tmp_path / "y",
+                LAYOUT,
+                MODEL,
+                remote=kvstore.Remote([node], username="mallory", password_env="KV_PW"),
+            )
+        assert "mallory" in str(e.value) and secret not in str(e.value)
+        free = free_ports(1)[0]
+        with pytest.raises(kvstore.RemoteError, match=f"127.0.0.1:{free}"):
+            kvstore.open(
+                tmp_path / "z",
+                LAYOUT,
+                MODEL,
+                remote=kvstore.Remote([f"127.0.0.1:{free}"], timeout=0.3),
+            )
+        r = kvstore.Remote([node], username="alice", password_env="KV_PW")
+        assert secret not in repr(r)
+        tokens = seq(1, 4 * B)
+        with kvstore.open(tmp_path / "ok", LAYOUT, MODEL, remote=r, durability="none") as s:
+            s.put(tokens, kv_for(LAYOUT, tokens))
+            s.flush()
+            assert remote_stats(s)["blocks_uploaded"] == 4
+            assert secret not in str(s.stats())
+        with kvstore.open(tmp_path / "ok2", LAYOUT, MODEL, remote=r) as s2:
+            assert_kv_equal(s2.get(tokens), kv_for(LAYOUT, tokens))
+    finally:
+        single.stop()
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
+def test_small_maxmemory(tmp_path_factory, tmp_path, policy):
+    single = _start(
+        tmp_path_factory, 1, False, ["--maxmemory", "2mb", "--maxmemory-policy", policy]
+    )
+    try:
+        chains = [seq(100000 * (k + 1), 128 * B) for k in range(24)]  # ~3.3 MiB of values
+        with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none",
+                          remote=kvstore.Remote(single.nodes)) as a:  # fmt: skip
+            for t in chains:
+                a.put(t, kv_for(LAYOUT, t))  # local puts succeed whatever the server does
+                a.flush()
+            assert all(a.lookup(t) == len(t) for t in chains)
+            r = remote_stats(a)
+        if policy == "noeviction":
+            assert r["errors_oom"] > 0 and r["write_failures"] > 0, str(r)
+        else:
+            assert r["errors_oom"] == 0 and r["blocks_uploaded"] == 24 * 128, r
+        with kvstore.open(tmp_path / "b", LAYOUT, MODEL, durability="none",
+                          remote=kvstore.Remote(single.nodes)) as b:  # fmt: skip
+            found = [b.lookup(t) for t in chains]
+            assert any(n < len(t) for n, t in zip(found, chains, strict=True)), (
+                "not all fit in 2 MiB"
+            )
+            for n, t in zip(found, chains, strict=True):
+                if n:
+                    assert_kv_equal(b.get(t[:n]), kv_for(LAYOUT, t[:n]))
+            assert remote_stats(b)["invalid"] == 0
+    finally:
+        single.stop()
+
+
+def test_write_through_and_bad_options(clean, tmp_path):
+    tokens = seq(600, 5 * B)
+    with open_host(tmp_path / "a", clean, remote={"write": "through"}) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        # No flush: through means the cluster has them when put returns.
+        assert remote_stats(a)["blocks_uploaded"] == 5
+    assert len(clean.keys("kvstore:*")) == 5
+    for bad in ({"write": "sideways"}, {"timeout": 0}, {"ttl": -1}):
+        with pytest.raises(kvstore.InvalidInput):
+            open_host(tmp_path / "bad", clean, remote=bad)
+    with pytest.raises(kvstore.InvalidInput, match="KV_NOT_SET"):
+        open_host(tmp_path / "bad", clean, remote={"password_env": "KV_NOT_SET"})
+    assert "KV_NOT_SET" not in os.environ
+    with pytest.raises(RespError):
+        cmd(clean.ports[0], "NOSUCHCOMMAND")

@@ -106,6 +106,30 @@ def test_two_hosts_share_blocks_bit_exact(clean, tmp_path):
         assert remote_stats(b)["hits"] == 40
 
 
+def test_range_put_and_get_through_the_cluster(clean, tmp_path):
+    """A chunked prefill (put with start=) uploads the blocks it was given; a range
+    get on another host reads the rest of the chain from the cluster, lands it at
+    the right place in `out`, and a prefix that ends before `start` lands nothing."""
+    n = 36 * B
+    tokens = seq(7000, n)
+    kv = kv_for(LAYOUT, tokens)
+    with open_host(tmp_path / "a", clean) as a:
+        a.put(tokens[: 20 * B], kv[:, :, : 20 * B])
+        a.put(tokens, kv[:, :, 20 * B :], start=20 * B)
+        a.flush()
+        assert remote_stats(a)["blocks_uploaded"] == 36
+    with open_host(tmp_path / "b", clean) as b:
+        out = np.zeros_like(kv[:, :, 8 * B :])
+        assert b.get(tokens, start=8 * B, out=out) == n
+        assert_kv_equal(out, kv[:, :, 8 * B :])
+        key = block_key(clean, b, tokens, 3)
+    assert clean.call(key, "DEL", key) == 1  # a hole before `start`
+    with open_host(tmp_path / "c", clean) as c:
+        out = np.full_like(kv[:, :, 8 * B :], 5)
+        assert c.get(tokens, start=8 * B, out=out) == 3 * B
+        assert (out == 5).all()
+
+
 def test_shared_prefix_uploaded_once_and_sessions_travel(clean, tmp_path):
     shared = seq(5000, 12 * B)
     a_tokens, b_tokens = shared + seq(1, 4 * B), shared + seq(90000, 6 * B)

@@ -124,7 +124,7 @@ impl Inner {
             }
         }
         drop(w);
-        self.remote_put(&ids, tokens, kv, kv_tokens);
+        self.remote_put(&ids, tokens, first, kv, kv_tokens);
         Ok(full)
     }
 

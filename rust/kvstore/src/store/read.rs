@@ -199,7 +199,14 @@ impl Inner {
             served += 1;
         }
         drop(snap);
-        served += self.remote_extend(&ids, tokens, served, Some((out, out_tokens)));
+        if served < first {
+            // The prefix ends before `start` here: the server may hold the
+            // rest of it (promoted locally; the caller has its KV).
+            served += self.remote_extend(&ids[..first], tokens, served, None);
+        }
+        if served >= first {
+            served += self.remote_extend(&ids, tokens, served, Some((out, out_tokens, first)));
+        }
         self.count_hits(served, tokens.len() / b);
         self.touch(&ids[..served]);
         Ok(served * b)

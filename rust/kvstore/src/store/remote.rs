@@ -85,18 +85,27 @@ impl Inner {
     }
 
     /// After a local put: sends the blocks the server is not known to hold.
-    pub(super) fn remote_put(&self, ids: &[BlockId], tokens: &[u32], kv: &[u8], kv_tokens: usize) {
+    pub(super) fn remote_put(
+        &self,
+        ids: &[BlockId],
+        tokens: &[u32],
+        first: usize,
+        kv: &[u8],
+        kv_tokens: usize,
+    ) {
         let Some(r) = self.remote() else { return };
         let b = self.layout.block_size as usize;
         let mut batch = Vec::new();
-        for i in 0..ids.len() {
+        for i in first..ids.len() {
             if i % GROUP == 0 {
                 r.upload(std::mem::take(&mut batch));
             }
             if r.knows(&ids[i]) {
                 continue;
             }
-            let chunks: Vec<&[u8]> = runs(&self.layout, kv_tokens, i).map(|rg| &kv[rg]).collect();
+            let chunks: Vec<&[u8]> = runs(&self.layout, kv_tokens, i - first)
+                .map(|rg| &kv[rg])
+                .collect();
             let Ok(rec) = record::encode(
                 &self.layout,
                 self.opts.compression_level,
@@ -124,14 +133,15 @@ impl Inner {
     /// Continues a prefix of `from` local blocks into the server: fetches
     /// the next blocks in chain order (one `MGET` per hash-tag group), stops
     /// at the first miss or bad value, lands them in `out` (`[L, 2,
-    /// out_tokens, H, D]`) if given, and promotes them into the local tiers.
+    /// out_tokens, H, D]` whose first block is block `out_first`, which is
+    /// at most `from`) if given, and promotes them into the local tiers.
     /// Returns the blocks added.
     pub(super) fn remote_extend(
         &self,
         ids: &[BlockId],
         tokens: &[u32],
         from: usize,
-        mut out: Option<(&mut [u8], usize)>,
+        mut out: Option<(&mut [u8], usize, usize)>,
     ) -> usize {
         let Some(r) = self.remote() else {
             return 0;
@@ -144,8 +154,9 @@ impl Inner {
             let vals = r.fetch(&keys);
             // Without `out`, the group lands in a scratch buffer of its own.
             let mut scratch = Vec::new();
-            let (buf, total, base) = if let Some((o, t)) = out.as_mut() {
-                (&mut **o, *t, 0)
+            let landed = out.is_some();
+            let (buf, total, base) = if let Some((o, t, f)) = out.as_mut() {
+                (&mut **o, *t, *f)
             } else {
                 scratch.resize(self.layout.block_bytes() * (end - at), 0);
                 (&mut scratch[..], (end - at) * b, at)
@@ -179,24 +190,13 @@ impl Inner {
                 r.mark(&ids[at + good..=at + good], false);
             }
             if good > 0 {
-                let promoted = if base == 0 {
-                    self.promote(
-                        &ids[..at + good],
-                        &tokens[..(at + good) * b],
-                        at,
-                        buf,
-                        total,
-                    )
-                } else {
-                    self.promote(
-                        &ids[at..at + good],
-                        &tokens[at * b..(at + good) * b],
-                        0,
-                        buf,
-                        total,
-                    )
-                };
-                if promoted.is_err() && base != 0 {
+                let promoted = self.promote(
+                    &ids[..at + good],
+                    &tokens[..(at + good) * b],
+                    at,
+                    (buf, total, base),
+                );
+                if promoted.is_err() && !landed {
                     // Nowhere to keep it: a lookup must not claim it.
                     return at - from;
                 }
@@ -209,15 +209,15 @@ impl Inner {
         at - from
     }
 
-    /// Writes blocks `skip..` of `ids` (KV in `kv`, `[L, 2, kv_tokens, H, D]`,
-    /// block `i` at index `i`) through the normal write path and the hot tier.
+    /// Writes blocks `skip..` of `ids` through the normal write path and the
+    /// hot tier; their KV is in `kv` (`[L, 2, kv_tokens, H, D]` whose first
+    /// block is block `kv_first`).
     fn promote(
         &self,
         ids: &[BlockId],
         tokens: &[u32],
         skip: usize,
-        kv: &[u8],
-        kv_tokens: usize,
+        (kv, kv_tokens, kv_first): (&[u8], usize, usize),
     ) -> Result<()> {
         let b = self.layout.block_size as usize;
         let mut w = self.writer.lock().expect("writer lock");
@@ -232,7 +232,12 @@ impl Inner {
                 .collect::<Result<_>>()?
         };
         let block = |i: usize| (&ids[i], &tokens[i * b..(i + 1) * b]);
-        let fresh = self.write_blocks(&mut w, ids, &present, &block, kv, kv_tokens)?;
+        let chunks = |i: usize| -> Vec<&[u8]> {
+            runs(&self.layout, kv_tokens, i - kv_first)
+                .map(|rg| &kv[rg])
+                .collect()
+        };
+        let fresh = self.write_blocks(&mut w, ids, &present, &block, &chunks)?;
         self.counters
             .blocks_written
             .fetch_add(fresh.len() as u64, Ordering::Relaxed);
@@ -243,9 +248,7 @@ impl Inner {
         if let Some(arena) = &self.arena {
             for &i in &fresh {
                 let (id, block_tokens) = block(i);
-                let chunks: Vec<&[u8]> =
-                    runs(&self.layout, kv_tokens, i).map(|rg| &kv[rg]).collect();
-                arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
+                arena.insert(id, block_tokens, &chunks(i), 0, 0, now_ms())?;
             }
         }
         Ok(())

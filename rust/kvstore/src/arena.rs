@@ -77,6 +77,7 @@ use crate::id::BlockId;
 use crate::layout::Layout;
 use crate::os::SharedMap;
 use crate::os::{ofd_lock, OfdLock};
+use crate::pages::PageKind;
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -152,47 +153,6 @@ fn fold(lanes: [u32; LANES]) -> u64 {
         b.copy_from_slice(&lane.to_le_bytes());
     }
     u64::from(crc32c::crc32c(&bytes))
-}
-
-/// What kind of pages back the arena, as the kernel reports it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PageKind {
-    /// A hugetlbfs mapping (explicit huge pages).
-    HugeTlb,
-    /// Transparent huge pages (`MADV_HUGEPAGE`).
-    TransparentHuge,
-    /// Normal 4 KiB pages.
-    Normal,
-}
-
-impl PageKind {
-    /// How the header stores it.
-    pub(crate) fn code(&self) -> u64 {
-        match self {
-            PageKind::HugeTlb => 1,
-            PageKind::TransparentHuge => 2,
-            PageKind::Normal => 3,
-        }
-    }
-
-    /// Back from the header; `None` for anything else.
-    pub(crate) fn from_code(code: u64) -> Option<PageKind> {
-        match code {
-            1 => Some(PageKind::HugeTlb),
-            2 => Some(PageKind::TransparentHuge),
-            3 => Some(PageKind::Normal),
-            _ => None,
-        }
-    }
-
-    /// The name `stats()` and `kvstore info` show.
-    pub fn name(&self) -> &'static str {
-        match self {
-            PageKind::HugeTlb => "hugetlb",
-            PageKind::TransparentHuge => "thp",
-            PageKind::Normal => "normal",
-        }
-    }
 }
 
 /// Outcome of an insert.
@@ -539,7 +499,7 @@ impl Arena {
                 map.u64_at(H_TAG + 8 * i).store(w, Ordering::Relaxed);
             }
         }
-        let page_kind = crate::arenas::page_kind_of(map.addr());
+        let page_kind = crate::pages::page_kind_of(map.addr());
         if fresh {
             map.u64_at(H_PAGE_KIND)
                 .store(page_kind.code(), Ordering::Relaxed);

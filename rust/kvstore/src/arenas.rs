@@ -13,13 +13,14 @@
 //! or holds the lifetime lock of, a symlink or another user's file.
 
 use crate::arena::{
-    read_header, same_file, ArenaStats, Geometry, PageKind, HEADER_LEN, H_DATA_OFF, H_EVICTIONS,
-    H_INSERTS, H_LAST_USE, H_MAGIC, H_NSLOTS, H_PAGE_KIND, H_PATH, H_PATH_LEN, H_READY, H_SLOT_HDR,
+    read_header, same_file, ArenaStats, Geometry, HEADER_LEN, H_DATA_OFF, H_EVICTIONS, H_INSERTS,
+    H_LAST_USE, H_MAGIC, H_NSLOTS, H_PAGE_KIND, H_PATH, H_PATH_LEN, H_READY, H_SLOT_HDR,
     H_SLOT_SIZE, H_STORE_ID, H_TOTAL, H_VERSION, H_WAYS, MAGIC_WORD, PATH_MAX, S_EXPIRES,
     S_PRIORITY, S_STATE, S_VERSION, VERSION,
 };
 use crate::dir::StoreDir;
 use crate::os::{ofd_lock, OfdLock};
+use crate::pages::PageKind;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
@@ -224,7 +225,7 @@ fn store_state(store_path: Option<&Path>, store_id: Option<&str>) -> StoreState 
         Ok(Some(m)) if m.store_id == id => StoreState::Owns,
         Ok(Some(_)) => StoreState::Replaced,
         Ok(None) => StoreState::Gone,
-        Err(crate::Error::Io { source, .. })
+        Err(crate::error::Error::Io { source, .. })
             if source.raw_os_error() == Some(rustix::io::Errno::NOTDIR.raw_os_error()) =>
         {
             StoreState::Gone
@@ -277,7 +278,7 @@ pub fn arena_dirs(hot_dir: Option<&Path>) -> Vec<PathBuf> {
     if let Some(d) = std::env::var_os("KVSTORE_HOT_DIR").filter(|d| !d.is_empty()) {
         dirs.push(PathBuf::from(d));
     }
-    dirs.extend(hugetlbfs_mounts());
+    dirs.extend(crate::pages::hugetlbfs_mounts());
     dirs.push(PathBuf::from("/dev/shm"));
     let mut seen = Vec::new();
     dirs.retain(|d| {
@@ -286,32 +287,6 @@ pub fn arena_dirs(hot_dir: Option<&Path>) -> Vec<PathBuf> {
         new
     });
     dirs
-}
-
-fn hugetlbfs_mounts() -> Vec<PathBuf> {
-    let Ok(mounts) = std::fs::read_to_string("/proc/mounts") else {
-        return Vec::new();
-    };
-    mounts
-        .lines()
-        .filter_map(|line| {
-            let mut f = line.split_whitespace();
-            let (_, dir, fs) = (f.next(), f.next(), f.next());
-            (fs == Some("hugetlbfs")).then(|| dir.map(PathBuf::from))?
-        })
-        .collect()
-}
-
-/// Where arenas live when the user names no directory: a hugetlbfs mount
-/// with enough free huge pages, else `/dev/shm`.
-pub(crate) fn default_dir(bytes: u64) -> PathBuf {
-    for dir in hugetlbfs_mounts() {
-        let free = rustix::fs::statvfs(&dir).map_or(0, |s| s.f_bavail * s.f_bsize);
-        if free >= bytes {
-            return dir;
-        }
-    }
-    PathBuf::from("/dev/shm")
 }
 
 /// The arena files (`kvstore-*.arena`) in `dir`, at most `limit`.
@@ -508,9 +483,9 @@ fn peek(path: &Path, now_ms: u64) -> Option<ArenaStats> {
 /// Removes one arena file named `kvstore-<id>.arena` (`kvstore
 /// remove-arena` given the file): never a symlink or another user's file.
 /// Processes that map it keep their mapping. False if there was none.
-pub fn remove_arena_file(path: &Path) -> crate::Result<bool> {
+pub fn remove_arena_file(path: &Path) -> crate::error::Result<bool> {
     if name_id(path).is_none() {
-        return Err(crate::Error::InvalidInput(format!(
+        return Err(crate::error::Error::InvalidInput(format!(
             "{}: expected an arena file named kvstore-<store id>.arena",
             path.display()
         )));
@@ -519,7 +494,7 @@ pub fn remove_arena_file(path: &Path) -> crate::Result<bool> {
         return Ok(false);
     }
     if let Err(reason) = open_arena_file(path, false) {
-        return Err(crate::Error::InvalidInput(format!(
+        return Err(crate::error::Error::InvalidInput(format!(
             "{}: not removed: {reason}",
             path.display()
         )));
@@ -527,43 +502,11 @@ pub fn remove_arena_file(path: &Path) -> crate::Result<bool> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(crate::Error::from_io(
+        Err(e) => Err(crate::error::Error::from_io(
             format!("removing {}", path.display()),
             e,
         )),
     }
-}
-
-/// Reads the page kind of the mapping at `addr` from `/proc/self/smaps`: what
-/// the kernel gave, not what was asked for.
-pub(crate) fn page_kind_of(addr: usize) -> PageKind {
-    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
-        return PageKind::Normal;
-    };
-    let prefix = format!("{addr:x}-");
-    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&prefix));
-    lines.next();
-    let mut kind = PageKind::Normal;
-    for line in lines {
-        if line
-            .split_whitespace()
-            .next()
-            .is_some_and(|w| w.contains('-') && !w.ends_with(':'))
-        {
-            break; // next mapping
-        }
-        let mut f = line.split_whitespace();
-        let (key, value) = (
-            f.next().unwrap_or(""),
-            f.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0),
-        );
-        match key {
-            "KernelPageSize:" if value >= 2048 => return PageKind::HugeTlb,
-            "ShmemPmdMapped:" | "FilePmdMapped:" if value > 0 => kind = PageKind::TransparentHuge,
-            _ => {}
-        }
-    }
-    kind
 }
 
 #[cfg(test)]

@@ -550,7 +550,7 @@ fn open_arena(
         .hot_dir
         .clone()
         .or_else(|| std::env::var_os("KVSTORE_HOT_DIR").map(PathBuf::from))
-        .unwrap_or_else(|| arenas::default_dir(bytes));
+        .unwrap_or_else(|| crate::pages::default_dir(bytes));
     let path = dir.join(format!("kvstore-{}.arena", manifest.store_id));
     arenas::prune_dir(&dir, &path, arenas::OPEN_PRUNE_LIMIT);
     let owner = Owner {

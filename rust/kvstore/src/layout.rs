@@ -128,6 +128,40 @@ impl Layout {
         self.num_layers as usize * 2 * self.chunk_bytes()
     }
 
+    /// The `2L` runs (`[B, H, D]` each) of block `i` in a contiguous
+    /// `[L, 2, total_tokens, H, D]` buffer.
+    pub fn block_runs<'a>(&self, kv: &'a [u8], total_tokens: usize, i: usize) -> Vec<&'a [u8]> {
+        let (stride, at, len) = self.run_geometry(total_tokens, i);
+        kv.chunks(stride)
+            .take(self.num_layers as usize * 2)
+            .map(|run| &run[at..at + len])
+            .collect()
+    }
+
+    /// [`Layout::block_runs`], writable.
+    pub fn block_runs_mut<'a>(
+        &self,
+        kv: &'a mut [u8],
+        total_tokens: usize,
+        i: usize,
+    ) -> Vec<&'a mut [u8]> {
+        let (stride, at, len) = self.run_geometry(total_tokens, i);
+        kv.chunks_mut(stride)
+            .take(self.num_layers as usize * 2)
+            .map(|run| &mut run[at..at + len])
+            .collect()
+    }
+
+    /// (bytes per `[T, H, D]` run, offset of block `i` in a run, bytes of it).
+    fn run_geometry(&self, total_tokens: usize, i: usize) -> (usize, usize, usize) {
+        let tb = self.token_bytes();
+        (
+            total_tokens * tb,
+            i * self.block_size as usize * tb,
+            self.chunk_bytes(),
+        )
+    }
+
     /// Bytes of a contiguous `[L, 2, T, H, D]` tensor.
     pub fn kv_bytes(&self, tokens: usize) -> Option<usize> {
         (self.num_layers as usize * 2)

@@ -10,23 +10,9 @@ use crate::error::{Error, Result};
 use crate::format;
 use crate::id::BlockId;
 use crate::index::Location;
-use crate::layout::Layout;
 use crate::record;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-
-/// Splits a contiguous `[L, 2, T, H, D]` byte buffer into the `2L` runs of block `i`.
-fn block_chunks<'a>(layout: &Layout, kv: &'a [u8], total_tokens: usize, i: usize) -> Vec<&'a [u8]> {
-    let tb = layout.token_bytes();
-    let cb = layout.chunk_bytes();
-    let b = layout.block_size as usize;
-    (0..layout.num_layers as usize * 2)
-        .map(|lk| {
-            let start = (lk * total_tokens + i * b) * tb;
-            &kv[start..start + cb]
-        })
-        .collect()
-}
 
 impl Inner {
     /// Checks a put's arguments; returns the tokens of its full blocks.
@@ -82,10 +68,36 @@ impl Inner {
             // `close` ran while this call waited for the lock.
             return Err(Error::StoreClosed("the store handle is closed".into()));
         }
+        // Block i: its id, its tokens and its runs in `kv`.
+        let block = |i: usize| (&ids[i], &tokens[i * b..(i + 1) * b]);
+        let runs = |i: usize| self.layout.block_runs(kv, kv_tokens, i - first);
+        let fresh = self.store_blocks(&mut w, &ids, first, &block, &runs)?;
+        self.counters.blocks_deduped.fetch_add(
+            (ids.len().saturating_sub(first) - fresh) as u64,
+            Ordering::Relaxed,
+        );
+        drop(w);
+        self.remote_put(&ids, tokens, first, kv, kv_tokens);
+        Ok(full)
+    }
+
+    /// Stores blocks `first..` of `ids` that are not stored yet, under the
+    /// writer lock `w`: dedupe against the index and this handle's pending
+    /// records, append, commit per the durability mode, then show them in
+    /// the hot tier. `put` and the remote tier's promotion both come here.
+    /// Returns how many blocks were written.
+    pub(super) fn store_blocks<'t>(
+        &self,
+        w: &mut Writer,
+        ids: &[BlockId],
+        first: usize,
+        block: &dyn Fn(usize) -> (&'t BlockId, &'t [u32]),
+        runs: &dyn Fn(usize) -> Vec<&'t [u8]>,
+    ) -> Result<usize> {
         // Under the writer lock: a group commit between this check and the
         // writes would otherwise move blocks from `pending` to the index
         // unseen, and they would be written twice.
-        // Blocks before `start` are not this put's to write: count them present.
+        // Blocks before `first` are not this call's to write: count them present.
         let present: Vec<bool> = {
             // One snapshot per call, so the cache notices a newer generation.
             let mut snap = Some(self.snapshot()?);
@@ -94,24 +106,12 @@ impl Inner {
                 .map(|(i, id)| Ok(i < first || self.committed(&mut snap, id)?.is_some()))
                 .collect::<Result<_>>()?
         };
-        // Block i: its id, its tokens and its runs in `kv`.
-        let block = |i: usize| (&ids[i], &tokens[i * b..(i + 1) * b]);
-        let runs = |i: usize| block_chunks(&self.layout, kv, kv_tokens, i - first);
-        let fresh = self.write_blocks(&mut w, &ids, &present, &block, &runs)?;
-        self.counters.blocks_deduped.fetch_add(
-            (ids.len().saturating_sub(first) - fresh.len()) as u64,
-            Ordering::Relaxed,
-        );
+        let fresh = self.write_blocks(w, ids, &present, block, runs)?;
         self.counters
             .blocks_written
             .fetch_add(fresh.len() as u64, Ordering::Relaxed);
-        match self.opts.durability {
-            Durability::Sync | Durability::None => self.commit_pending(&mut w)?,
-            Durability::Batch => {
-                if w.pending_bytes >= self.opts.batch_bytes {
-                    self.commit_pending(&mut w)?;
-                }
-            }
+        if self.opts.durability != Durability::Batch || w.pending_bytes >= self.opts.batch_bytes {
+            self.commit_pending(w)?;
         }
         // Into the hot tier only once written (a failed put publishes nothing)
         // and, unless a batch commit is still due, committed: other processes
@@ -123,9 +123,7 @@ impl Inner {
                 arena.insert(id, block_tokens, &runs(i), 0, 0, now_ms())?;
             }
         }
-        drop(w);
-        self.remote_put(&ids, tokens, first, kv, kv_tokens);
-        Ok(full)
+        Ok(fresh.len())
     }
 
     /// Encodes and appends the blocks that are neither `present` nor
@@ -134,7 +132,7 @@ impl Inner {
     /// forgotten (dead bytes): a failed put publishes nothing. Blocks
     /// committed by a segment roll inside this put stay: they are durable and
     /// sound.
-    pub(super) fn write_blocks<'t>(
+    fn write_blocks<'t>(
         &self,
         w: &mut Writer,
         ids: &[BlockId],

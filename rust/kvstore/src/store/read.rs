@@ -8,7 +8,6 @@ use crate::error::{Error, Result};
 use crate::fs;
 use crate::id::BlockId;
 use crate::index::Location;
-use crate::layout::Layout;
 use crate::record::{self, Mismatch};
 use std::collections::HashMap;
 use std::fs::File;
@@ -66,22 +65,6 @@ impl ReadFail {
             ReadFail::OtherTokens => None,
         }
     }
-}
-
-fn block_chunks_mut<'a>(
-    layout: &Layout,
-    kv: &'a mut [u8],
-    total_tokens: usize,
-    i: usize,
-) -> Vec<&'a mut [u8]> {
-    let tb = layout.token_bytes();
-    let cb = layout.chunk_bytes();
-    let b = layout.block_size as usize;
-    let stride = total_tokens * tb;
-    kv.chunks_mut(stride)
-        .take(layout.num_layers as usize * 2)
-        .map(|run| &mut run[i * b * tb..i * b * tb + cb])
-        .collect()
 }
 
 impl Inner {
@@ -189,7 +172,7 @@ impl Inner {
                 self.arena.as_ref().is_some_and(|a| a.contains(id))
                     || self.find(&mut snap, id)?.is_some()
             } else {
-                let mut chunks = block_chunks_mut(&self.layout, out, out_tokens, i - first);
+                let mut chunks = self.layout.block_runs_mut(out, out_tokens, i - first);
                 let block_tokens = &tokens[i * b..(i + 1) * b];
                 self.read_block(&mut snap, id, block_tokens, &mut chunks, &mut scratch)?
             };

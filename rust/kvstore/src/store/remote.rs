@@ -3,8 +3,7 @@
 //! from the server is checked exactly like a local record and promoted into
 //! the local tiers through the normal write path.
 
-use super::{Durability, Inner};
-use crate::clock::now_ms;
+use super::Inner;
 use crate::error::Result;
 use crate::id::BlockId;
 use crate::layout::Layout;
@@ -16,36 +15,6 @@ use std::time::Duration;
 
 /// How long `flush` waits for uploads to drain.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The `2L` runs of block `i` in a `[L, 2, total_tokens, H, D]` buffer.
-fn runs(
-    layout: &Layout,
-    total_tokens: usize,
-    i: usize,
-) -> impl Iterator<Item = std::ops::Range<usize>> {
-    let tb = layout.token_bytes();
-    let cb = layout.chunk_bytes();
-    let b = layout.block_size as usize;
-    (0..layout.num_layers as usize * 2).map(move |lk| {
-        let start = (lk * total_tokens + i * b) * tb;
-        start..start + cb
-    })
-}
-
-fn chunks_mut<'a>(
-    layout: &Layout,
-    kv: &'a mut [u8],
-    total_tokens: usize,
-    i: usize,
-) -> Vec<&'a mut [u8]> {
-    let tb = layout.token_bytes();
-    let off = i * layout.block_size as usize * tb;
-    let len = layout.chunk_bytes();
-    kv.chunks_mut(total_tokens * tb)
-        .take(layout.num_layers as usize * 2)
-        .map(|run| &mut run[off..off + len])
-        .collect()
-}
 
 /// Checks `payload` (a record read from the server) against block `id`, its
 /// `tokens` and the layout, and lands its KV in `out`. Any failure: `false`.
@@ -103,9 +72,7 @@ impl Inner {
             if r.knows(&ids[i]) {
                 continue;
             }
-            let chunks: Vec<&[u8]> = runs(&self.layout, kv_tokens, i - first)
-                .map(|rg| &kv[rg])
-                .collect();
+            let chunks = self.layout.block_runs(kv, kv_tokens, i - first);
             let Ok(rec) = record::encode(
                 &self.layout,
                 self.opts.compression_level,
@@ -166,7 +133,7 @@ impl Inner {
             for (k, v) in vals.iter().enumerate() {
                 let j = at + k;
                 let Some(v) = v else { break };
-                let mut dst = chunks_mut(&self.layout, buf, total, j - base);
+                let mut dst = self.layout.block_runs_mut(buf, total, j - base);
                 let ok = r.keys.open(&keys[k], v).is_some_and(|p| {
                     land(
                         &self.layout,
@@ -224,33 +191,9 @@ impl Inner {
         if w.poisoned.is_some() || self.closing.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let present: Vec<bool> = {
-            let mut snap = Some(self.snapshot()?);
-            ids.iter()
-                .enumerate()
-                .map(|(i, id)| Ok(i < skip || self.committed(&mut snap, id)?.is_some()))
-                .collect::<Result<_>>()?
-        };
         let block = |i: usize| (&ids[i], &tokens[i * b..(i + 1) * b]);
-        let chunks = |i: usize| -> Vec<&[u8]> {
-            runs(&self.layout, kv_tokens, i - kv_first)
-                .map(|rg| &kv[rg])
-                .collect()
-        };
-        let fresh = self.write_blocks(&mut w, ids, &present, &block, &chunks)?;
-        self.counters
-            .blocks_written
-            .fetch_add(fresh.len() as u64, Ordering::Relaxed);
-        if self.opts.durability != Durability::Batch || w.pending_bytes >= self.opts.batch_bytes {
-            self.commit_pending(&mut w)?;
-        }
-        drop(w);
-        if let Some(arena) = &self.arena {
-            for &i in &fresh {
-                let (id, block_tokens) = block(i);
-                arena.insert(id, block_tokens, &chunks(i), 0, 0, now_ms())?;
-            }
-        }
+        let runs = |i: usize| self.layout.block_runs(kv, kv_tokens, i - kv_first);
+        self.store_blocks(&mut w, ids, skip, &block, &runs)?;
         Ok(())
     }
 

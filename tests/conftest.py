@@ -84,6 +84,20 @@ def store(store_path, layout):
     s.close()
 
 
+@pytest.fixture
+def split_k(monkeypatch):
+    """Split-K on short contexts (paged-attention tests): partitions of 32 tokens and
+    two threads, so that one sequence with one kv head (fewer pairs than 2 * threads)
+    is split."""
+    import torch
+
+    monkeypatch.setenv("KVSTORE_SPLIT_MIN_TOKENS", "32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------------------------ deterministic KV
 
 _M64 = (1 << 64) - 1

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import child_argv, run_child, small_layout
+from support.hugetlbfs import hugetlbfs_mount
 
 import kvstore
 from kvstore.cli import main as cli
@@ -353,46 +354,22 @@ def test_gc_prunes_orphans(
 
 
 def test_hugetlbfs_arena_is_listed_and_pruned(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to set vm.nr_hugepages and mount hugetlbfs")
-    nr = Path("/proc/sys/vm/nr_hugepages")
-    before = nr.read_text().strip()
-    mnt = tmp_path / "huge"
-    mnt.mkdir()
-    try:
+    with hugetlbfs_mount(tmp_path) as mnt:
+        arena = make(tmp_path / "a", mnt)
+        other = make(tmp_path / "b", mnt)
+        got = listed(mnt)[arena.name]
+        assert (got["page_kind"], got["owned"], got["header"]) == ("hugetlb", True, "ok")
+        child = hold(tmp_path / "a", mnt)
         try:
-            nr.write_text(str(int(before) + 8))
-        except OSError as e:
-            pytest.skip(f"cannot set vm.nr_hugepages: {e}")
-        if int(nr.read_text()) < int(before) + 4:
-            pytest.skip("the kernel gave no huge pages (memory too fragmented?)")
-        r = subprocess.run(
-            ["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", str(mnt)],
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount hugetlbfs: {r.stderr.strip()}")
-        try:
-            arena = make(tmp_path / "a", mnt)
-            other = make(tmp_path / "b", mnt)
-            got = listed(mnt)[arena.name]
-            assert (got["page_kind"], got["owned"], got["header"]) == ("hugetlb", True, "ok")
-            child = hold(tmp_path / "a", mnt)
-            try:
-                shutil.rmtree(tmp_path / "a")
-                got = listed(mnt, prune=True)[arena.name]
-                assert (got["orphan"], got["mapped_by"], got["pruned"]) == (True, 1, False)
-            finally:
-                release(child)
-            with open_store(tmp_path / "b", mnt):
-                pass
-            assert not arena.exists() and other.exists()
-            kvstore.remove_arena(tmp_path / "b", hot_dir=mnt)
+            shutil.rmtree(tmp_path / "a")
+            got = listed(mnt, prune=True)[arena.name]
+            assert (got["orphan"], got["mapped_by"], got["pruned"]) == (True, 1, False)
         finally:
-            subprocess.run(["umount", str(mnt)], check=False)
-    finally:
-        nr.write_text(before)
+            release(child)
+        with open_store(tmp_path / "b", mnt):
+            pass
+        assert not arena.exists() and other.exists()
+        kvstore.remove_arena(tmp_path / "b", hot_dir=mnt)
 
 
 WORKER = """

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.hot_common import LAYOUT, MODEL, check, kv_of, seq
+from support.hugetlbfs import hugetlbfs_mount
 
 import kvstore
 
@@ -229,45 +230,21 @@ def test_page_kind_without_a_huge_page_pool_is_reported(tmp_path: Path) -> None:
 
 
 def test_huge_pages_when_a_pool_can_be_set_up(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to set vm.nr_hugepages and mount hugetlbfs")
-    nr = Path("/proc/sys/vm/nr_hugepages")
-    before = nr.read_text().strip()
-    mnt = tmp_path / "huge"
-    mnt.mkdir()
-    try:
-        try:
-            nr.write_text(str(int(before) + 8))
-        except OSError as e:
-            pytest.skip(f"cannot set vm.nr_hugepages: {e}")
-        if int(nr.read_text()) < int(before) + 4:
-            pytest.skip("the kernel gave no huge pages (memory too fragmented?)")
-        r = subprocess.run(
-            ["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", str(mnt)],
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount hugetlbfs: {r.stderr.strip()}")
-        try:
-            with open_store(tmp_path / "s", mnt, hot_bytes=4 << 20) as s:
-                st = s.stats()
-                assert st["page_kind"] == "hugetlb"
-                t = seq(1)
-                s.put(t, kv_of(t))
-                assert check(s, t) == 64
-                assert s.stats()["hot_hit_blocks"] == 4
-            # Adopting the existing arena, then closing, leaves nothing mapped
-            # (a mapping shorter than a huge page would be impossible to unmap).
-            with open_store(tmp_path / "s", mnt, hot_bytes=4 << 20) as s:
-                assert check(s, t) == 64
-            maps = Path("/proc/self/maps").read_text()
-            assert str(mnt) not in maps, "arena still mapped after close"
-            kvstore.remove_arena(tmp_path / "s", hot_dir=mnt)
-        finally:
-            subprocess.run(["umount", str(mnt)], check=False)
-    finally:
-        nr.write_text(before)
+    with hugetlbfs_mount(tmp_path) as mnt:
+        with open_store(tmp_path / "s", mnt, hot_bytes=4 << 20) as s:
+            st = s.stats()
+            assert st["page_kind"] == "hugetlb"
+            t = seq(1)
+            s.put(t, kv_of(t))
+            assert check(s, t) == 64
+            assert s.stats()["hot_hit_blocks"] == 4
+        # Adopting the existing arena, then closing, leaves nothing mapped
+        # (a mapping shorter than a huge page would be impossible to unmap).
+        with open_store(tmp_path / "s", mnt, hot_bytes=4 << 20) as s:
+            assert check(s, t) == 64
+        maps = Path("/proc/self/maps").read_text()
+        assert str(mnt) not in maps, "arena still mapped after close"
+        kvstore.remove_arena(tmp_path / "s", hot_dir=mnt)
 
 
 def test_hostile_arena_symlink_is_refused(tmp_path: Path) -> None:

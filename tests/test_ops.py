@@ -140,17 +140,6 @@ def test_zero_length_sequence_gives_zeros():
     check_against_reference((q, kc, vc, tables, lens), 0.125, torch.float16)
 
 
-@pytest.fixture
-def split_k(monkeypatch):
-    """Split-K on short contexts: partitions of 32 tokens, and two threads, so that one
-    sequence with one kv head (fewer pairs than 2 * threads) is split."""
-    monkeypatch.setenv("KVSTORE_SPLIT_MIN_TOKENS", "32")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])

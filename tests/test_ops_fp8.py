@@ -101,16 +101,6 @@ def test_fp8_attention_matches_float64_reference(qdtype, group):
     check_fp8_against_reference(case, 1 / math.sqrt(head_dim))
 
 
-@pytest.fixture
-def split_k(monkeypatch):
-    """Partitions of 32 tokens on two threads: one sequence with one kv head splits."""
-    monkeypatch.setenv("KVSTORE_SPLIT_MIN_TOKENS", "32")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])

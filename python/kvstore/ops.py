@@ -230,6 +230,17 @@ def _ninja_on_path() -> Iterator[None]:
             os.environ["PATH"] = old
 
 
+def _check_attention_shapes(query: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """The shape checks every paged-attention fake shares (bf16 and fp8 alike)."""
+    torch._check(query.dim() == 3, lambda: "query: expected [num_seqs, num_heads, head_dim]")
+    torch._check(key_cache.dim() == 4, lambda: "key_cache: expected 4 dims")
+    torch._check(key_cache.shape[3] == query.shape[2], lambda: "key_cache: head_dim != query's")
+    torch._check(
+        query.shape[1] % key_cache.shape[2] == 0,
+        lambda: "num_heads must be a multiple of num_kv_heads",
+    )
+
+
 def _register_fakes() -> None:
     @torch.library.register_fake("kvstore::paged_attention")
     def _(
@@ -240,13 +251,7 @@ def _register_fakes() -> None:
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        torch._check(query.dim() == 3, lambda: "query: expected [num_seqs, num_heads, head_dim]")
-        torch._check(key_cache.dim() == 4, lambda: "key_cache: expected 4 dims")
-        torch._check(key_cache.shape[3] == query.shape[2], lambda: "key_cache: head_dim != query's")
-        torch._check(
-            query.shape[1] % key_cache.shape[2] == 0,
-            lambda: "num_heads must be a multiple of num_kv_heads",
-        )
+        _check_attention_shapes(query, key_cache)
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("kvstore::write_kv")
@@ -271,19 +276,13 @@ def _register_fakes() -> None:
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        torch._check(query.dim() == 3, lambda: "query: expected [num_seqs, num_heads, head_dim]")
-        torch._check(key_cache.dim() == 4, lambda: "key_cache: expected 4 dims")
-        torch._check(key_cache.shape[3] == query.shape[2], lambda: "key_cache: head_dim != query's")
+        _check_attention_shapes(query, key_cache)
         torch._check(
             key_cache.dtype == torch.float8_e4m3fn, lambda: "key_cache: expected float8_e4m3fn"
         )
         torch._check(
             key_scales.dim() == 2 and key_scales.dtype == torch.float32,
             lambda: "key_scales: expected float32 [num_blocks, num_kv_heads]",
-        )
-        torch._check(
-            query.shape[1] % key_cache.shape[2] == 0,
-            lambda: "num_heads must be a multiple of num_kv_heads",
         )
         return query.new_empty(query.shape)
 

@@ -402,3 +402,140 @@ def test_write_through_and_bad_options(clean, tmp_path):
     assert "KV_NOT_SET" not in os.environ
     with pytest.raises(RespError):
         cmd(clean.ports[0], "NOSUCHCOMMAND")
+
+
+# ------------------------------------------------------------------ kvstore remote ...
+
+
+def kv_cli(*args, env: dict | None = None, check: bool = True):
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    if check and p.returncode != 0:
+        raise AssertionError(f"kvstore {args} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def test_cli_push_uploads_what_the_cluster_lacks(clean, tmp_path):
+    """A store filled without a remote tier: chains sharing a prefix, a chain
+    continued by a second put (its new blocks' parent is an old record), a chain
+    longer than a hash-tag group, a compaction that moved records, and blocks put
+    with `extra` (whose chain cannot be found again: reported unplaced). Push
+    uploads every placeable block once; another host reads them bit-exact."""
+    import json
+
+    base = seq(50000, 20 * B)
+    chains = [base + seq(60000, 5 * B), base + seq(61000, 3 * B), seq(70000, 40 * B)]
+    chains.append(chains[2] + seq(80000, 9 * B))  # continued later
+    with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none") as a:
+        for t in chains[:3]:
+            a.put(t, kv_for(LAYOUT, t))
+        a.put(seq(90000, 4 * B), kv_for(LAYOUT, seq(90000, 4 * B)), extra="adapter-1")
+        a.compact()
+        a.put(chains[3], kv_for(LAYOUT, chains[3]))
+        blocks = a.stats()["blocks"]
+    placeable = blocks - 4
+    assert placeable == 20 + 5 + 3 + 40 + 9
+    nodes = ",".join(clean.nodes)
+    r = json.loads(kv_cli("remote", "push", tmp_path / "a", "--node", nodes, "--json").stdout)
+    assert (r["blocks"], r["uploaded"], r["present"]) == (blocks, placeable, 0), r
+    assert (r["unplaced"], r["unreadable"], r["failed"]) == (4, 0, 0), r
+    assert len(clean.keys("kvstore:*")) == placeable
+    # Nodes from the environment this time; everything is there already.
+    again = kv_cli("remote", "push", tmp_path / "a", "--json", env={"KVSTORE_REMOTE_NODES": nodes})
+    r = json.loads(again.stdout)
+    assert (r["uploaded"], r["present"]) == (0, placeable), r
+    with open_host(tmp_path / "b", clean) as b:
+        for t in chains:
+            assert b.lookup(t) == len(t)
+            assert_kv_equal(b.get(t), kv_for(LAYOUT, t))
+        assert remote_stats(b)["invalid"] == 0
+    # The human output names the counts.
+    clean.flushall()
+    out = kv_cli("remote", "push", tmp_path / "a", "--node", clean.nodes[0]).stdout
+    assert f"{placeable} uploaded" in out and "4 not placed" in out
+
+
+def test_cli_push_salted_store(clean, tmp_path):
+    tokens = seq(1234, 18 * B)
+    with kvstore.open(tmp_path / "s", LAYOUT, MODEL, salt="tenant-9", durability="none") as s:
+        s.put(tokens, kv_for(LAYOUT, tokens))
+    nodes = ",".join(clean.nodes)
+    import json
+
+    unsalted = json.loads(
+        kv_cli("remote", "push", tmp_path / "s", "--node", nodes, "--json").stdout
+    )
+    assert (unsalted["uploaded"], unsalted["unplaced"]) == (0, 18), "another tenant's chain"
+    r = json.loads(
+        kv_cli(
+            "remote", "push", tmp_path / "s", "--node", nodes, "--salt", "tenant-9", "--json"
+        ).stdout
+    )
+    assert r["uploaded"] == 18, r
+    with kvstore.open(
+        tmp_path / "t", LAYOUT, MODEL, salt="tenant-9", durability="none",
+        remote=kvstore.Remote(nodes=clean.nodes),
+    ) as t:  # fmt: skip
+        assert_kv_equal(t.get(tokens), kv_for(LAYOUT, tokens))
+        assert remote_stats(t)["hits"] == 18
+
+
+def test_cli_ping_and_stats(clean, tmp_path, tmp_path_factory):
+    import json
+
+    with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none"):
+        pass
+    nodes = ",".join(clean.nodes)
+    r = json.loads(kv_cli("remote", "ping", tmp_path / "a", "--node", nodes, "--json").stdout)
+    assert r["ok"] and sorted(n["node"] for n in r["nodes"]) == sorted(clean.nodes)
+    assert all(n["rtt"] > 0 and n["error"] is None for n in r["nodes"])
+    human = kv_cli("remote", "ping", tmp_path / "a", "--node", nodes).stdout
+    assert all(n in human for n in clean.nodes)
+    st = json.loads(kv_cli("remote", "stats", tmp_path / "a", "--node", nodes, "--json").stdout)
+    for n in st["nodes"]:
+        assert int(n["info"]["used_memory"]) > 0 and n["info"]["cluster_enabled"] == "1"
+    assert "used_memory" in kv_cli("remote", "stats", tmp_path / "a", "--node", nodes).stdout
+
+    secret = "cli-Pa55-word"
+    single = _start(tmp_path_factory, 1, False, ["--requirepass", secret])
+    try:
+        node = single.nodes[0]
+        pw = tmp_path / "pw"
+        pw.write_text(secret + "\n")
+        ok = kv_cli("remote", "ping", tmp_path / "a", "--node", node, "--password-file", pw)
+        assert secret not in ok.stdout + ok.stderr
+        env = {"KV_CLI_PW": "wrong", "KVSTORE_REMOTE_PASSWORD_ENV": "KV_CLI_PW"}
+        bad = kv_cli("remote", "ping", tmp_path / "a", "--node", node, env=env, check=False)
+        assert bad.returncode == 2 and node in bad.stderr and '"default"' in bad.stderr
+        env = {"KV_CLI_PW": secret, "KVSTORE_REMOTE_PASSWORD_ENV": "KV_CLI_PW"}
+        good = kv_cli("remote", "stats", tmp_path / "a", "--node", node, "--json", env=env)
+        assert secret not in good.stdout + good.stderr
+        assert json.loads(good.stdout)["nodes"][0]["info"]["role"] == "master"
+    finally:
+        single.stop()
+    none = kv_cli("remote", "ping", tmp_path / "a", check=False)
+    assert none.returncode == 2 and "KVSTORE_REMOTE_NODES" in none.stderr
+
+
+def test_remote_from_dict():
+    r = kvstore.Remote.from_dict(
+        {"nodes": "a:1, b:2", "username": "kv", "password_env": "X", "ttl": 60, "write": "through"}
+    )
+    assert r.nodes == ["a:1", "b:2"] and r.username == "kv" and r.ttl == 60
+    assert kvstore.Remote.from_dict({"nodes": ["a:1"]}) == kvstore.Remote(nodes=["a:1"])
+    with pytest.raises(kvstore.InvalidInput, match="passwrd_env"):
+        kvstore.Remote.from_dict({"nodes": ["a:1"], "passwrd_env": "X"})
+    with pytest.raises(kvstore.InvalidInput, match="nodes"):
+        kvstore.Remote.from_dict({"username": "kv"})
+    with pytest.raises(kvstore.InvalidInput, match="write"):
+        kvstore.Remote.from_dict({"nodes": ["a:1"], "write": "later"})
+    with pytest.raises(kvstore.InvalidInput, match="mapping"):
+        kvstore.Remote.from_dict(["a:1"])  # type: ignore[arg-type]

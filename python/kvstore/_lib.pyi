@@ -58,6 +58,23 @@ class RemoteOptions(TypedDict):
     timeout_ms: int | None
 
 @type_check_only
+class NodeReport(TypedDict):
+    node: str
+    rtt: float | None
+    error: str | None
+    info: dict[str, str]
+
+@type_check_only
+class PushReport(TypedDict):
+    blocks: int
+    unplaced: int
+    unreadable: int
+    uploaded: int
+    present: int
+    failed: int
+    bytes_written: int
+
+@type_check_only
 class RemoteStats(TypedDict):
     hits: int
     misses: int
@@ -251,7 +268,8 @@ class Store:
     def flush(self) -> None: ...
     def close(self) -> None: ...
     def stats(self) -> Stats: ...
-    def remote_ping(self) -> list[tuple[str, float | None, str | None]]: ...
+    def remote_nodes(self) -> list[NodeReport]: ...
+    def remote_push(self, progress: Callable[[int, int], None] | None = None) -> PushReport: ...
     def segments(self) -> list[SegmentReport]: ...
     def verify(
         self, progress: Callable[[int, int], None] | None = None, repair: bool = False

@@ -1,4 +1,5 @@
-"""The `kvstore` command: inspect, verify, compact and garbage-collect stores.
+"""The `kvstore` command: inspect, verify, compact and garbage-collect stores, and
+reach their remote tier (`kvstore remote ping|stats|push`).
 
 Every command works while other processes use the store. Human output by
 default, `--json` for scripts; an error prints one line and exits 2;
@@ -17,7 +18,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import CorruptStore, KVStoreError
+from .errors import CorruptStore, InvalidInput, KVStoreError
+from .remote import Remote
 from .store import Store, arenas, rebuild_index, remove_arena
 from .store import open as open_store
 
@@ -398,6 +400,155 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(args.path, quick=args.quick, model=args.model)
 
 
+# The remote tier's options: flags, else these environment variables. The password
+# itself is never a flag (it would show in `ps` and shell history): only the name of
+# the variable or the file holding it.
+_REMOTE_ENV = {
+    "nodes": "KVSTORE_REMOTE_NODES",
+    "username": "KVSTORE_REMOTE_USERNAME",
+    "password_env": "KVSTORE_REMOTE_PASSWORD_ENV",
+    "password_file": "KVSTORE_REMOTE_PASSWORD_FILE",
+    "tls_ca": "KVSTORE_REMOTE_TLS_CA",
+    "prefix": "KVSTORE_REMOTE_PREFIX",
+    "timeout": "KVSTORE_REMOTE_TIMEOUT",
+    "ttl": "KVSTORE_REMOTE_TTL",
+}
+
+
+def _remote(args: argparse.Namespace) -> Remote:
+    """The `Remote` of the command line and the environment."""
+    opts: dict[str, Any] = {}
+    for name, var in _REMOTE_ENV.items():
+        flag = getattr(args, name)
+        value = flag if flag is not None else os.environ.get(var) or None
+        if value is not None:
+            opts[name] = value
+    if "nodes" not in opts:
+        raise InvalidInput(f"remote: no nodes (--node HOST:PORT, or ${_REMOTE_ENV['nodes']})")
+    if isinstance(opts["nodes"], list):
+        opts["nodes"] = ",".join(opts["nodes"])
+    for name in ("timeout", "ttl"):
+        if isinstance(opts.get(name), str):
+            try:
+                opts[name] = parse_duration(opts[name])
+            except argparse.ArgumentTypeError as e:
+                raise InvalidInput(f"remote {name} (${_REMOTE_ENV[name]}): {e}") from None
+    return Remote.from_dict(opts)
+
+
+def _open_remote(args: argparse.Namespace) -> Store:
+    # "none": push reads the store and writes nothing to it.
+    return open_store(
+        args.path, salt=args.salt, create=False, durability="none", remote=_remote(args)
+    )
+
+
+def _node_rows(nodes: list[Any]) -> None:
+    from rich.table import Table
+
+    t = Table("node", "round trip", "version", "role", "memory", "error", title_justify="left")
+    for n in nodes:
+        info = n["info"]
+        t.add_row(
+            n["node"],
+            f"{n['rtt'] * 1000:.2f} ms" if n["rtt"] is not None else "-",
+            info.get("valkey_version") or info.get("redis_version", "?"),
+            info.get("role", "?"),
+            human_bytes(int(info["used_memory"])) if "used_memory" in info else "?",
+            n["error"] or "",
+        )
+    _console().print(t)
+
+
+def cmd_remote_ping(args: argparse.Namespace) -> int:
+    with _open_remote(args) as s:
+        nodes = s._raw.remote_nodes()
+    ok = all(n["error"] is None for n in nodes)
+    _emit(args, {"ok": ok, "nodes": nodes}, lambda: _node_rows(nodes))
+    return 0 if ok else 1
+
+
+def cmd_remote_stats(args: argparse.Namespace) -> int:
+    with _open_remote(args) as s:
+        nodes = s._raw.remote_nodes()
+
+    def human() -> None:
+        c = _console()
+        for n in nodes:
+            info = n["info"]
+            if n["error"] is not None:
+                c.print(f"[bold]{n['node']}[/bold]: {n['error']}")
+                continue
+            rows: list[tuple[str, Any]] = [
+                (k, human_bytes(int(v)) if k.startswith(("used_memory", "maxmemory")) and
+                 v.isdigit() else v)
+                for k, v in sorted(info.items())
+            ]  # fmt: skip
+            c.print(_table(f"node {n['node']}", rows))
+
+    _emit(args, {"nodes": nodes}, human)
+    return 0 if all(n["error"] is None for n in nodes) else 1
+
+
+def cmd_remote_push(args: argparse.Namespace) -> int:
+    with _open_remote(args) as s, _progress(not args.json, "pushing") as progress:
+        r: dict[str, Any] = dict(s._raw.remote_push(progress))
+        remote: dict[str, int] = dict(s.stats()["remote"] or {})
+    errors = {k: v for k, v in remote.items() if k.startswith("errors_") and v}
+    r["errors"] = errors
+
+    def human() -> None:
+        print(
+            f"{r['blocks']} blocks: {r['uploaded']} uploaded "
+            f"({human_bytes(r['bytes_written'])}), {r['present']} already there, "
+            f"{r['failed']} failed, {r['unplaced']} not placed in a chain, "
+            f"{r['unreadable']} unreadable"
+        )
+        for k, v in errors.items():
+            print(f"  {k}: {v}")
+
+    _emit(args, r, human)
+    return 0 if r["failed"] == 0 else 1
+
+
+def _add_remote(sub: Any) -> None:
+    rp = sub.add_parser(
+        "remote",
+        help="the store's remote tier (Redis/Valkey): ping, stats, push",
+        description="The store's remote tier. Options come from flags, else from "
+        + ", ".join(f"${v}" for v in _REMOTE_ENV.values())
+        + ". The password is read from the variable named by --password-env or from "
+        "--password-file, never from a flag.",
+    )
+    rsub = rp.add_subparsers(dest="remote_command", required=True, metavar="COMMAND")
+    for name, fn, help in (
+        ("ping", cmd_remote_ping, "round trip to every node; exit 1 if one does not answer"),
+        ("stats", cmd_remote_stats, "memory, eviction, keys and hits of every node"),
+        ("push", cmd_remote_push, "upload the store's blocks that the remote tier lacks"),
+    ):
+        sp = rsub.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        sp.add_argument("path", help="store directory")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument(
+            "--node",
+            dest="nodes",
+            action="append",
+            metavar="HOST:PORT",
+            help="a node of the server or cluster (repeatable, or comma-separated)",
+        )
+        sp.add_argument("--username", help="ACL user (default: 'default')")
+        sp.add_argument(
+            "--password-env", metavar="VAR", help="environment variable of the password"
+        )
+        sp.add_argument("--password-file", metavar="FILE", help="file holding the password")
+        sp.add_argument("--tls-ca", metavar="PEM", help="CA certificate: connect with TLS")
+        sp.add_argument("--prefix", help="key namespace on the server (default: kvstore)")
+        sp.add_argument("--timeout", type=parse_duration, help="per-call deadline (default: 1s)")
+        sp.add_argument("--ttl", type=parse_duration, help="time to live of pushed blocks")
+        sp.add_argument("--salt", help="the tenant salt of the blocks (default: no salt)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvstore", description="Inspect and maintain kvstore KV-cache stores."
@@ -460,6 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
         "delete a store's arena (PATH: the store, or the arena file); mappers keep their mapping",
     )
     ra.add_argument("--hot-dir", help=hot_dir_help)
+    _add_remote(sub)
     demo = add("demo", cmd_demo, "the main job end to end: put, restart, lookup, get, timings")
     demo.add_argument("path", nargs="?", help="store directory (default: a temporary one)")
     demo.add_argument("--quick", action="store_true", help="small sizes (for CI)")

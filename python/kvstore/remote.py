@@ -11,8 +11,9 @@ The local store stays the first tier and the source of durability; see README.md
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidInput
 
@@ -48,6 +49,30 @@ class Remote:
     ttl: float | None = None
     timeout: float = 1.0
     password_file: str | os.PathLike[str] | None = field(default=None, kw_only=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Remote:
+        """A `Remote` from a plain mapping of the same option names, as in a config
+        file or the vLLM connector's `kv_connector_extra_config`. `nodes` may also be
+        one comma-separated string. An unknown key is `InvalidInput` naming it (a
+        typo must not silently drop an option, least of all `password_env`)."""
+        if not isinstance(d, Mapping):
+            raise InvalidInput(f"remote: expected a mapping of options, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise InvalidInput(
+                f"remote: unknown option(s) {', '.join(unknown)}; "
+                f"expected some of {', '.join(sorted(known))}"
+            )
+        if "nodes" not in d:
+            raise InvalidInput("remote: 'nodes' is required")
+        args = dict(d)
+        if isinstance(args["nodes"], str):
+            args["nodes"] = [n.strip() for n in args["nodes"].split(",") if n.strip()]
+        r = cls(**args)
+        r._options()  # every value checked now, not at open
+        return r
 
     def _options(self) -> RemoteOptions:
         nodes = [self.nodes] if isinstance(self.nodes, str) else list(self.nodes)

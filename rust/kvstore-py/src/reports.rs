@@ -203,6 +203,29 @@ report! {
     }
 }
 
+report! {
+    /// `Store.remote_nodes()`: one node of the remote tier.
+    NodeReport from kvstore::NodeReport {
+        node: String,
+        rtt: Option<f64> = |d: Option<std::time::Duration>| d.map(|d| d.as_secs_f64()),
+        error: Option<String>,
+        info: std::collections::BTreeMap<String, String>,
+    }
+}
+
+report! {
+    /// `Store.remote_push()`: what `kvstore remote push` did.
+    PushReport from kvstore::PushReport {
+        blocks: u64,
+        unplaced: u64,
+        unreadable: u64,
+        uploaded: u64,
+        present: u64,
+        failed: u64,
+        bytes_written: u64,
+    }
+}
+
 impl From<kvstore::Stats> for Stats {
     fn from(s: kvstore::Stats) -> Self {
         let (hot_path, a) = match s.arena {

@@ -4,7 +4,9 @@
 use crate::error::{invalid, PyResultExt};
 use crate::options::OpenOptions;
 use crate::progress::Progress;
-use crate::reports::{CompactReport, GcReport, Manifest, SegmentReport, Stats, VerifyReport};
+use crate::reports::{
+    CompactReport, GcReport, Manifest, NodeReport, PushReport, SegmentReport, Stats, VerifyReport,
+};
 use kvstore::Store as Engine;
 use numpy::{PyArray1, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::prelude::*;
@@ -13,9 +15,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// A handle on one store; all methods may be called from many threads.
-/// `(node, round-trip seconds or None, error or None)`: a row of `remote_ping`.
-type PingRow = (String, Option<f64>, Option<String>);
-
 #[pyclass(frozen, module = "kvstore._lib", name = "Store")]
 pub struct Store {
     engine: Engine,
@@ -243,16 +242,18 @@ impl Store {
         Ok(py.detach(|| self.engine.stats()).py()?.into())
     }
 
-    /// One row per node of the remote tier (see `PingRow`).
-    fn remote_ping(&self, py: Python<'_>) -> PyResult<Vec<PingRow>> {
-        let rows = py.detach(|| self.engine.remote_ping()).py()?;
-        Ok(rows
-            .into_iter()
-            .map(|(n, r)| match r {
-                Ok(d) => (n, Some(d.as_secs_f64()), None),
-                Err(e) => (n, None, Some(e)),
-            })
-            .collect())
+    /// Every node of the remote tier: round trip and `INFO` figures, or the error.
+    fn remote_nodes(&self, py: Python<'_>) -> PyResult<Vec<NodeReport>> {
+        let rows = py.detach(|| self.engine.remote_nodes()).py()?;
+        Ok(rows.into_iter().map(NodeReport::from).collect())
+    }
+
+    /// Uploads the blocks the remote tier lacks (`kvstore remote push`).
+    #[pyo3(signature = (progress=None))]
+    fn remote_push(&self, py: Python<'_>, progress: Option<Py<PyAny>>) -> PyResult<PushReport> {
+        let p = Progress::new(progress);
+        let r = py.detach(|| self.engine.remote_push(&|d, t| p.call(d, t)));
+        Ok(p.finish(r.py())?.into())
     }
 
     fn segments(&self, py: Python<'_>) -> PyResult<Vec<SegmentReport>> {

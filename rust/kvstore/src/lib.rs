@@ -66,7 +66,7 @@ pub use index::DEFAULT_MAP_SIZE as DEFAULT_INDEX_BYTES;
 pub use layout::{DType, Layout};
 pub use pages::PageKind;
 pub use progress::Progress;
-pub use remote::{RemoteOptions, RemoteStats, WriteMode};
+pub use remote::{NodeReport, PushReport, RemoteOptions, RemoteStats, WriteMode};
 pub use repair::{rebuild_index, RebuildReport};
 pub use scan::DamagedRange;
 

@@ -5,7 +5,7 @@
 //! for the circuit breaker.
 
 use super::keys::slot;
-use super::RemoteOptions;
+use super::{NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use redis::cluster::{ClusterClientBuilder, ClusterConnection};
 use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, RedisError, Value};
@@ -299,38 +299,75 @@ impl Client {
         }
     }
 
-    /// Every node of the slot map (or the one node) answers `PING`:
-    /// `(node, round trip or the error)`.
-    pub(crate) fn ping_all(
-        &self,
-        opts: &RemoteOptions,
-    ) -> Vec<(String, Result<std::time::Duration, String>)> {
+    /// Every node of the slot map (or the one node), on a fresh connection:
+    /// the round trip of a `PING` and figures from `INFO`, or the error.
+    pub(crate) fn nodes(&self, opts: &RemoteOptions) -> Vec<NodeReport> {
         let mut nodes: Vec<String> = self.slots.iter().map(|r| r.2.clone()).collect();
         if nodes.is_empty() {
             nodes.push(self.single_node.clone());
         }
+        nodes.sort();
         nodes.dedup();
         nodes
             .into_iter()
             .map(|n| {
-                let t0 = std::time::Instant::now();
-                let r = info_for(opts, &n)
-                    .map_err(|e| e.to_string())
-                    .and_then(|info| {
-                        let mut c = redis::Client::open(info)
-                            .and_then(|c| c.get_connection_with_timeout(opts.timeout))
-                            .map_err(|e| open_error(opts, &n, "unreachable", &e).to_string())?;
-                        c.set_read_timeout(Some(opts.timeout))
-                            .map_err(|e| e.to_string())?;
-                        redis::cmd("PING")
-                            .query::<String>(&mut c)
-                            .map_err(|e| open_error(opts, &n, "PING", &e).to_string())
-                    })
-                    .map(|_| t0.elapsed());
-                (n, r)
+                let mut rep = NodeReport {
+                    node: n.clone(),
+                    ..NodeReport::default()
+                };
+                match node_report(opts, &n, &mut rep) {
+                    Ok(()) => {}
+                    Err(e) => rep.error = Some(e.to_string()),
+                }
+                rep
             })
             .collect()
     }
+}
+
+/// The `INFO` fields `kvstore remote stats` shows.
+const INFO_FIELDS: &[&str] = &[
+    "redis_version",
+    "valkey_version",
+    "role",
+    "used_memory",
+    "used_memory_rss",
+    "used_memory_peak",
+    "maxmemory",
+    "maxmemory_policy",
+    "evicted_keys",
+    "expired_keys",
+    "keyspace_hits",
+    "keyspace_misses",
+    "connected_clients",
+    "cluster_enabled",
+    "db0",
+];
+
+fn node_report(opts: &RemoteOptions, node: &str, rep: &mut NodeReport) -> Result<()> {
+    let info = info_for(opts, node)?;
+    let mut c = redis::Client::open(info)
+        .and_then(|c| c.get_connection_with_timeout(opts.timeout))
+        .map_err(|e| open_error(opts, node, "unreachable", &e))?;
+    c.set_read_timeout(Some(opts.timeout))
+        .and_then(|()| c.set_write_timeout(Some(opts.timeout)))
+        .map_err(|e| open_error(opts, node, "socket options", &e))?;
+    let t0 = std::time::Instant::now();
+    redis::cmd("PING")
+        .query::<String>(&mut c)
+        .map_err(|e| open_error(opts, node, "PING", &e))?;
+    rep.rtt = Some(t0.elapsed());
+    // INFO may be refused to a user without the permission: the round trip stands.
+    if let Ok(text) = redis::cmd("INFO").query::<String>(&mut c) {
+        for line in text.lines() {
+            if let Some((k, v)) = line.split_once(':') {
+                if INFO_FIELDS.contains(&k) {
+                    rep.info.insert(k.to_string(), v.trim().to_string());
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 type RedisResult<T> = redis::RedisResult<T>;

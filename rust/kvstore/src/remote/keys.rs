@@ -34,19 +34,14 @@ impl Keys {
         }
     }
 
-    /// The hash tag of the block at `index` in a chain of `ids`.
-    pub(crate) fn group_of(ids: &[BlockId], index: usize) -> String {
-        hex(&ids[index - index % GROUP][..8])
-    }
-
     /// The key of block `ids[index]`.
     pub(crate) fn block(&self, ids: &[BlockId], index: usize) -> String {
-        format!(
-            "{}:{{{}}}:{}",
-            self.base,
-            Self::group_of(ids, index),
-            hex(&ids[index])
-        )
+        self.block_under(&ids[index - index % GROUP], &ids[index])
+    }
+
+    /// The key of block `id` whose group starts at block `head` of its chain.
+    pub(crate) fn block_under(&self, head: &BlockId, id: &BlockId) -> String {
+        format!("{}:{{{}}}:{}", self.base, hex(&head[..8]), hex(id))
     }
 
     /// The key of a session.
@@ -121,6 +116,8 @@ pub(crate) fn decode_session(name: &str, p: &[u8]) -> Option<Vec<u32>> {
 }
 
 /// The cluster slot of a key: CRC16 (XMODEM) of its hash tag, mod 16384.
+/// (Only the client, of the `remote` feature, asks; the tests check it always.)
+#[cfg_attr(not(feature = "remote"), allow(dead_code))]
 pub(crate) fn slot(key: &[u8]) -> u16 {
     let tagged = key
         .iter()
@@ -134,6 +131,7 @@ pub(crate) fn slot(key: &[u8]) -> u16 {
     crc16(tagged) % 16384
 }
 
+#[cfg_attr(not(feature = "remote"), allow(dead_code))]
 fn crc16(data: &[u8]) -> u16 {
     let mut crc: u16 = 0;
     for &b in data {

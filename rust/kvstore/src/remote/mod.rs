@@ -118,6 +118,51 @@ impl std::fmt::Debug for RemoteOptions {
     }
 }
 
+/// What `kvstore remote push` did (`Store::remote_push`).
+#[derive(Clone, Debug, Default)]
+pub struct PushReport {
+    /// Blocks in the store.
+    pub blocks: u64,
+    /// Blocks whose place in a chain (so whose key) could not be found: put
+    /// with `extra` bytes, under another salt than this handle's, or whose
+    /// chain's earlier blocks are gone from the store.
+    pub unplaced: u64,
+    /// Blocks whose record could not be read or failed its header check.
+    pub unreadable: u64,
+    /// Blocks sent to the server.
+    pub uploaded: u64,
+    /// Blocks the server had already.
+    pub present: u64,
+    /// Blocks whose upload failed (counted by kind in the remote stats).
+    pub failed: u64,
+    /// Value bytes sent.
+    pub bytes_written: u64,
+}
+
+impl PushReport {
+    pub(crate) fn add(&mut self, o: &PushReport) {
+        self.uploaded += o.uploaded;
+        self.present += o.present;
+        self.failed += o.failed;
+        self.unreadable += o.unreadable;
+        self.bytes_written += o.bytes_written;
+    }
+}
+
+/// One node of the remote tier as `kvstore remote ping|stats` shows it.
+#[derive(Clone, Debug, Default)]
+pub struct NodeReport {
+    /// `host:port`.
+    pub node: String,
+    /// Round trip of a `PING` on a fresh connection.
+    pub rtt: Option<Duration>,
+    /// Why the node could not be reached (names the node and user, never
+    /// the password).
+    pub error: Option<String>,
+    /// Figures from the node's `INFO` (memory, eviction, keys, hits).
+    pub info: std::collections::BTreeMap<String, String>,
+}
+
 /// What the remote tier did for one handle (`Stats::remote`).
 #[derive(Clone, Debug, Default)]
 pub struct RemoteStats {
@@ -324,12 +369,68 @@ impl Remote {
         }
     }
 
-    /// `(node, round trip or error)` for every node.
-    pub(crate) fn ping(&self) -> Vec<(String, Result<Duration, String>)> {
+    /// Every node: round trip and server figures, or the error.
+    pub(crate) fn nodes(&self) -> Vec<NodeReport> {
         self.reader
             .lock()
             .expect("remote reader")
-            .ping_all(&self.shared.opts)
+            .nodes(&self.shared.opts)
+    }
+
+    /// Uploads, now, the blocks of one hash-tag group that the server lacks
+    /// (`kvstore remote push`): `ids[k]` under `keys[k]`, whose record
+    /// `record(k)` reads only for those missing (`None`: unreadable, not sent).
+    pub(crate) fn push_group(
+        &self,
+        keys: &[String],
+        ids: &[BlockId],
+        mut record: impl FnMut(usize) -> Option<Vec<u8>>,
+    ) -> PushReport {
+        let s = &self.shared;
+        let mut rep = PushReport::default();
+        let mut c = s.writer.lock().expect("remote writer");
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let Some(lack) = s.lacking(&mut c, &key_refs) else {
+            rep.failed = keys.len() as u64;
+            add(&s.counters.write_failures, keys.len());
+            return rep;
+        };
+        let mut todo = Vec::new();
+        for (k, &missing) in lack.iter().enumerate() {
+            if !missing {
+                rep.present += 1;
+            } else if let Some(v) = record(k) {
+                todo.push((k, self.keys.seal(&keys[k], v)));
+            } else {
+                rep.unreadable += 1;
+            }
+        }
+        add(&s.counters.blocks_present, rep.present as usize);
+        let present: Vec<BlockId> = lack
+            .iter()
+            .zip(ids)
+            .filter(|(&l, _)| !l)
+            .map(|(_, id)| *id)
+            .collect();
+        s.mark(present.iter(), true);
+        if todo.is_empty() {
+            return rep;
+        }
+        let pairs: Vec<(&str, &[u8])> = todo
+            .iter()
+            .map(|(k, v)| (keys[*k].as_str(), v.as_slice()))
+            .collect();
+        let sent: Vec<BlockId> = todo.iter().map(|(k, _)| ids[*k]).collect();
+        if s.store(&mut c, &pairs) {
+            rep.uploaded = todo.len() as u64;
+            rep.bytes_written = pairs.iter().map(|(_, v)| v.len() as u64).sum();
+            add(&s.counters.blocks_uploaded, todo.len());
+            s.mark(sent.iter(), true);
+        } else {
+            rep.failed = todo.len() as u64;
+            add(&s.counters.write_failures, todo.len());
+        }
+        rep
     }
 
     pub(crate) fn stats(&self) -> RemoteStats {
@@ -409,48 +510,57 @@ impl Shared {
         }
     }
 
+    /// Which of `keys` (one slot) the server lacks; `None` if the call failed
+    /// (counted).
+    fn lacking(&self, c: &mut Client, keys: &[&str]) -> Option<Vec<bool>> {
+        let there = self.call(c, keys[0], |c| c.exists(keys))?;
+        Some(there.into_iter().map(|t| !t).collect())
+    }
+
+    /// Sets `pairs` (one slot); whether it worked (a failure is counted).
+    fn store(&self, c: &mut Client, pairs: &[(&str, &[u8])]) -> bool {
+        let ttl = self.opts.ttl;
+        let ok = self
+            .call(c, pairs[0].0, |c| c.set_all(pairs, ttl))
+            .is_some();
+        if ok {
+            add(
+                &self.counters.bytes_written,
+                pairs.iter().map(|(_, v)| v.len()).sum(),
+            );
+        }
+        ok
+    }
+
     /// Uploads the items of one batch (one slot) that the server lacks.
     fn write(&self, batch: &[Item]) {
         let mut c = self.writer.lock().expect("remote writer");
         let keys: Vec<&str> = batch.iter().map(|i| i.key.as_str()).collect();
-        let ok = self
-            .call(&mut c, keys[0], |c| c.exists(&keys))
-            .and_then(|there| {
-                let todo: Vec<&Item> = batch
-                    .iter()
-                    .zip(&there)
-                    .filter(|(_, &t)| !t)
-                    .map(|(i, _)| i)
-                    .collect();
-                // Blocks only (a session has no id).
-                let blocks = |items: &mut dyn Iterator<Item = &Item>| {
-                    items.filter(|i| i.id.is_some()).count()
-                };
-                add(
-                    &self.counters.blocks_present,
-                    blocks(&mut batch.iter()) - blocks(&mut todo.iter().copied()),
-                );
-                if todo.is_empty() {
-                    return Some(());
-                }
-                let pairs: Vec<(&str, &[u8])> = todo
-                    .iter()
-                    .map(|i| (i.key.as_str(), i.value.as_slice()))
-                    .collect();
-                let ttl = self.opts.ttl;
-                self.call(&mut c, keys[0], |c| c.set_all(&pairs, ttl))?;
-                add(
-                    &self.counters.blocks_uploaded,
-                    blocks(&mut todo.iter().copied()),
-                );
-                let todo = pairs;
-                add(
-                    &self.counters.bytes_written,
-                    todo.iter().map(|(_, v)| v.len()).sum(),
-                );
-                Some(())
-            });
-        if ok.is_none() {
+        // Blocks only (a session has no id).
+        let blocks = |items: &[&Item]| items.iter().filter(|i| i.id.is_some()).count();
+        let ok = self.lacking(&mut c, &keys).is_some_and(|lack| {
+            let all: Vec<&Item> = batch.iter().collect();
+            let todo: Vec<&Item> = batch
+                .iter()
+                .zip(&lack)
+                .filter(|(_, &l)| l)
+                .map(|(i, _)| i)
+                .collect();
+            add(&self.counters.blocks_present, blocks(&all) - blocks(&todo));
+            if todo.is_empty() {
+                return true;
+            }
+            let pairs: Vec<(&str, &[u8])> = todo
+                .iter()
+                .map(|i| (i.key.as_str(), i.value.as_slice()))
+                .collect();
+            let ok = self.store(&mut c, &pairs);
+            if ok {
+                add(&self.counters.blocks_uploaded, blocks(&todo));
+            }
+            ok
+        });
+        if !ok {
             add(
                 &self.counters.write_failures,
                 batch.iter().filter(|i| i.id.is_some()).count(),

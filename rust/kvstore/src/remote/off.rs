@@ -1,7 +1,7 @@
 //! The remote tier in a build without the `remote` feature: opening a store
 //! with one is an error, so nothing else here can run.
 
-use super::RemoteOptions;
+use super::{NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use std::convert::Infallible;
 use std::time::Duration;
@@ -43,7 +43,7 @@ impl Client {
     pub(crate) fn get(&mut self, _: &str) -> Result<Option<Vec<u8>>, Fault> {
         match self.0 {}
     }
-    pub(crate) fn ping_all(&self, _: &RemoteOptions) -> Vec<(String, Result<Duration, String>)> {
+    pub(crate) fn nodes(&self, _: &RemoteOptions) -> Vec<NodeReport> {
         match self.0 {}
     }
 }

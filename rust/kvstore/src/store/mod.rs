@@ -336,14 +336,20 @@ impl Store {
         self.live()?.stats()
     }
 
-    /// `PING` to every node of the remote tier: `(node, round trip or the
-    /// error)`; `InvalidInput` without a remote tier.
-    pub fn remote_ping(&self) -> Result<Vec<(String, std::result::Result<Duration, String>)>> {
+    /// Every node of the remote tier: round trip and `INFO` figures, or the
+    /// error; `InvalidInput` without a remote tier.
+    pub fn remote_nodes(&self) -> Result<Vec<crate::remote::NodeReport>> {
         let inner = self.live()?;
         let r = inner.remote.as_ref().ok_or_else(|| {
             Error::InvalidInput("this store was opened without a remote tier".into())
         })?;
-        Ok(r.ping())
+        Ok(r.nodes())
+    }
+
+    /// Uploads the store's blocks that the remote tier lacks (`kvstore
+    /// remote push`); `InvalidInput` without a remote tier.
+    pub fn remote_push(&self, progress: Progress<'_>) -> Result<crate::remote::PushReport> {
+        self.live()?.remote_push(progress)
     }
 
     /// Every segment, as `kvstore stats` lists it.

@@ -4,14 +4,40 @@
 //! the local tiers through the normal write path.
 
 use super::Inner;
-use crate::error::Result;
-use crate::id::BlockId;
+use crate::error::{Error, Result};
+use crate::fs;
+use crate::id::{BlockId, ROOT};
+use crate::index::Location;
 use crate::layout::Layout;
+use crate::progress::Progress;
 use crate::record::{self, Mismatch};
 use crate::remote::keys::{decode_session, encode_session, GROUP};
-use crate::remote::{Item, Remote};
+use crate::remote::{Item, PushReport, Remote};
+use std::io::IoSliceMut;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+/// Most block-id hashes `remote_push` spends looking for the parents of
+/// blocks whose parent is not the record before them in the log (about a
+/// minute of one core); blocks still unplaced then are reported as such.
+const PARENT_SEARCH_HASHES: usize = 300_000_000;
+
+/// Where a block stands in its chain, as `remote_push` finds out.
+#[derive(Clone, Copy)]
+enum Place {
+    /// Not known yet.
+    Todo,
+    /// The first block of a chain.
+    First,
+    /// The child of the block at this index (of the log-ordered list).
+    After(usize),
+    /// At `depth` in its chain; its hash-tag group starts at block `head`.
+    At { depth: usize, head: usize },
+    /// Unknown (see `PushReport::unplaced`).
+    Lost,
+    /// Its record could not be read.
+    Unreadable,
+}
 
 /// How long `flush` waits for uploads to drain.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -221,6 +247,125 @@ impl Inner {
         tokens
     }
 
+    /// `kvstore remote push`: uploads every block of the store that the
+    /// server lacks, one hash-tag group at a time (memory: the block list,
+    /// and one group's records).
+    ///
+    /// A block's key names its group, the block at the start of its group
+    /// in its chain, and records do not name their parents: the chains are
+    /// found again from the ids (a block's id is the keyed hash of its
+    /// parent's id and its tokens). In log order, a block's parent is most
+    /// often the record before it (one put appends a chain's new blocks in
+    /// order), or it is the first block of a chain; the rest (the first new
+    /// block of a put that continued a stored prefix) are matched against
+    /// every block, within [`PARENT_SEARCH_HASHES`].
+    pub(super) fn remote_push(&self, progress: Progress<'_>) -> Result<PushReport> {
+        let r = self.remote().ok_or_else(|| {
+            Error::InvalidInput("this store was opened without a remote tier".into())
+        })?;
+        let mut blocks = {
+            let txn = self.index.read()?;
+            self.index.all_blocks(&txn)?
+        };
+        blocks.sort_by_key(|(_, l)| (l.segment, l.offset));
+        let n = blocks.len();
+        let total = 2 * n as u64;
+        let mut rep = PushReport {
+            blocks: n as u64,
+            ..PushReport::default()
+        };
+        let mut place = vec![Place::Todo; n];
+        let mut search: Vec<(usize, Vec<u32>)> = Vec::new();
+        for (i, (id, loc)) in blocks.iter().enumerate() {
+            let Some(tokens) = self.record_tokens(id, loc) else {
+                place[i] = Place::Unreadable;
+                continue;
+            };
+            place[i] = if self.keyer.block_id(&ROOT, &tokens, &[]) == *id {
+                Place::First
+            } else if i > 0 && self.keyer.block_id(&blocks[i - 1].0, &tokens, &[]) == *id {
+                Place::After(i - 1)
+            } else {
+                search.push((i, tokens));
+                Place::Lost
+            };
+            progress(i as u64 + 1, total);
+        }
+        let mut budget = PARENT_SEARCH_HASHES;
+        for (i, tokens) in search {
+            if budget < n {
+                break;
+            }
+            budget -= n;
+            if let Some(j) = (0..n)
+                .find(|&j| j != i && self.keyer.block_id(&blocks[j].0, &tokens, &[]) == blocks[i].0)
+            {
+                place[i] = Place::After(j);
+            }
+        }
+        for i in 0..n {
+            settle(&mut place, i);
+        }
+        // One group at a time: its blocks in chain order.
+        let mut order: Vec<(usize, usize, usize)> = place
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match *p {
+                Place::At { depth, head } => Some((head, depth, i)),
+                _ => None,
+            })
+            .collect();
+        rep.unplaced = place.iter().filter(|p| matches!(p, Place::Lost)).count() as u64;
+        rep.unreadable = place
+            .iter()
+            .filter(|p| matches!(p, Place::Unreadable))
+            .count() as u64;
+        order.sort_unstable();
+        let mut done = n as u64 + rep.unplaced + rep.unreadable;
+        progress(done, total);
+        for group in order.chunk_by(|a, b| a.0 == b.0) {
+            // Branches from one group head can make a group longer than GROUP.
+            for part in group.chunks(4 * GROUP) {
+                let head = &blocks[part[0].0].0;
+                let ids: Vec<BlockId> = part.iter().map(|&(_, _, i)| blocks[i].0).collect();
+                let keys: Vec<String> = ids.iter().map(|id| r.keys.block_under(head, id)).collect();
+                let got = r.push_group(&keys, &ids, |k| {
+                    let (id, loc) = &blocks[part[k].2];
+                    self.record_bytes(id, loc)
+                });
+                rep.add(&got);
+                done += part.len() as u64;
+                progress(done, total);
+            }
+        }
+        Ok(rep)
+    }
+
+    /// The token ids of block `id`'s record at `loc` (header checked).
+    fn record_tokens(&self, id: &BlockId, loc: &Location) -> Option<Vec<u32>> {
+        let mut meta = vec![0u8; record::meta_len(&self.layout)];
+        let file = self.reader(loc.segment).ok()?;
+        fs::read_exact_at(&file, &mut [IoSliceMut::new(&mut meta)], loc.offset).ok()?;
+        record::check_read(&self.layout, &meta, id, loc.stored_len, None).ok()?;
+        Some(record::tokens(&meta).collect())
+    }
+
+    /// Block `id`'s whole record at `loc` as in its segment (header checked;
+    /// the payload is checked by whoever reads it from the server).
+    fn record_bytes(&self, id: &BlockId, loc: &Location) -> Option<Vec<u8>> {
+        let meta_len = record::meta_len(&self.layout);
+        if loc.stored_len > self.layout.block_bytes() as u64
+            || loc.record_len != meta_len as u64 + loc.stored_len
+        {
+            return None;
+        }
+        let mut rec = vec![0u8; loc.record_len as usize];
+        let file = self.reader(loc.segment).ok()?;
+        fs::read_exact_at(&file, &mut [IoSliceMut::new(&mut rec)], loc.offset).ok()?;
+        record::check_read(&self.layout, &rec[..meta_len], id, loc.stored_len, None).ok()?;
+        Some(rec)
+    }
+
     /// Waits for queued uploads (bounded).
     pub(super) fn remote_flush(&self) {
         if let Some(r) = self.remote() {
@@ -233,5 +378,43 @@ impl Inner {
         if let Some(r) = self.remote() {
             r.close();
         }
+    }
+}
+
+/// Resolves block `i`'s depth and group head from its parent's, walking up
+/// to the first block (or to a block whose place is lost) without recursion.
+fn settle(place: &mut [Place], i: usize) {
+    let mut path = Vec::new();
+    let mut at = i;
+    // Parents come first in the log, so the walk ends; the bound guards
+    // against a cycle all the same.
+    let base = loop {
+        match place[at] {
+            Place::At { depth, head } => break Some((depth, head)),
+            Place::First => {
+                place[at] = Place::At { depth: 0, head: at };
+                break Some((0, at));
+            }
+            Place::After(p) if path.len() <= place.len() => {
+                path.push(at);
+                at = p;
+            }
+            _ => break None,
+        }
+    };
+    for &b in path.iter().rev() {
+        place[b] = match (base, place[b]) {
+            (Some(_), Place::After(p)) => match place[p] {
+                Place::At { depth, head } => {
+                    let d = depth + 1;
+                    Place::At {
+                        depth: d,
+                        head: if d % GROUP == 0 { b } else { head },
+                    }
+                }
+                _ => Place::Lost,
+            },
+            _ => Place::Lost,
+        };
     }
 }

@@ -539,3 +539,135 @@ def test_remote_from_dict():
         kvstore.Remote.from_dict({"nodes": ["a:1"], "write": "later"})
     with pytest.raises(kvstore.InvalidInput, match="mapping"):
         kvstore.Remote.from_dict(["a:1"])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- server limits and changes
+
+
+def test_record_over_the_bulk_limit_is_counted_not_fatal(tmp_path_factory, tmp_path):
+    """A block whose record is larger than the server's `proto-max-bulk-len` (1 MiB,
+    its minimum): the put succeeds locally, the upload failure is counted, smaller
+    blocks of the same store still go up, and another host reads those."""
+    single = _start(tmp_path_factory, 1, False, ["--proto-max-bulk-len", "1mb"])
+    big = small_layout(block_size=64, L=8, H=8, D=128)  # 2 MiB blocks
+    assert big.block_bytes > 1 << 20
+    try:
+        rng = np.random.default_rng(1)
+        tokens = seq(1, 2 * big.block_size)
+        kv = rng.standard_normal((8, 2, len(tokens), 8, 128)).astype(np.float16)  # no zstd gain
+        with kvstore.open(tmp_path / "a", big, MODEL, durability="none",
+                          remote=kvstore.Remote(single.nodes)) as a:  # fmt: skip
+            a.put(tokens, kv)
+            a.flush()
+            assert_kv_equal(a.get(tokens), kv)
+            r = remote_stats(a)
+            assert r["write_failures"] == 2 and r["blocks_uploaded"] == 0, r
+        assert cmd(single.ports[0], "DBSIZE") == 0
+        small = seq(77, 4 * B)
+        with kvstore.open(tmp_path / "s", LAYOUT, MODEL, durability="none",
+                          remote=kvstore.Remote(single.nodes)) as s:  # fmt: skip
+            s.put(small, kv_for(LAYOUT, small))
+            s.flush()
+            assert remote_stats(s)["blocks_uploaded"] == 4
+        with kvstore.open(tmp_path / "b", LAYOUT, MODEL, durability="none",
+                          remote=kvstore.Remote(single.nodes)) as b:  # fmt: skip
+            assert_kv_equal(b.get(small), kv_for(LAYOUT, small))
+    finally:
+        single.stop()
+
+
+def test_permission_revoked_after_open(tmp_path_factory, tmp_path, monkeypatch):
+    """The ACL user loses its key pattern under live handles: reads are misses and
+    uploads failures, both counted as permission errors; local puts and gets work."""
+    secret = "acl-Pa55"
+    single = _start(tmp_path_factory, 1, False, ["--requirepass", secret])
+    try:
+        port = single.ports[0]
+        cmd(port, "ACL", "SETUSER", "kv", "on", ">" + secret, "~kvstore:*", "+@all",
+            password=secret)  # fmt: skip
+        monkeypatch.setenv("KV_ACL_PW", secret)
+        remote = kvstore.Remote(single.nodes, username="kv", password_env="KV_ACL_PW")
+        tokens, later = seq(400, 6 * B), seq(900, 3 * B)
+        with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none", remote=remote) as a:
+            a.put(tokens, kv_for(LAYOUT, tokens))
+            a.flush()
+            assert remote_stats(a)["blocks_uploaded"] == 6
+            with kvstore.open(tmp_path / "b", LAYOUT, MODEL, durability="none",
+                              remote=remote) as b:  # fmt: skip
+                cmd(port, "ACL", "SETUSER", "kv", "resetkeys", "~other:*", password=secret)
+                assert b.lookup(tokens) == 0
+                assert b.get(tokens).shape[2] == 0
+                rb = remote_stats(b)
+                assert rb["errors_permission"] >= 1 and rb["hits"] == 0, rb
+                a.put(later, kv_for(LAYOUT, later))
+                a.flush()
+                assert a.lookup(later) == len(later)
+                assert_kv_equal(a.get(later), kv_for(LAYOUT, later))
+                ra = remote_stats(a)
+                assert ra["errors_permission"] >= 1 and ra["write_failures"] == 3, ra
+                assert ra["blocks_uploaded"] == 6
+        assert cmd(port, "DBSIZE", password=secret) == 6
+    finally:
+        single.stop()
+
+
+def test_ttl_renewed_on_read(clean, tmp_path):
+    tokens = seq(31000, 3 * B)
+    ttl = 4.0
+    with open_host(tmp_path / "a", clean, remote={"ttl": ttl}) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        a.flush()
+        key = block_key(clean, a, tokens, 1)
+    assert 0 < clean.call(key, "PTTL", key) <= ttl * 1000
+    time.sleep(1.5)
+    before = clean.call(key, "PTTL", key)
+    assert 0 < before <= (ttl - 1.5) * 1000
+    with open_host(tmp_path / "b", clean, remote={"ttl": ttl}) as b:
+        assert_kv_equal(b.get(tokens), kv_for(LAYOUT, tokens))
+    after = clean.call(key, "PTTL", key)
+    assert after > before + 1000, (before, after)
+    # Without a ttl option nothing expires.
+    untimed = seq(32000, 2 * B)
+    with open_host(tmp_path / "c", clean) as c:
+        c.put(untimed, kv_for(LAYOUT, untimed))
+        c.flush()
+        k = block_key(clean, c, untimed, 0)
+    assert clean.call(k, "PTTL", k) == -1
+
+
+def test_reads_and_writes_follow_a_reshard(fresh_cluster, tmp_path):
+    """Slots move between nodes under live handles (opened with the old slot
+    map): reads still hit, and uploads into a moved slot land on its new owner."""
+    c = fresh_cluster
+    chains = [seq(110000 + 1000 * k, 16 * B) for k in range(3)]
+    with open_host(tmp_path / "a", c) as a, open_host(tmp_path / "b", c) as b:
+        for t in chains:
+            a.put(t[: 8 * B], kv_for(LAYOUT, t[: 8 * B]))
+        a.flush()
+        assert remote_stats(a)["blocks_uploaded"] == 3 * 8
+        owners = []
+        for t in chains:
+            first = block_key(c, a, t, 0)
+            src = c.port_of(first)
+            dst = next(p for p in c.ports if p != src)
+            assert c.move_slot(cmd(src, "CLUSTER", "KEYSLOT", first), src, dst) == 8
+            assert c.port_of(first) == dst
+            owners.append(dst)
+        c.wait_ok()
+        for t in chains:
+            assert b.lookup(t) == 8 * B
+            assert_kv_equal(b.get(t[: 8 * B]), kv_for(LAYOUT, t[: 8 * B]))
+        rb = remote_stats(b)
+        assert rb["hits"] == 3 * 8 and rb["invalid"] == 0, rb
+        # Blocks 8..15 share block 0's hash tag: the moved slot.
+        for t in chains:
+            a.put(t, kv_for(LAYOUT, t))
+        a.flush()
+        ra = remote_stats(a)
+        assert ra["blocks_uploaded"] == 3 * 16 and ra["write_failures"] == 0, str(ra)
+        for t, dst in zip(chains, owners, strict=True):
+            tag = block_key(c, a, t, 0).split(b"{")[1].split(b"}")[0].decode()
+            assert len(cmd(dst, "KEYS", f"*{{{tag}}}*")) == 16
+    with open_host(tmp_path / "d", c) as d:
+        for t in chains:
+            assert_kv_equal(d.get(t), kv_for(LAYOUT, t))

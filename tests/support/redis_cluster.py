@@ -147,6 +147,29 @@ class Cluster:
                 port = int(str(e).split()[2].rsplit(":", 1)[1])
         raise RuntimeError("too many redirects")
 
+    def port_of(self, key: bytes | str) -> int:
+        """The port of the node that serves `key`."""
+        slot = cmd(self.ports[0], "CLUSTER", "KEYSLOT", key)
+        for r in cmd(self.ports[0], "CLUSTER", "SLOTS"):
+            if r[0] <= slot <= r[1]:
+                return int(r[2][1])
+        raise RuntimeError(f"slot {slot} is not served")
+
+    def move_slot(self, slot: int, src: int, dst: int) -> int:
+        """Reshards one slot from node `src` to node `dst` as `redis-cli --cluster
+        reshard` does (IMPORTING/MIGRATING, MIGRATE of its keys, SETSLOT NODE on
+        every node); the keys moved."""
+        src_id, dst_id = cmd(src, "CLUSTER", "MYID"), cmd(dst, "CLUSTER", "MYID")
+        cmd(dst, "CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        cmd(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        moved = 0
+        while keys := cmd(src, "CLUSTER", "GETKEYSINSLOT", slot, 100):
+            cmd(src, "MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *keys)
+            moved += len(keys)
+        for p in self.ports:
+            cmd(p, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        return moved
+
     def keys(self, pattern: str = "*") -> list[bytes]:
         out: list[bytes] = []
         for p in self.ports:

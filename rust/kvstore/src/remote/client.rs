@@ -8,7 +8,7 @@ use super::keys::slot;
 use super::{NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use redis::cluster::{ClusterClientBuilder, ClusterConnection};
-use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, RedisError, Value};
+use redis::{Cmd, ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisError, Value};
 
 pub(crate) use super::fault::Fault;
 
@@ -176,7 +176,23 @@ impl Client {
                 for cmd in cmds {
                     p.add_command(cmd.clone());
                 }
-                p.query(c)
+                match p.query(c) {
+                    Err(e) if redirected(&e) => {
+                        // The crate's cluster pipeline returns MOVED/ASK (after a
+                        // reshard) as failures instead of following them; one
+                        // command at a time follows them and refreshes the
+                        // client's slot map for the next pipeline.
+                        let out = cmds
+                            .iter()
+                            .map(|cmd| cmd.query(&mut **c))
+                            .collect::<RedisResult<Vec<T>>>()?;
+                        if let Ok(slots) = cluster_slots(&mut **c) {
+                            self.slots = slots;
+                        }
+                        Ok(out)
+                    }
+                    r => r,
+                }
             }
             Conn::Single { info, conn } => {
                 if conn.is_none() {
@@ -386,8 +402,17 @@ fn cluster_connection(opts: &RemoteOptions) -> RedisResult<ClusterConnection> {
     b.build()?.get_connection()
 }
 
+/// Whether a pipeline failed for keys that moved to another node.
+fn redirected(e: &RedisError) -> bool {
+    use redis::ServerErrorKind as K;
+    e.clone().into_server_errors().is_some_and(|errs| {
+        errs.iter()
+            .any(|(_, s)| matches!(s.kind(), Some(K::Moved | K::Ask)))
+    })
+}
+
 /// `(first, last, "host:port")` of every slot range, sorted.
-fn cluster_slots(conn: &mut redis::Connection) -> RedisResult<Vec<(u16, u16, String)>> {
+fn cluster_slots(conn: &mut impl ConnectionLike) -> RedisResult<Vec<(u16, u16, String)>> {
     let v: Vec<Value> = redis::cmd("CLUSTER").arg("SLOTS").query(conn)?;
     let mut out = Vec::new();
     for r in v {

@@ -671,3 +671,92 @@ def test_reads_and_writes_follow_a_reshard(fresh_cluster, tmp_path):
     with open_host(tmp_path / "d", c) as d:
         for t in chains:
             assert_kv_equal(d.get(t), kv_for(LAYOUT, t))
+
+
+# ------------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    from support.redis_tls import OPENSSL, make_certs
+
+    if OPENSSL is None:
+        pytest.skip("needs the openssl command")
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def _tls_start(tmp_path_factory, certs, n: int, cluster: bool, extra=None) -> Cluster:
+    c = Cluster(
+        tmp_path_factory.mktemp("redis-tls"), free_ports(n), cluster, extra or [],
+        tls=certs.server_args(),
+    )  # fmt: skip
+    try:
+        c.start()
+    except Exception:
+        c.stop()
+        raise
+    return c
+
+
+def test_tls_with_the_private_ca(tmp_path_factory, tmp_path, certs):
+    """A 3-node cluster serving TLS (its bus too): two hosts share blocks through it
+    with `tls_ca`; a `rediss://` node with the CA works the same."""
+    c = _tls_start(tmp_path_factory, certs, 3, True)
+    try:
+        tokens = seq(4000, 20 * B)
+        remote = kvstore.Remote(nodes=c.tls_nodes, tls_ca=certs.ca)
+        with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none", remote=remote) as a:
+            a.put(tokens, kv_for(LAYOUT, tokens))
+            a.flush()
+            assert remote_stats(a)["blocks_uploaded"] == 20
+            nodes = sorted(n["node"] for n in a._raw.remote_nodes())
+            assert nodes == sorted(c.tls_nodes), "the slot map names the TLS ports"
+        assert len(c.keys("kvstore:*")) == 20  # seen through the plain ports
+        url = kvstore.Remote(nodes=[f"rediss://{c.tls_nodes[1]}"], tls_ca=certs.ca)
+        with kvstore.open(tmp_path / "b", LAYOUT, MODEL, durability="none", remote=url) as b:
+            assert_kv_equal(b.get(tokens), kv_for(LAYOUT, tokens))
+            assert remote_stats(b)["hits"] == 20
+    finally:
+        c.stop()
+
+
+def test_tls_failures_at_open_name_node_and_user(tmp_path_factory, tmp_path, certs, monkeypatch):
+    secret = "tls-Pa55"
+    single = _tls_start(tmp_path_factory, certs, 1, False, ["--requirepass", secret])
+    monkeypatch.setenv("KV_TLS_PW", secret)
+    try:
+        tls_node, plain_node = single.tls_nodes[0], single.nodes[0]
+
+        def fails(**kw) -> str:
+            remote = kvstore.Remote(password_env="KV_TLS_PW", timeout=0.5, **kw)
+            with pytest.raises(kvstore.RemoteError) as e:
+                kvstore.open(tmp_path / "x", LAYOUT, MODEL, remote=remote)
+            msg = str(e.value)
+            assert secret not in msg and secret not in repr(e.value)
+            return msg
+
+        # The server's certificate is not signed by the CA given.
+        msg = fails(nodes=[tls_node], tls_ca=certs.other_ca, username="default")
+        assert tls_node in msg and '"default"' in msg and "TLS" in msg, msg
+        # A rediss:// node without tls_ca: the system's roots do not know the CA.
+        msg = fails(nodes=[f"rediss://{tls_node}"])
+        assert tls_node in msg and "TLS" in msg, msg
+        # Plain TCP to the TLS port.
+        msg = fails(nodes=[tls_node])
+        assert tls_node in msg and '"default"' in msg and "TLS" in msg, msg
+        # TLS to the plain port.
+        msg = fails(nodes=[plain_node], tls_ca=certs.ca)
+        assert plain_node in msg and "TLS" in msg, msg
+        # A CA file that is not there.
+        msg = fails(nodes=[tls_node], tls_ca=tmp_path / "nope.pem")
+        assert "nope.pem" in msg
+        # And the right CA with the password works, over TLS only.
+        tokens = seq(5, 3 * B)
+        remote = kvstore.Remote([tls_node], password_env="KV_TLS_PW", tls_ca=certs.ca)
+        with kvstore.open(tmp_path / "ok", LAYOUT, MODEL, durability="none", remote=remote) as s:
+            s.put(tokens, kv_for(LAYOUT, tokens))
+            s.flush()
+            assert remote_stats(s)["blocks_uploaded"] == 3
+        assert cmd(single.ports[0], "DBSIZE", password=secret) == 3
+    finally:
+        single.stop()

@@ -32,7 +32,8 @@ class Remote:
     - `username`: ACL user (None: "default").
     - `password_env` / `password_file`: the environment variable or file holding the
       password (never the password itself, so it is never in a repr or a log).
-    - `tls_ca`: CA certificate for TLS (not supported by this build yet: RemoteError).
+    - `tls_ca`: CA certificate (PEM) to trust: connect with TLS (a "rediss://host:port"
+      node asks for TLS too, trusting the system's roots without `tls_ca`).
     - `prefix`: key namespace on the server (and the root of ACL key patterns).
     - `write`: "behind" (background, bounded queue; full: dropped and counted) or
       "through" (before put returns; a failure is counted, never raised).

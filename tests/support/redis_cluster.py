@@ -66,19 +66,40 @@ def cmd(port: int, *args: Any, password: str | None = None, timeout: float = 5) 
 
 
 class Cluster:
-    def __init__(self, root: Path, ports: list[int], cluster: bool, extra: list[str]):
+    """Nodes on `ports` (plain TCP, which these helpers use); with `tls` (the server
+    options of `support.redis_tls.Certs`) each also serves TLS on a port of
+    `tls_ports`, and a cluster's bus runs over TLS."""
+
+    def __init__(
+        self,
+        root: Path,
+        ports: list[int],
+        cluster: bool,
+        extra: list[str],
+        tls: list[str] | None = None,
+    ):
         self.root, self.ports, self.cluster, self.extra = root, ports, cluster, extra
+        self.tls = tls
+        self.tls_ports = free_ports(len(ports)) if tls else []
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property
     def nodes(self) -> list[str]:
         return [f"127.0.0.1:{p}" for p in self.ports]
 
+    @property
+    def tls_nodes(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.tls_ports]
+
     def start_node(self, port: int) -> None:
         d = self.root / str(port)
         d.mkdir(parents=True, exist_ok=True)
         args = [SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d)]
         args += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        if self.tls:
+            args += ["--tls-port", str(self.tls_ports[self.ports.index(port)]), *self.tls]
+            if self.cluster:
+                args += ["--tls-cluster", "yes"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
             args += ["--cluster-require-full-coverage", "no"]

@@ -2,13 +2,16 @@
 //! crate's sync clients (its async cluster client stalled after a node died;
 //! see the notes). Every call has a deadline: connection and response
 //! timeouts. Which node serves a key is read from `CLUSTER SLOTS` at open,
-//! for the circuit breaker.
+//! for the circuit breaker. TLS: rustls with ring, trusting the CA of
+//! `tls_ca` (or the system's roots for a `rediss://` node without one).
 
 use super::keys::slot;
 use super::{NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use redis::cluster::{ClusterClientBuilder, ClusterConnection};
-use redis::{Cmd, ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisError, Value};
+use redis::{
+    Cmd, ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisError, TlsCertificates, Value,
+};
 
 pub(crate) use super::fault::Fault;
 
@@ -29,18 +32,62 @@ pub(crate) struct Client {
     slots: Vec<(u16, u16, String)>,
     single_node: String,
     timeout: std::time::Duration,
+    tls: Tls,
 }
 
-fn node_url(node: &str) -> String {
-    if node.contains("://") {
-        node.to_string()
-    } else {
-        format!("redis://{node}")
+/// How connections are made: plain TCP, or TLS trusting `certs` (the CA of
+/// `tls_ca`; `None`: the system's roots).
+#[derive(Clone)]
+struct Tls {
+    on: bool,
+    certs: Option<TlsCertificates>,
+}
+
+impl Tls {
+    /// TLS when `tls_ca` is given or a node is a `rediss://` URL.
+    fn of(opts: &RemoteOptions) -> Result<Tls> {
+        let on = opts.tls_ca.is_some() || opts.nodes.iter().any(|n| n.starts_with("rediss://"));
+        if on {
+            // rustls needs one process-wide crypto provider; the first wins
+            // (a host program may have installed its own).
+            static PROVIDER: std::sync::Once = std::sync::Once::new();
+            PROVIDER.call_once(|| {
+                let _ = rustls::crypto::ring::default_provider().install_default();
+            });
+        }
+        let certs = opts
+            .tls_ca
+            .as_ref()
+            .map(|path| {
+                std::fs::read(path)
+                    .map(|pem| TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(pem),
+                    })
+                    .map_err(|e| Error::Remote(format!("remote tls_ca {}: {e}", path.display())))
+            })
+            .transpose()?;
+        Ok(Tls { on, certs })
+    }
+
+    /// `redis://` or `rediss://` URL of `node` (`host:port` or a URL).
+    fn url(&self, node: &str) -> String {
+        let rest = node.split_once("://").map_or(node, |(_, r)| r);
+        let scheme = if self.on { "rediss" } else { "redis" };
+        format!("{scheme}://{rest}")
+    }
+
+    fn client(&self, info: ConnectionInfo) -> RedisResult<redis::Client> {
+        match &self.certs {
+            Some(c) => redis::Client::build_with_tls(info, c.clone()),
+            None => redis::Client::open(info),
+        }
     }
 }
 
-fn info_for(opts: &RemoteOptions, node: &str) -> Result<ConnectionInfo> {
-    let info = node_url(node)
+fn info_for(opts: &RemoteOptions, tls: &Tls, node: &str) -> Result<ConnectionInfo> {
+    let info = tls
+        .url(node)
         .into_connection_info()
         .map_err(|e| Error::Remote(format!("remote node {node:?}: not an address ({e})")))?;
     let mut settings = info.redis_settings().clone();
@@ -68,15 +115,12 @@ impl Client {
     /// whether it is a cluster, and checks that the user may read and write
     /// `probe_key`. Every failure is `Error::Remote`.
     pub(crate) fn connect(opts: &RemoteOptions, probe_key: &str) -> Result<Client> {
-        if opts.tls_ca.is_some() || opts.nodes.iter().any(|n| n.starts_with("rediss://")) {
-            return Err(Error::Remote(
-                "TLS (tls_ca, rediss://) is not supported by this build of the remote tier".into(),
-            ));
-        }
+        let tls = Tls::of(opts)?;
         let mut last = None;
         for node in &opts.nodes {
-            let info = info_for(opts, node)?;
-            let client = redis::Client::open(info.clone())
+            let info = info_for(opts, &tls, node)?;
+            let client = tls
+                .client(info.clone())
                 .map_err(|e| open_error(opts, node, "bad address", &e))?;
             let mut conn = match client.get_connection_with_timeout(opts.timeout) {
                 Ok(c) => c,
@@ -84,7 +128,15 @@ impl Client {
                     return Err(open_error(opts, node, "authentication failed", &e));
                 }
                 Err(e) => {
-                    last = Some(open_error(opts, node, "unreachable", &e));
+                    let what = if tls.on {
+                        "TLS connection failed (is tls_ca the CA of its certificate, and the \
+                         port a TLS port?)"
+                    } else if e.is_connection_refusal() {
+                        "unreachable"
+                    } else {
+                        "unreachable (if the port speaks TLS: give tls_ca or a rediss:// node)"
+                    };
+                    last = Some(open_error(opts, node, what, &e));
                     continue;
                 }
             };
@@ -100,13 +152,14 @@ impl Client {
             let mut me = if info_text.contains("cluster_enabled:1") {
                 let slots = cluster_slots(&mut conn)
                     .map_err(|e| open_error(opts, node, "CLUSTER SLOTS", &e))?;
-                let cluster = cluster_connection(opts)
+                let cluster = cluster_connection(opts, &tls)
                     .map_err(|e| open_error(opts, node, "cluster connection", &e))?;
                 Client {
                     conn: Conn::Cluster(Box::new(cluster)),
                     slots,
                     single_node: node.clone(),
                     timeout: opts.timeout,
+                    tls: tls.clone(),
                 }
             } else {
                 Client {
@@ -117,6 +170,7 @@ impl Client {
                     slots: Vec::new(),
                     single_node: node.clone(),
                     timeout: opts.timeout,
+                    tls: tls.clone(),
                 }
             };
             let probe: RedisResult<Vec<i64>> =
@@ -141,17 +195,17 @@ impl Client {
                 info: info.clone(),
                 conn: None,
             },
-            Conn::Cluster(_) => {
-                Conn::Cluster(Box::new(cluster_connection(opts).map_err(|e| {
-                    open_error(opts, &self.single_node, "cluster connection", &e)
-                })?))
-            }
+            Conn::Cluster(_) => Conn::Cluster(Box::new(
+                cluster_connection(opts, &self.tls)
+                    .map_err(|e| open_error(opts, &self.single_node, "cluster connection", &e))?,
+            )),
         };
         Ok(Client {
             conn,
             slots: self.slots.clone(),
             single_node: self.single_node.clone(),
             timeout: self.timeout,
+            tls: self.tls.clone(),
         })
     }
 
@@ -196,7 +250,9 @@ impl Client {
             }
             Conn::Single { info, conn } => {
                 if conn.is_none() {
-                    let c = redis::Client::open(info.clone())?
+                    let c = self
+                        .tls
+                        .client(info.clone())?
                         .get_connection_with_timeout(self.timeout)?;
                     c.set_read_timeout(Some(self.timeout))?;
                     c.set_write_timeout(Some(self.timeout))?;
@@ -331,7 +387,7 @@ impl Client {
                     node: n.clone(),
                     ..NodeReport::default()
                 };
-                match node_report(opts, &n, &mut rep) {
+                match node_report(opts, &self.tls, &n, &mut rep) {
                     Ok(()) => {}
                     Err(e) => rep.error = Some(e.to_string()),
                 }
@@ -360,9 +416,10 @@ const INFO_FIELDS: &[&str] = &[
     "db0",
 ];
 
-fn node_report(opts: &RemoteOptions, node: &str, rep: &mut NodeReport) -> Result<()> {
-    let info = info_for(opts, node)?;
-    let mut c = redis::Client::open(info)
+fn node_report(opts: &RemoteOptions, tls: &Tls, node: &str, rep: &mut NodeReport) -> Result<()> {
+    let info = info_for(opts, tls, node)?;
+    let mut c = tls
+        .client(info)
         .and_then(|c| c.get_connection_with_timeout(opts.timeout))
         .map_err(|e| open_error(opts, node, "unreachable", &e))?;
     c.set_read_timeout(Some(opts.timeout))
@@ -388,8 +445,8 @@ fn node_report(opts: &RemoteOptions, node: &str, rep: &mut NodeReport) -> Result
 
 type RedisResult<T> = redis::RedisResult<T>;
 
-fn cluster_connection(opts: &RemoteOptions) -> RedisResult<ClusterConnection> {
-    let mut b = ClusterClientBuilder::new(opts.nodes.iter().map(|n| node_url(n)))
+fn cluster_connection(opts: &RemoteOptions, tls: &Tls) -> RedisResult<ClusterConnection> {
+    let mut b = ClusterClientBuilder::new(opts.nodes.iter().map(|n| tls.url(n)))
         .connection_timeout(opts.timeout)
         .response_timeout(opts.timeout)
         .retries(1);
@@ -398,6 +455,9 @@ fn cluster_connection(opts: &RemoteOptions) -> RedisResult<ClusterConnection> {
     }
     if let Some(p) = &opts.password {
         b = b.password(p);
+    }
+    if let Some(c) = &tls.certs {
+        b = b.certs(c.clone());
     }
     b.build()?.get_connection()
 }

@@ -67,7 +67,8 @@ pub struct RemoteOptions {
     pub username: Option<String>,
     /// Password; never shown in a message or `Debug`.
     pub password: Option<String>,
-    /// CA certificate for TLS (not supported by this build yet: an error).
+    /// CA certificate (PEM) to trust: connect with TLS (as a `rediss://`
+    /// node does, which without it trusts the system's roots).
     pub tls_ca: Option<PathBuf>,
     /// Key namespace (and ACL key pattern root) on the server.
     pub prefix: String,

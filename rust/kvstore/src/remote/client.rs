@@ -174,7 +174,7 @@ impl Client {
                 }
             };
             let probe: RedisResult<Vec<i64>> =
-                me.run(&[redis::cmd("EXISTS").arg(probe_key).clone()]);
+                me.run(vec![redis::cmd("EXISTS").arg(probe_key).clone()]);
             if let Err(e) = probe {
                 return Err(open_error(
                     opts,
@@ -223,12 +223,14 @@ impl Client {
     }
 
     /// Runs `cmds` (keys of one slot) as one pipeline; one result each.
-    fn run<T: redis::FromRedisValue>(&mut self, cmds: &[Cmd]) -> RedisResult<Vec<T>> {
+    /// (The commands move into the pipeline: a `SET`'s value is not copied
+    /// once more.)
+    fn run<T: redis::FromRedisValue>(&mut self, cmds: Vec<Cmd>) -> RedisResult<Vec<T>> {
         match &mut self.conn {
             Conn::Cluster(c) => {
                 let mut p = redis::cluster::cluster_pipe();
                 for cmd in cmds {
-                    p.add_command(cmd.clone());
+                    p.add_command(cmd);
                 }
                 match p.query(c) {
                     Err(e) if redirected(&e) => {
@@ -236,8 +238,8 @@ impl Client {
                         // reshard) as failures instead of following them; one
                         // command at a time follows them and refreshes the
                         // client's slot map for the next pipeline.
-                        let out = cmds
-                            .iter()
+                        let out = p
+                            .cmd_iter()
                             .map(|cmd| cmd.query(&mut **c))
                             .collect::<RedisResult<Vec<T>>>()?;
                         if let Ok(slots) = cluster_slots(&mut **c) {
@@ -261,7 +263,7 @@ impl Client {
                 let c = conn.as_mut().expect("connection");
                 let mut p = redis::pipe();
                 for cmd in cmds {
-                    p.add_command(cmd.clone());
+                    p.add_command(cmd);
                 }
                 let res = p.query(c);
                 if let Err(e) = &res {
@@ -280,7 +282,7 @@ impl Client {
         match &mut self.conn {
             Conn::Cluster(c) => cmd.query(&mut **c),
             Conn::Single { .. } => {
-                let mut v: Vec<Value> = self.run(std::slice::from_ref(cmd))?;
+                let mut v: Vec<Value> = self.run(vec![cmd.clone()])?;
                 Ok(v.pop().unwrap_or(Value::Nil))
             }
         }
@@ -315,7 +317,7 @@ impl Client {
             .iter()
             .map(|k| redis::cmd("EXISTS").arg(*k).clone())
             .collect();
-        let n: Vec<i64> = self.run(&cmds).map_err(|e| Fault::of(&e))?;
+        let n: Vec<i64> = self.run(cmds).map_err(|e| Fault::of(&e))?;
         Ok(n.into_iter().map(|n| n > 0).collect())
     }
 
@@ -336,7 +338,7 @@ impl Client {
                 c
             })
             .collect();
-        let _: Vec<Value> = self.run(&cmds).map_err(|e| Fault::of(&e))?;
+        let _: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
         Ok(())
     }
 
@@ -355,7 +357,7 @@ impl Client {
                     .clone()
             })
             .collect();
-        let _: Vec<Value> = self.run(&cmds).map_err(|e| Fault::of(&e))?;
+        let _: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
         Ok(())
     }
 

@@ -22,8 +22,11 @@ LAYOUT = small_layout(block_size=4)  # 1 KiB blocks
 B = LAYOUT.block_size
 
 
-def _start(tmp_path_factory, n: int, cluster: bool, extra: list[str] | None = None) -> Cluster:
-    c = Cluster(tmp_path_factory.mktemp("redis"), free_ports(n), cluster, extra or [])
+def _start(
+    tmp_path_factory, n: int, cluster: bool, extra: list[str] | None = None, tls=None
+) -> Cluster:
+    """Started servers (stopped again if the start fails); `tls`: `Certs.server_args()`."""
+    c = Cluster(tmp_path_factory.mktemp("redis"), free_ports(n), cluster, extra or [], tls)
     try:
         c.start()
     except Exception:
@@ -304,15 +307,25 @@ def test_cluster_down_after_open_is_misses(fresh_cluster, tmp_path):
         assert r["write_failures"] + r["writes_dropped"] > 0, r
 
 
-def test_open_errors_name_node_and_user_not_password(tmp_path_factory, tmp_path, monkeypatch):
-    secret = "s3cret-Pa55"
+def _with_users(tmp_path_factory, secret: str, **patterns: str) -> Cluster:
+    """One node with `requirepass secret` and an ACL user per key pattern (the same
+    password)."""
     single = _start(tmp_path_factory, 1, False, ["--requirepass", secret])
     try:
+        for user, pattern in patterns.items():
+            cmd(single.ports[0], "ACL", "SETUSER", user, "on", ">" + secret, pattern, "+@all",
+                password=secret)  # fmt: skip
+    except Exception:
+        single.stop()
+        raise
+    return single
+
+
+def test_open_errors_name_node_and_user_not_password(tmp_path_factory, tmp_path, monkeypatch):
+    secret = "s3cret-Pa55"
+    single = _with_users(tmp_path_factory, secret, alice="~kvstore:*", mallory="~other:*")
+    try:
         port = single.ports[0]
-        cmd(port, "ACL", "SETUSER", "alice", "on", ">" + secret, "~kvstore:*", "+@all",
-            password=secret)  # fmt: skip
-        cmd(port, "ACL", "SETUSER", "mallory", "on", ">" + secret, "~other:*", "+@all",
-            password=secret)  # fmt: skip
         monkeypatch.setenv("KV_PW", secret)
         monkeypatch.setenv("KV_BAD", "wrong-" + secret)
         node = f"127.0.0.1:{port}"
@@ -580,11 +593,9 @@ def test_permission_revoked_after_open(tmp_path_factory, tmp_path, monkeypatch):
     """The ACL user loses its key pattern under live handles: reads are misses and
     uploads failures, both counted as permission errors; local puts and gets work."""
     secret = "acl-Pa55"
-    single = _start(tmp_path_factory, 1, False, ["--requirepass", secret])
+    single = _with_users(tmp_path_factory, secret, kv="~kvstore:*")
     try:
         port = single.ports[0]
-        cmd(port, "ACL", "SETUSER", "kv", "on", ">" + secret, "~kvstore:*", "+@all",
-            password=secret)  # fmt: skip
         monkeypatch.setenv("KV_ACL_PW", secret)
         remote = kvstore.Remote(single.nodes, username="kv", password_env="KV_ACL_PW")
         tokens, later = seq(400, 6 * B), seq(900, 3 * B)
@@ -685,23 +696,10 @@ def certs(tmp_path_factory):
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 
-def _tls_start(tmp_path_factory, certs, n: int, cluster: bool, extra=None) -> Cluster:
-    c = Cluster(
-        tmp_path_factory.mktemp("redis-tls"), free_ports(n), cluster, extra or [],
-        tls=certs.server_args(),
-    )  # fmt: skip
-    try:
-        c.start()
-    except Exception:
-        c.stop()
-        raise
-    return c
-
-
 def test_tls_with_the_private_ca(tmp_path_factory, tmp_path, certs):
     """A 3-node cluster serving TLS (its bus too): two hosts share blocks through it
     with `tls_ca`; a `rediss://` node with the CA works the same."""
-    c = _tls_start(tmp_path_factory, certs, 3, True)
+    c = _start(tmp_path_factory, 3, True, tls=certs.server_args())
     try:
         tokens = seq(4000, 20 * B)
         remote = kvstore.Remote(nodes=c.tls_nodes, tls_ca=certs.ca)
@@ -722,7 +720,7 @@ def test_tls_with_the_private_ca(tmp_path_factory, tmp_path, certs):
 
 def test_tls_failures_at_open_name_node_and_user(tmp_path_factory, tmp_path, certs, monkeypatch):
     secret = "tls-Pa55"
-    single = _tls_start(tmp_path_factory, certs, 1, False, ["--requirepass", secret])
+    single = _start(tmp_path_factory, 1, False, ["--requirepass", secret], certs.server_args())
     monkeypatch.setenv("KV_TLS_PW", secret)
     try:
         tls_node, plain_node = single.tls_nodes[0], single.nodes[0]

@@ -559,8 +559,9 @@ def test_remote_from_dict():
 
 def test_record_over_the_bulk_limit_is_counted_not_fatal(tmp_path_factory, tmp_path):
     """A block whose record is larger than the server's `proto-max-bulk-len` (1 MiB,
-    its minimum): the put succeeds locally, the upload failure is counted, smaller
-    blocks of the same store still go up, and another host reads those."""
+    its minimum; read with CONFIG GET at open): the put succeeds locally, the value
+    is not sent and is counted, the node stays in service, smaller blocks still go
+    up, and another host reads those."""
     single = _start(tmp_path_factory, 1, False, ["--proto-max-bulk-len", "1mb"])
     big = small_layout(block_size=64, L=8, H=8, D=128)  # 2 MiB blocks
     assert big.block_bytes > 1 << 20
@@ -574,7 +575,13 @@ def test_record_over_the_bulk_limit_is_counted_not_fatal(tmp_path_factory, tmp_p
             a.flush()
             assert_kv_equal(a.get(tokens), kv)
             r = remote_stats(a)
-            assert r["write_failures"] == 2 and r["blocks_uploaded"] == 0, r
+            assert r["write_failures"] == 2 and r["too_large"] == 2, r
+            assert r["blocks_uploaded"] == 0 and r["errors_connection"] == 0, r
+            # Not sent, so the server did not drop the connection: the node is not
+            # taken for dead (no breaker skip on the next call).
+            assert a.lookup(seq(9000, big.block_size)) == 0
+            r = remote_stats(a)
+            assert r["misses"] == 1 and r["breaker_skips"] == 0, r
         assert cmd(single.ports[0], "DBSIZE") == 0
         small = seq(77, 4 * B)
         with kvstore.open(tmp_path / "s", LAYOUT, MODEL, durability="none",

@@ -92,6 +92,7 @@ class RemoteStats(TypedDict):
     blocks_present: int
     writes_dropped: int
     write_failures: int
+    too_large: int
     queued_bytes: int
 
 @type_check_only

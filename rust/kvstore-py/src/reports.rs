@@ -199,6 +199,7 @@ report! {
         blocks_present: u64,
         writes_dropped: u64,
         write_failures: u64,
+        too_large: u64,
         queued_bytes: u64,
     }
 }

@@ -33,7 +33,12 @@ pub(crate) struct Client {
     single_node: String,
     timeout: std::time::Duration,
     tls: Tls,
+    /// The server's bulk limit (`proto-max-bulk-len`) in bytes.
+    max_value: u64,
 }
+
+/// Redis's default `proto-max-bulk-len`, assumed when `CONFIG GET` is refused.
+const DEFAULT_MAX_BULK: u64 = 512 << 20;
 
 /// How connections are made: plain TCP, or TLS trusting `certs` (the CA of
 /// `tls_ca`; `None`: the system's roots).
@@ -149,6 +154,14 @@ impl Client {
                 .arg("cluster")
                 .query(&mut conn)
                 .map_err(|e| open_error(opts, node, "INFO cluster", &e))?;
+            // Restricted ACL users may not run CONFIG: then assume the default.
+            let max_value = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("proto-max-bulk-len")
+                .query::<Vec<String>>(&mut conn)
+                .ok()
+                .and_then(|kv| kv.get(1)?.parse().ok())
+                .unwrap_or(DEFAULT_MAX_BULK);
             let mut me = if info_text.contains("cluster_enabled:1") {
                 let slots = cluster_slots(&mut conn)
                     .map_err(|e| open_error(opts, node, "CLUSTER SLOTS", &e))?;
@@ -160,6 +173,7 @@ impl Client {
                     single_node: node.clone(),
                     timeout: opts.timeout,
                     tls: tls.clone(),
+                    max_value,
                 }
             } else {
                 Client {
@@ -171,6 +185,7 @@ impl Client {
                     single_node: node.clone(),
                     timeout: opts.timeout,
                     tls: tls.clone(),
+                    max_value,
                 }
             };
             let probe: RedisResult<Vec<i64>> =
@@ -206,7 +221,13 @@ impl Client {
             single_node: self.single_node.clone(),
             timeout: self.timeout,
             tls: self.tls.clone(),
+            max_value: self.max_value,
         })
+    }
+
+    /// The largest value the server accepts, in bytes.
+    pub(crate) fn max_value(&self) -> u64 {
+        self.max_value
     }
 
     /// The node serving `key` (for the breaker).

@@ -199,6 +199,9 @@ pub struct RemoteStats {
     pub writes_dropped: u64,
     /// Blocks whose upload failed (counted by kind too).
     pub write_failures: u64,
+    /// Values not sent because they are larger than the server accepts
+    /// (`proto-max-bulk-len`; also counted in `write_failures`).
+    pub too_large: u64,
     /// Bytes waiting in the upload queue.
     pub queued_bytes: u64,
 }
@@ -216,6 +219,7 @@ struct Counters {
     blocks_present: AtomicU64,
     writes_dropped: AtomicU64,
     write_failures: AtomicU64,
+    too_large: AtomicU64,
 }
 
 fn add(c: &AtomicU64, n: usize) {
@@ -401,7 +405,13 @@ impl Remote {
             if !missing {
                 rep.present += 1;
             } else if let Some(v) = record(k) {
-                todo.push((k, self.keys.seal(&keys[k], v)));
+                let v = self.keys.seal(&keys[k], v);
+                if s.fits(&c, v.len()) {
+                    todo.push((k, v));
+                } else {
+                    rep.failed += 1;
+                    add(&s.counters.write_failures, 1);
+                }
             } else {
                 rep.unreadable += 1;
             }
@@ -454,6 +464,7 @@ impl Remote {
             blocks_present: g(&c.blocks_present),
             writes_dropped: g(&c.writes_dropped),
             write_failures: g(&c.write_failures),
+            too_large: g(&c.too_large),
             queued_bytes: self.shared.queue.bytes() as u64,
         }
     }
@@ -511,6 +522,17 @@ impl Shared {
         }
     }
 
+    /// Whether a value of `len` bytes is within the server's bulk limit
+    /// (`proto-max-bulk-len`): a larger one would make the server drop the
+    /// connection, and the node look dead to the breaker. Counted if not.
+    fn fits(&self, c: &Client, len: usize) -> bool {
+        let ok = len as u64 <= c.max_value();
+        if !ok {
+            add(&self.counters.too_large, 1);
+        }
+        ok
+    }
+
     /// Which of `keys` (one slot) the server lacks; `None` if the call failed
     /// (counted).
     fn lacking(&self, c: &mut Client, keys: &[&str]) -> Option<Vec<bool>> {
@@ -536,18 +558,30 @@ impl Shared {
     /// Uploads the items of one batch (one slot) that the server lacks.
     fn write(&self, batch: &[Item]) {
         let mut c = self.writer.lock().expect("remote writer");
-        let keys: Vec<&str> = batch.iter().map(|i| i.key.as_str()).collect();
         // Blocks only (a session has no id).
         let blocks = |items: &[&Item]| items.iter().filter(|i| i.id.is_some()).count();
+        let (batch, big): (Vec<&Item>, Vec<&Item>) =
+            batch.iter().partition(|i| self.fits(&c, i.value.len()));
+        if !big.is_empty() {
+            add(&self.counters.write_failures, blocks(&big));
+            self.mark(big.iter().filter_map(|i| i.id.as_ref()), false);
+        }
+        if batch.is_empty() {
+            return;
+        }
+        let keys: Vec<&str> = batch.iter().map(|i| i.key.as_str()).collect();
         let ok = self.lacking(&mut c, &keys).is_some_and(|lack| {
-            let all: Vec<&Item> = batch.iter().collect();
             let todo: Vec<&Item> = batch
                 .iter()
+                .copied()
                 .zip(&lack)
                 .filter(|(_, &l)| l)
                 .map(|(i, _)| i)
                 .collect();
-            add(&self.counters.blocks_present, blocks(&all) - blocks(&todo));
+            add(
+                &self.counters.blocks_present,
+                blocks(&batch) - blocks(&todo),
+            );
             if todo.is_empty() {
                 return true;
             }

@@ -24,6 +24,9 @@ impl Client {
     pub(crate) fn node_of(&self, _: &str) -> &str {
         match self.0 {}
     }
+    pub(crate) fn max_value(&self) -> u64 {
+        match self.0 {}
+    }
     pub(crate) fn mget(&mut self, _: &[String]) -> Result<Vec<Option<Vec<u8>>>, Fault> {
         match self.0 {}
     }

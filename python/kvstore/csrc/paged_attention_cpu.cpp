@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -154,17 +155,38 @@ void attend_base(const Params& p, const Scratch& w, int64_t b, int64_t e) {
 }
 
 #if KVSTORE_X86_DISPATCH
+// (#pragma does not expand macros: the pragmas below spell the list out.)
+#define KVSTORE_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")  // KVSTORE_AVX512
 namespace cpu_avx512 {
+#define KVSTORE_DPBF16 0
 #include "paged_attention_cpu_avx512.h"
+#undef KVSTORE_DPBF16
 }  // namespace cpu_avx512
 #pragma GCC pop_options
 
+// The same kernel with q·k on vdpbf16ps (AVX512-BF16), for bfloat16 queries and caches.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")
+namespace cpu_avx512bf16 {
+#define KVSTORE_DPBF16 1
+#include "paged_attention_cpu_avx512.h"
+#undef KVSTORE_DPBF16
+}  // namespace cpu_avx512bf16
+#pragma GCC pop_options
+
 template <Kind K, Kind C>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void attend_avx512(
-    const Params& p, const Scratch& w, int64_t b, int64_t e) {
+__attribute__((target(KVSTORE_AVX512))) void attend_avx512(const Params& p, const Scratch& w,
+                                                           int64_t b, int64_t e) {
   cpu_avx512::attend_units<K, C>(p, w, b, e);
+}
+
+__attribute__((target(KVSTORE_AVX512 ",avx512bf16"))) void attend_avx512bf16(const Params& p,
+                                                                             const Scratch& w,
+                                                                             int64_t b,
+                                                                             int64_t e) {
+  cpu_avx512bf16::attend_units<Kind::BF16, Kind::BF16>(p, w, b, e);
 }
 
 template <Kind K, Kind C>
@@ -174,27 +196,30 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const
 }
 #endif
 
-// The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ), else AVX2 with FMA and F16C,
-// else the baseline. ATEN_CPU_CAPABILITY=default or =avx2 caps the choice (as it does for
-// ATen's own kernels; the tests use it to check every build).
-enum class Isa { Base, Avx2, Avx512 };
+// The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ) with or without AVX512-BF16,
+// else AVX2 with FMA and F16C, else the baseline. ATEN_CPU_CAPABILITY=default, =avx2 or
+// =avx512 caps the choice (as it does for ATen's own kernels; avx512 leaves out
+// AVX512-BF16): the tests use it to check every build.
+enum class Isa { Base, Avx2, Avx512, Avx512Bf16 };
 
 Isa cpu_isa() {
 #if KVSTORE_X86_DISPATCH
   static const Isa isa = [] {
     const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
-    if (cap != nullptr && std::strcmp(cap, "default") == 0) return Isa::Base;
+    const auto capped = [cap](const char* name) { return cap != nullptr && std::strcmp(cap, name) == 0; };
+    if (capped("default")) return Isa::Base;
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
           __builtin_cpu_supports("f16c"))) {
       return Isa::Base;
     }
-    if (cap != nullptr && std::strcmp(cap, "avx2") == 0) return Isa::Avx2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-      return Isa::Avx512;
+    if (capped("avx2")) return Isa::Avx2;
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))) {
+      return Isa::Avx2;
     }
-    return Isa::Avx2;
+    if (capped("avx512") || !__builtin_cpu_supports("avx512bf16")) return Isa::Avx512;
+    return Isa::Avx512Bf16;
   }();
   return isa;
 #else
@@ -202,31 +227,52 @@ Isa cpu_isa() {
 #endif
 }
 
+// A kernel and the name last_cpu_kernel reports for it.
+struct Kernel {
+  AttendFn fn;
+  const char* isa;
+};
+
 template <Kind K, Kind C>
-AttendFn attend_for_isa(int64_t head_dim) {
+Kernel kernel_for_isa(int64_t head_dim) {
 #if KVSTORE_X86_DISPATCH
-  // The AVX-512 kernel reads whole 16-float columns: head_dim % 16 == 0.
-  if (cpu_isa() == Isa::Avx512 && head_dim % 16 == 0) return &attend_avx512<K, C>;
-  if (cpu_isa() != Isa::Base) return &attend_avx2<K, C>;
+  const Isa isa = cpu_isa();
+  // The AVX-512 kernel reads whole 16-float columns, bfloat16 rows 32 elements at once.
+  const bool fits = head_dim % (C == Kind::BF16 ? 32 : 16) == 0;
+  if constexpr (K == Kind::BF16 && C == Kind::BF16) {
+    if (isa == Isa::Avx512Bf16 && fits) return {&attend_avx512bf16, "avx512_bf16"};
+  }
+  if ((isa == Isa::Avx512 || isa == Isa::Avx512Bf16) && fits) return {&attend_avx512<K, C>, "avx512"};
+  if (isa != Isa::Base) return {&attend_avx2<K, C>, "avx2"};
 #else
   (void)head_dim;
 #endif
-  return &attend_base<K, C>;
+  return {&attend_base<K, C>, "base"};
 }
 
 // The kernel for query dtype `dtype` over caches of that dtype, or over fp8 caches.
-AttendFn attend_fn(at::ScalarType dtype, int64_t head_dim, bool fp8) {
+Kernel kernel_for(at::ScalarType dtype, int64_t head_dim, bool fp8) {
   if (dtype == at::kFloat) {
-    return fp8 ? attend_for_isa<Kind::F32, Kind::FP8>(head_dim)
-               : attend_for_isa<Kind::F32, Kind::F32>(head_dim);
+    return fp8 ? kernel_for_isa<Kind::F32, Kind::FP8>(head_dim)
+               : kernel_for_isa<Kind::F32, Kind::F32>(head_dim);
   }
   if (dtype == at::kHalf) {
-    return fp8 ? attend_for_isa<Kind::F16, Kind::FP8>(head_dim)
-               : attend_for_isa<Kind::F16, Kind::F16>(head_dim);
+    return fp8 ? kernel_for_isa<Kind::F16, Kind::FP8>(head_dim)
+               : kernel_for_isa<Kind::F16, Kind::F16>(head_dim);
   }
-  return fp8 ? attend_for_isa<Kind::BF16, Kind::FP8>(head_dim)
-             : attend_for_isa<Kind::BF16, Kind::BF16>(head_dim);
+  return fp8 ? kernel_for_isa<Kind::BF16, Kind::FP8>(head_dim)
+             : kernel_for_isa<Kind::BF16, Kind::BF16>(head_dim);
 }
+
+// What the calling thread's last paged_attention call ran (last_cpu_kernel): so that a
+// test can tell that the fast kernel, and split-K, ran, not only that the result is right.
+struct LastKernel {
+  const char* isa = "none";
+  int64_t partitions = 0;
+  int64_t partition_tokens = 0;
+  int64_t threads = 0;
+};
+thread_local LastKernel last_kernel;
 
 // kMinPartitionTokens, or $KVSTORE_SPLIT_MIN_TOKENS (read on each call, rounded up to a
 // whole chunk): the tests lower it so that short contexts run through split-K too.
@@ -345,7 +391,9 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
 
   const auto kind = q.scalar_type();
   const int64_t D = dims.head_dim, G = dims.group, NH = dims.num_heads;
-  const AttendFn attend = attend_fn(kind, D, fp8);
+  const Kernel kernel = kernel_for(kind, D, fp8);
+  const AttendFn attend = kernel.fn;
+  last_kernel = {kernel.isa, parts, partition_tokens, threads};
   const int64_t unit_elements = std::max<int64_t>(1, 2 * std::min(max_len, partition_tokens) * D);
   const int64_t grain = std::max<int64_t>(1, kMinParallelElements / unit_elements);
   at::parallel_for(0, pairs * parts, grain, [&](int64_t begin, int64_t end) {
@@ -514,6 +562,18 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
 
 }  // namespace
 }  // namespace kvstore
+
+// "isa=<avx512_bf16|avx512|avx2|base> partitions=<n> partition_tokens=<n> threads=<n>"
+// for the calling thread's last CPU paged_attention call ("isa=none" before any).
+std::string last_cpu_kernel() {
+  const auto& k = kvstore::last_kernel;
+  return std::string("isa=") + k.isa + " partitions=" + std::to_string(k.partitions) +
+         " partition_tokens=" + std::to_string(k.partition_tokens) +
+         " threads=" + std::to_string(k.threads);
+}
+
+// No tensor argument to dispatch on: a catch-all kernel.
+TORCH_LIBRARY_FRAGMENT(kvstore, m) { m.def("last_cpu_kernel() -> str", &last_cpu_kernel); }
 
 TORCH_LIBRARY_IMPL(kvstore, CPU, m) {
   m.impl("paged_attention", &kvstore::paged_attention_cpu);

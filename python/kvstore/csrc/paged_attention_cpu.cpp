@@ -1,19 +1,22 @@
 // CPU implementations of kvstore::paged_attention and kvstore::write_kv.
 //
-// Three builds of the decode kernel, picked at run time (cpu_isa): AVX-512
-// (paged_attention_cpu_avx512.h: rows widened in registers, 16 lanes), and the
-// generic 8-lane kernel (paged_attention_cpu_kernel.h) for AVX2 and for baseline x86-64.
+// Four builds of the decode kernel, picked at run time (cpu_isa): AVX-512 with
+// AVX512-BF16 (vdpbf16ps for bfloat16 queries), AVX-512 (paged_attention_cpu_avx512.h:
+// rows converted in registers, 16 lanes), and the generic 8-lane kernel
+// (paged_attention_cpu_kernel.h) for AVX2 and for baseline x86-64.
 //
 // Decode attention is a stream over the KV pages, so the kernel is shaped to
 // read each page once and keep every core busy:
-// - a work unit is (sequence, kv head, partition): the query heads of a GQA
+// - a work unit is (sequence, partition, kv head): the query heads of a GQA
 //   group are processed together, so K and V of a kv head are read once for
-//   the whole group; the kv heads a thread gets for one sequence go chunk by
-//   chunk side by side, so each page is visited once;
-// - when there are fewer (sequence, kv head) pairs than threads, long
-//   contexts are split into partitions (split-K) whose partial softmax states
-//   are merged afterwards in fp32 (softmax_merge, shared with the CUDA kernel);
-// - tokens go by chunks of kChunk: K and V rows are widened to fp32 once into
+//   the whole group; the kv heads of a work item go chunk by chunk side by
+//   side, so each page is visited once;
+// - a step is cut into work items (sequence, partition, group of kv heads), several
+//   per thread: long contexts are split into partitions (split-K) whose partial
+//   softmax states are merged afterwards in fp32 (softmax_merge, shared with the CUDA
+//   kernel), and the threads take items as they finish, so a descheduled thread on a
+//   busy host does not hold the step up by a whole share;
+// - tokens go by chunks: the generic kernel widens K and V rows to fp32 once into
 //   L1-sized scratch, then scores, the online softmax (one rescale per chunk,
 //   not per token) and the P·V accumulation run on 8-lane fp32 vectors.
 #include "checks.h"
@@ -27,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -58,6 +62,9 @@ constexpr int64_t kChunk = 32;
 // Smallest span of a split-K partition: below it, merging partials costs more than it
 // saves.
 constexpr int64_t kMinPartitionTokens = 256;
+// Work items per thread a step is cut into where it can be (split-K for long contexts):
+// enough that a thread descheduled for a while delays the step by little.
+constexpr int64_t kItemsPerThread = 8;
 // K and V elements a thread should get before a call is worth splitting across threads
 // (about 0.1 ms of work): waking the pool costs more than a tiny decode step.
 constexpr int64_t kMinParallelElements = int64_t{1} << 18;
@@ -166,9 +173,10 @@ namespace cpu_avx512 {
 }  // namespace cpu_avx512
 #pragma GCC pop_options
 
-// The same kernel with q·k on vdpbf16ps (AVX512-BF16), for bfloat16 queries and caches.
+// The same kernel with q·k on vdpbf16ps (AVX512-BF16) for bfloat16 queries over bfloat16
+// or fp8 caches (fp8 looked up as bfloat16 with AVX512-VBMI's vpermi2b).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16,avx512vbmi")
 namespace cpu_avx512bf16 {
 #define KVSTORE_DPBF16 1
 #include "paged_attention_cpu_avx512.h"
@@ -182,11 +190,10 @@ __attribute__((target(KVSTORE_AVX512))) void attend_avx512(const Params& p, cons
   cpu_avx512::attend_units<K, C>(p, w, b, e);
 }
 
-__attribute__((target(KVSTORE_AVX512 ",avx512bf16"))) void attend_avx512bf16(const Params& p,
-                                                                             const Scratch& w,
-                                                                             int64_t b,
-                                                                             int64_t e) {
-  cpu_avx512bf16::attend_units<Kind::BF16, Kind::BF16>(p, w, b, e);
+template <Kind C>
+__attribute__((target(KVSTORE_AVX512 ",avx512bf16,avx512vbmi"))) void attend_avx512bf16(
+    const Params& p, const Scratch& w, int64_t b, int64_t e) {
+  cpu_avx512bf16::attend_units<Kind::BF16, C>(p, w, b, e);
 }
 
 template <Kind K, Kind C>
@@ -196,7 +203,8 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const
 }
 #endif
 
-// The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ) with or without AVX512-BF16,
+// The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ) with or without AVX512-BF16
+// (and VBMI),
 // else AVX2 with FMA and F16C, else the baseline. ATEN_CPU_CAPABILITY=default, =avx2 or
 // =avx512 caps the choice (as it does for ATen's own kernels; avx512 leaves out
 // AVX512-BF16): the tests use it to check every build.
@@ -218,7 +226,10 @@ Isa cpu_isa() {
           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))) {
       return Isa::Avx2;
     }
-    if (capped("avx512") || !__builtin_cpu_supports("avx512bf16")) return Isa::Avx512;
+    if (capped("avx512") || !__builtin_cpu_supports("avx512bf16") ||
+        !__builtin_cpu_supports("avx512vbmi")) {
+      return Isa::Avx512;
+    }
     return Isa::Avx512Bf16;
   }();
   return isa;
@@ -239,8 +250,9 @@ Kernel kernel_for_isa(int64_t head_dim) {
   const Isa isa = cpu_isa();
   // The AVX-512 kernel reads whole 16-float columns, bfloat16 rows 32 elements at once.
   const bool fits = head_dim % (C == Kind::BF16 ? 32 : 16) == 0;
-  if constexpr (K == Kind::BF16 && C == Kind::BF16) {
-    if (isa == Isa::Avx512Bf16 && fits) return {&attend_avx512bf16, "avx512_bf16"};
+  if constexpr (K == Kind::BF16 && (C == Kind::BF16 || C == Kind::FP8)) {
+    // P·V (and fp8's lookup) go 64 columns at a time.
+    if (isa == Isa::Avx512Bf16 && head_dim % 64 == 0) return {&attend_avx512bf16<C>, "avx512_bf16"};
   }
   if ((isa == Isa::Avx512 || isa == Isa::Avx512Bf16) && fits) return {&attend_avx512<K, C>, "avx512"};
   if (isa != Isa::Base) return {&attend_avx2<K, C>, "avx2"};
@@ -344,17 +356,25 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   at::Tensor out = at::empty({dims.num_seqs, dims.num_heads, dims.head_dim}, q.options());
   if (dims.num_seqs == 0 || dims.num_heads == 0 || dims.head_dim == 0) return out;
 
-  // Split-K only when (sequence, kv head) pairs cannot keep every thread busy.
+  // Work items (sequence, partition, group of kv heads), at least kItemsPerThread per
+  // thread where the step allows, taken one by one by the threads (items): sequences
+  // first, then split-K partitions of long contexts, then kv heads (a group's rows of
+  // a token are adjacent, so fewer groups visit each page fewer times).
   const int64_t threads = at::get_num_threads();
-  const int64_t pairs = dims.num_seqs * dims.num_kv_heads;
+  const int64_t want = kItemsPerThread * threads;
+  const int64_t H = dims.num_kv_heads;
   int64_t parts = 1;
   int64_t partition_tokens = std::max<int64_t>(max_len, 1);
   const int64_t min_part = min_partition_tokens();
-  if (pairs < 2 * threads && max_len > min_part) {
-    parts = std::min(ceil_div(2 * threads, pairs), ceil_div(max_len, min_part));
+  if (dims.num_seqs < want && max_len > min_part) {
+    parts = std::min(ceil_div(want, dims.num_seqs), ceil_div(max_len, min_part));
     partition_tokens = ceil_div(ceil_div(max_len, parts), kChunk) * kChunk;
     parts = ceil_div(max_len, partition_tokens);
   }
+  const int64_t heads_per_item =
+      ceil_div(H, std::min(H, std::max<int64_t>(1, ceil_div(want, dims.num_seqs * parts))));
+  const int64_t head_groups = ceil_div(H, heads_per_item);
+  const int64_t items = dims.num_seqs * parts * head_groups;
 
   Params p{};
   p.query = q.data_ptr();
@@ -394,9 +414,14 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   const Kernel kernel = kernel_for(kind, D, fp8);
   const AttendFn attend = kernel.fn;
   last_kernel = {kernel.isa, parts, partition_tokens, threads};
-  const int64_t unit_elements = std::max<int64_t>(1, 2 * std::min(max_len, partition_tokens) * D);
-  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / unit_elements);
-  at::parallel_for(0, pairs * parts, grain, [&](int64_t begin, int64_t end) {
+  // Threads: one per kMinParallelElements of K and V (short steps stay on one).
+  const int64_t elements = 2 * dims.num_seqs * std::max<int64_t>(max_len, 1) * H * D;
+  const int64_t workers =
+      std::min({threads, items, std::max<int64_t>(1, elements / kMinParallelElements)});
+  // Items go to whichever thread asks next, not in fixed shares: on a shared machine one
+  // thread is often descheduled, and the others then take its share instead of waiting.
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buf(2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk);
     std::vector<int64_t> offsets(2 * kChunk);
     std::vector<const float*> rows(2 * kChunk);
@@ -412,7 +437,12 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
     w.voff = offsets.data() + kChunk;
     w.krows = rows.data();
     w.vrows = rows.data() + kChunk;
-    attend(p, w, begin, end);
+    for (int64_t i = next_item.fetch_add(1); i < items; i = next_item.fetch_add(1)) {
+      // Units are numbered (sequence, partition, kv head), the head fastest.
+      const int64_t sp = i / head_groups, hg = i % head_groups;
+      const int64_t begin = sp * H + hg * heads_per_item;
+      attend(p, w, begin, std::min(begin + heads_per_item, (sp + 1) * H));
+    }
   });
   if (parts > 1) {
     if (kind == at::kFloat) {

@@ -35,13 +35,54 @@ constexpr int64_t kGroupTile = 4;  // query heads sharing a loaded K or V vector
 // The factor between an e4m3 value and the fp32 that fp8x16 makes of its byte.
 constexpr float kFp8Unit = 0x1p120f;
 
-// Whether q and the accumulators are in even/odd order (bfloat16 caches).
-template <Kind C>
-constexpr bool kEvenOdd = C == Kind::BF16;
-
-// Whether q·k runs on vdpbf16ps: bfloat16 query and cache, and this build has it.
+// Whether q·k runs on vdpbf16ps: a bfloat16 query, a bfloat16 or fp8 cache (fp8 rows
+// become bfloat16 by table lookup, fp8_to_bf16x64), and this build has it.
 template <Kind K, Kind C>
-constexpr bool kDot = KVSTORE_DPBF16 && K == Kind::BF16 && C == Kind::BF16;
+constexpr bool kDot = KVSTORE_DPBF16 && K == Kind::BF16 && (C == Kind::BF16 || C == Kind::FP8);
+
+// The order of q and of the output accumulators within each 32 (bfloat16) or 64 (fp8
+// looked up as bfloat16) elements of a row: the order the rows' elements come out of
+// the registers they are loaded into, which a dot product does not see.
+enum class Order { Natural, EvenOdd, DotBf16, DotFp8 };
+template <Kind K, Kind C>
+constexpr Order kOrder = kDot<K, C> ? (C == Kind::FP8 ? Order::DotFp8 : Order::DotBf16)
+                         : C == Kind::BF16 ? Order::EvenOdd
+                                           : Order::Natural;
+
+// Element of a row at position `a` of order O.
+template <Order O>
+KVSTORE_INLINE int64_t row_element(int64_t a) {
+  if constexpr (O == Order::EvenOdd) {
+    // Each 32 elements as their 16 even ones, then their 16 odd ones.
+    const int64_t c = a & ~int64_t{31}, r = a & 31;
+    return c + 2 * (r & 15) + (r >> 4);
+  } else if constexpr (O == Order::DotBf16 || O == Order::DotFp8) {
+    // P·V on vdpbf16ps (pv_tile_dot): each 64 as four vectors of 16, the words of two
+    // tokens' rows interleaved by vpunpckl/hwd (lane 4L + i of the low one is word
+    // 8L + i of the rows, of the high one word 8L + 4 + i), from two 32-element loads
+    // (bfloat16) or from fp8_to_bf16x64's a and b (word w of a is element
+    // 16 (w / 8) + w % 8, of b that + 8).
+    const int64_t c = a & ~int64_t{63}, r = a & 15, part = (a & 63) >> 4;
+    const int64_t w = 8 * (r >> 2) + (r & 3) + 4 * (part & 1);
+    if constexpr (O == Order::DotBf16) return c + 32 * (part >> 1) + w;
+    return c + 16 * (w >> 3) + (w & 7) + 8 * (part >> 1);
+  } else {
+    return a;
+  }
+}
+
+// Element of q's bfloat16 word `a` for vdpbf16ps (kDot): bfloat16 caches in natural
+// order; fp8 in the word order of fp8_to_bf16x64 (A's 32 words, then B's).
+template <Kind C>
+KVSTORE_INLINE int64_t dot_q_element(int64_t a) {
+  if constexpr (C == Kind::FP8) {
+    const int64_t c = a & ~int64_t{63}, r = a & 63;
+    const int64_t w = r & 31;
+    return c + 16 * (w >> 3) + (w & 7) + (r >> 5) * 8;
+  } else {
+    return a;
+  }
+}
 
 KVSTORE_INLINE __m512 bf16_even(__m512i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
@@ -59,6 +100,48 @@ KVSTORE_INLINE __m512 fp8x16(const uint8_t* p) {
   return _mm512_castsi512_ps(
       _mm512_and_si512(_mm512_slli_epi32(x, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u))));
 }
+
+#if KVSTORE_DPBF16
+// The bfloat16 bits of e4m3 magnitudes 0 .. 127, exact (subnormals m * 2^-9 are
+// bfloat16 normals; 0x7f is NaN).
+constexpr uint16_t fp8_bf16_bits(int m) {
+  if (m == 0x7F) return 0x7FC0;
+  const int e = m >> 3, man = m & 7;
+  if (e > 0) return static_cast<uint16_t>(((e + 120) << 7) | (man << 4));
+  if (man == 0) return 0;
+  const int k = man >= 4 ? 2 : man >= 2 ? 1 : 0;  // man = 2^k * (1 + f)
+  return static_cast<uint16_t>(((k - 9 + 127) << 7) | ((man - (1 << k)) << (7 - k)));
+}
+
+struct Fp8Tables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+};
+constexpr Fp8Tables make_fp8_tables() {
+  Fp8Tables t{};
+  for (int m = 0; m < 128; ++m) {
+    t.lo[m] = static_cast<uint8_t>(fp8_bf16_bits(m) & 0xFF);
+    t.hi[m] = static_cast<uint8_t>(fp8_bf16_bits(m) >> 8);
+  }
+  return t;
+}
+constexpr Fp8Tables kFp8Tables = make_fp8_tables();
+
+// 64 e4m3 bytes to 64 bfloat16, exactly (NaN included), in two vectors: a 128-entry
+// byte table lookup (vpermi2b) each for the low and the high byte of the magnitude's
+// bfloat16, the sign into the high byte, and the bytes interleaved into words. Word w
+// of a is element 16 (w / 8) + w % 8, of b that + 8 (the 128-bit lanes of vpunpck).
+KVSTORE_INLINE void fp8_to_bf16x64(const uint8_t* p, __m512i& a, __m512i& b) {
+  const __m512i x = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Tables.lo), x,
+                                              _mm512_load_si512(kFp8Tables.lo + 64));
+  __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Tables.hi), x,
+                                        _mm512_load_si512(kFp8Tables.hi + 64));
+  hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+#endif
 
 template <Kind C>
 KVSTORE_INLINE __m512 load_row16(const typename Storage<C>::type* p) {
@@ -143,7 +226,21 @@ KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int
     const auto* k = t.k[j];
     __m512 acc[GT], acc2[GT];
     for (int g = 0; g < GT; ++g) acc[g] = acc2[g] = _mm512_setzero_ps();
-    if constexpr (kDot<K, C>) {
+    if constexpr (kDot<K, C> && C == Kind::FP8) {
+#if KVSTORE_DPBF16
+      const auto* qb = reinterpret_cast<const uint16_t*>(q);
+      for (int64_t d = 0; d < D; d += 64) {
+        __m512i ka, kb;
+        fp8_to_bf16x64(k + d, ka, kb);
+        for (int g = 0; g < GT; ++g) {
+          const __m512i qa = _mm512_loadu_si512(qb + g * D + d);
+          const __m512i qc = _mm512_loadu_si512(qb + g * D + d + 32);
+          acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qa, (__m512bh)ka);
+          acc2[g] = _mm512_dpbf16_ps(acc2[g], (__m512bh)qc, (__m512bh)kb);
+        }
+      }
+#endif
+    } else if constexpr (kDot<K, C>) {
 #if KVSTORE_DPBF16
       // q holds bfloat16 bits here (see attend_units).
       const auto* qb = reinterpret_cast<const uint16_t*>(q);
@@ -178,7 +275,7 @@ KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int
 
 // acc[g][d] += sum_j p[g * 16 + j] * v_j[d] for GT query heads, CB columns of 16 at a
 // time (bfloat16: CB / 2 loads of 32 elements, split even/odd).
-template <Kind C, int GT, int CB>
+template <Kind K, Kind C, int GT, int CB>
 KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
                             const TileRows<C>& t, int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 16 * CB) {
@@ -208,6 +305,48 @@ KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
   }
 }
 
+#if KVSTORE_DPBF16
+// acc[g][.] += sum_j p[g][j] * v_j for GT query heads on vdpbf16ps: the rows of tokens
+// j and j + 1 interleaved word by word, times the bfloat16 pair (p[g][j], p[g][j + 1]);
+// half the instructions of fp32 FMAs. The probabilities are rounded to bfloat16
+// (relative 2^-9, the rounding of the bfloat16 output; their sum stays fp32). An odd
+// last token pairs with itself at probability 0. 64 columns at a time (Order::Dot*).
+template <Kind C, int GT>
+KVSTORE_INLINE void pv_tile_dot(float* __restrict acc, const uint16_t* __restrict pb,
+                                const TileRows<C>& t, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[GT][4];
+    for (int g = 0; g < GT; ++g) {
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c);
+    }
+    for (int64_t j = 0; j < t.n; j += 2) {
+      const int64_t j1 = j + 1 < t.n ? j + 1 : j;
+      __m512i x0, x1, y0, y1;
+      if constexpr (C == Kind::FP8) {
+        fp8_to_bf16x64(t.v[j] + d0, x0, x1);
+        fp8_to_bf16x64(t.v[j1] + d0, y0, y1);
+      } else {
+        x0 = _mm512_loadu_si512(t.v[j] + d0);
+        x1 = _mm512_loadu_si512(t.v[j] + d0 + 32);
+        y0 = _mm512_loadu_si512(t.v[j1] + d0);
+        y1 = _mm512_loadu_si512(t.v[j1] + d0 + 32);
+      }
+      const __m512i u[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                            _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+      for (int g = 0; g < GT; ++g) {
+        uint32_t pair;
+        __builtin_memcpy(&pair, pb + g * kTile + j, sizeof(pair));
+        const __m512i pp = _mm512_set1_epi32(static_cast<int>(pair));
+        for (int c = 0; c < 4; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)pp, (__m512bh)u[c]);
+      }
+    }
+    for (int g = 0; g < GT; ++g) {
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, a[g][c]);
+    }
+  }
+}
+#endif
+
 // One tile of one kv head for GT query heads (state index i0 .. i0 + GT - 1).
 template <Kind K, Kind C, int GT>
 KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const TileRows<C>& t,
@@ -216,21 +355,27 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
   const float* q = kDot<K, C> ? w.q + i0 * D / 2 : w.q + i0 * D;
   qk_tile<K, C, GT>(q, t, D, prefetch, dots);
   float* p = w.scores;  // [GT, 16]
+  // kDot: the probabilities as bfloat16, [GT, 16] and one word of padding.
+  auto* pb = reinterpret_cast<uint16_t*>(w.scores + GT * kTile);
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   const __mmask16 valid = static_cast<__mmask16>((1u << t.n) - 1u);
   for (int g = 0; g < GT; ++g) {
     const int64_t i = i0 + g;
     // Lanes past n hold -inf: their exp is 0 (the stale dots there are never read).
     __m512 raw = transpose_sum16(dots + g * kTile);
-    if constexpr (C == Kind::FP8) raw = _mm512_mul_ps(raw, _mm512_set1_ps(kFp8Unit));
+    if constexpr (C == Kind::FP8 && !kDot<K, C>) raw = _mm512_mul_ps(raw, _mm512_set1_ps(kFp8Unit));
     if constexpr (C == Kind::FP8 || kDot<K, C>) raw = _mm512_mul_ps(raw, _mm512_load_ps(t.kmul));
     const __m512 sc = _mm512_mask_blend_ps(valid, neg_inf, raw);
     const SoftmaxMerge mg = softmax_merge(w.m[i], _mm512_reduce_max_ps(sc));
     const __m512 e = exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(mg.max)));
-    if constexpr (C == Kind::FP8) {
-      _mm512_storeu_ps(p + g * kTile, _mm512_mul_ps(e, _mm512_load_ps(t.vmul)));
+    const __m512 pv = C == Kind::FP8 ? _mm512_mul_ps(e, _mm512_load_ps(t.vmul)) : e;
+    if constexpr (kDot<K, C>) {
+#if KVSTORE_DPBF16
+      const __m256bh h = _mm512_cvtneps_pbh(pv);
+      __builtin_memcpy(pb + g * kTile, &h, sizeof(h));
+#endif
     } else {
-      _mm512_storeu_ps(p + g * kTile, e);
+      _mm512_storeu_ps(p + g * kTile, pv);
     }
     float* acc = w.acc + i * D;
     if (mg.scale_a != 1.f) {
@@ -243,12 +388,16 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
     w.m[i] = mg.max;
   }
   float* acc = w.acc + i0 * D;
-  if (D % 64 == 0) {
-    pv_tile<C, GT, 4>(acc, p, t, D);
+  if constexpr (kDot<K, C>) {
+#if KVSTORE_DPBF16
+    pv_tile_dot<C, GT>(acc, pb, t, D);
+#endif
+  } else if (D % 64 == 0) {
+    pv_tile<K, C, GT, 4>(acc, p, t, D);
   } else if (D % 32 == 0) {
-    pv_tile<C, GT, 2>(acc, p, t, D);
+    pv_tile<K, C, GT, 2>(acc, p, t, D);
   } else if constexpr (C != Kind::BF16) {
-    pv_tile<C, GT, 1>(acc, p, t, D);
+    pv_tile<K, C, GT, 1>(acc, p, t, D);
   }
 }
 
@@ -294,13 +443,6 @@ KVSTORE_INLINE void store_scalar(void* out, int64_t i, float v) {
   } else {
     static_cast<c10::BFloat16*>(out)[i] = c10::BFloat16(v);
   }
-}
-
-// Position d of a row in even/odd order: each 32 elements as their 16 even ones, then
-// their 16 odd ones.
-KVSTORE_INLINE int64_t even_odd_index(int64_t d) {
-  const int64_t c = d & ~int64_t{31}, r = d & 31;
-  return c + (r >> 1) + ((r & 1) << 4);
 }
 
 // Walks a sequence's tokens in order: the pool block and offset of each, without a
@@ -356,11 +498,11 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
     const TQ* q = static_cast<const TQ*>(p.query) + (s * p.num_heads + h0 * G) * D;
     if constexpr (kDot<K, C>) {
       auto* qb = reinterpret_cast<uint16_t*>(w.q);
-      for (int64_t i = 0; i < heads * D; ++i) qb[i] = q[i];
+      for (int64_t i = 0; i < heads * D; ++i) qb[i] = q[(i / D) * D + dot_q_element<C>(i % D)];
     } else {
       for (int64_t i = 0; i < heads * D; ++i) {
-        const int64_t at = kEvenOdd<C> ? (i / D) * D + even_odd_index(i % D) : i;
-        w.q[at] = widen_scalar<K>(q[i]) * p.scale;
+        const int64_t e = (i / D) * D + row_element<kOrder<K, C>>(i % D);
+        w.q[i] = widen_scalar<K>(q[e]) * p.scale;
       }
     }
     for (int64_t i = 0; i < heads * D; ++i) w.acc[i] = 0.f;
@@ -385,7 +527,8 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
           t.k[j] = kc + blk[j] * p.k_block_stride + off[j] * row_stride + h * D;
           t.v[j] = vc + blk[j] * p.v_block_stride + off[j] * row_stride + h * D;
           if constexpr (C == Kind::FP8) {
-            t.kmul[j] = p.key_scales[blk[j] * p.k_scale_stride + h];
+            // kDot: q is not pre-scaled.
+            t.kmul[j] = p.key_scales[blk[j] * p.k_scale_stride + h] * (kDot<K, C> ? p.scale : 1.f);
             t.vmul[j] = p.value_scales[blk[j] * p.v_scale_stride + h];
           }
         }
@@ -406,7 +549,7 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
           case 1: attend_tile<K, C, 1>(w, i_h + g, D, t, g == 0, dots); break;
           default: break;
         }
-        if constexpr (C == Kind::FP8) {
+        if constexpr (C == Kind::FP8 && !kDot<K, C>) {
           // A NaN byte is a NaN value: the reference's softmax makes every output of
           // the group NaN, and so does a NaN accumulator here (merges keep it).
           if (fp8_tile_has_nan(t, D)) {
@@ -419,20 +562,19 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
     for (int64_t i = 0; i < heads; ++i) {
       const int64_t head = h0 * G + i;
       const float* acc = w.acc + i * D;
-      // fp8 rows were read as value * 2^-120 (fp8x16).
-      const float unit_scale = C == Kind::FP8 ? kFp8Unit : 1.f;
+      // fp8 rows were read as value * 2^-120 (fp8x16), unless looked up as bfloat16.
+      const float unit_scale = C == Kind::FP8 && !kDot<K, C> ? kFp8Unit : 1.f;
       if (P == 1) {
         // An empty sequence (len 0) attends to nothing: its output is 0.
         const float inv = w.l[i] > 0.f ? unit_scale / w.l[i] : 0.f;
         const int64_t o = (s * p.num_heads + head) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float a = acc[kEvenOdd<C> ? even_odd_index(d) : d];
-          store_scalar<K>(p.out, o + d, a * inv);
+        for (int64_t a = 0; a < D; ++a) {
+          store_scalar<K>(p.out, o + row_element<kOrder<K, C>>(a), acc[a] * inv);
         }
       } else {
         const int64_t pi = (s * p.num_heads + head) * P + part;
-        for (int64_t d = 0; d < D; ++d) {
-          p.part_out[pi * D + d] = acc[kEvenOdd<C> ? even_odd_index(d) : d] * unit_scale;
+        for (int64_t a = 0; a < D; ++a) {
+          p.part_out[pi * D + row_element<kOrder<K, C>>(a)] = acc[a] * unit_scale;
         }
         p.part_max[pi] = w.m[i];
         p.part_sum[pi] = w.l[i];

@@ -31,6 +31,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
+#include <memory>
+#include <thread>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -295,11 +298,57 @@ int64_t min_partition_tokens() {
   return v > 0 ? ceil_div(v, kChunk) * kChunk : kMinPartitionTokens;
 }
 
+// Runs `items` work items on the calling thread and up to `workers - 1` helpers from
+// ATen's inter-op pool. `body(claim)` takes items while `claim(i)` gives one.
+//
+// Not at::parallel_for: its parallel region ends in a barrier that waits for every
+// thread of the team, also one that the OS has not scheduled yet, so on a busy host a
+// decode step of a millisecond waited for a whole scheduler time slice (measured: every
+// 8K-token step took 20 ms on two threads under a load average of 5, 2 ms on one).
+// Here items go to whichever thread asks next, and the caller waits only for items a
+// helper has taken: a helper that starts late finds none left and never touches the
+// step's data (the shared state it holds outlives the call; `body` is never run by it
+// then).
+void run_items(int64_t items, int64_t workers,
+               const std::function<void(const std::function<bool(int64_t&)>&)>& body) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    int64_t items = 0;
+    // Set to the caller's body; run by a helper only for an item it has claimed, which
+    // the caller waits for, so the references it captures are alive then.
+    std::function<void(const std::function<bool(int64_t&)>&)> body;
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->items = items;
+  shared->body = body;
+  const auto work = [](Shared& st) {
+    const int64_t first = st.next.fetch_add(1);
+    if (first >= st.items) return;  // nothing left: do not touch the step's data
+    bool given = false;
+    st.body([&st, first, &given](int64_t& i) {
+      if (!given) {
+        given = true;
+        i = first;
+        return true;
+      }
+      st.done.fetch_add(1);  // the item the body just finished
+      i = st.next.fetch_add(1);
+      return i < st.items;
+    });
+  };
+  for (int64_t h = 1; h < workers; ++h) at::launch([shared, work] { work(*shared); });
+  work(*shared);
+  // Every item is taken now; wait for those helpers still run.
+  while (shared->done.load() < items) std::this_thread::yield();
+}
+
 // Merges the partitions of each (sequence, head) and writes the normalised output.
 template <Kind K>
 void merge_partitions(const Params& p, int64_t num_seqs) {
   const int64_t D = p.head_dim, P = p.num_partitions;
-  at::parallel_for(0, num_seqs * p.num_heads, 1, [&](int64_t begin, int64_t end) {
+  // Serial: a few KiB of partials, less work than waking a thread.
+  [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t sh = begin; sh < end; ++sh) {
       float m = -std::numeric_limits<float>::infinity(), l = 0.f;
@@ -316,7 +365,7 @@ void merge_partitions(const Params& p, int64_t num_seqs) {
       const float inv = l > 0.f ? 1.f / l : 0.f;
       for (int64_t d = 0; d < D; ++d) cpu_base::store_out<K>(p.out, sh * D + d, acc[d] * inv);
     }
-  });
+  }(0, num_seqs * p.num_heads);
 }
 
 // Both ops: `key_scales` and `value_scales` are defined for fp8 caches only.
@@ -418,10 +467,7 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   const int64_t elements = 2 * dims.num_seqs * std::max<int64_t>(max_len, 1) * H * D;
   const int64_t workers =
       std::min({threads, items, std::max<int64_t>(1, elements / kMinParallelElements)});
-  // Items go to whichever thread asks next, not in fixed shares: on a shared machine one
-  // thread is often descheduled, and the others then take its share instead of waiting.
-  std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  run_items(items, workers, [&](const std::function<bool(int64_t&)>& claim) {
     std::vector<float> buf(2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk);
     std::vector<int64_t> offsets(2 * kChunk);
     std::vector<const float*> rows(2 * kChunk);
@@ -437,7 +483,7 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
     w.voff = offsets.data() + kChunk;
     w.krows = rows.data();
     w.vrows = rows.data() + kChunk;
-    for (int64_t i = next_item.fetch_add(1); i < items; i = next_item.fetch_add(1)) {
+    for (int64_t i = 0; claim(i);) {
       // Units are numbered (sequence, partition, kv head), the head fastest.
       const int64_t sp = i / head_groups, hg = i % head_groups;
       const int64_t begin = sp * H + hg * heads_per_item;

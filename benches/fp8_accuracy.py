@@ -10,8 +10,9 @@ $KVSTORE_DEMO_MODEL). Both runs prefill the same synthetic prompt, then decode
 compares the same context: the table gives the share of steps whose greedy token
 agrees, the largest |logit difference| over all steps and vocabulary, and the
 largest logit itself for scale. A float32 pool (kvstore's ops, no quantization) is
-run too, to tell fp8's error from the kernel's, and a bfloat16 pool for scale. Also: free-running greedy tokens of
-the fp8 run, and how many leading ones equal the reference's.
+run too, to tell fp8's error from the kernel's, and a bfloat16 pool for scale. Also:
+free-running greedy tokens of the fp8 run, and how many leading ones equal the
+reference's.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ per sequence) is timed with
   placed at random like ours, 4 KiB pages), where vLLM's CPU build is installed (run
   this script with the python that `bash scripts/vllm_env.sh` prints and
   PYTHONPATH=python); paged/vllm is its fastest call over our fastest paged 4k call;
+  vllm fp8 is the same with its fp8 KV cache ("fp8_e4m3", one scale per tensor for
+  K and for V), and fp8/vllm fp8 its fastest call over our fastest fp8 call;
 - fp8: paged_attention over the same KV quantized to float8_e4m3fn by write_kv
   (fp32 scales per block and kv head; 4 KiB pages like "paged 4k"): half the
   bytes of bf16 per token. Its KV/stream counts its own (fp8) bytes, and
@@ -101,15 +103,22 @@ def vllm_decode(
     seq_lens: torch.Tensor,
     scale: float,
     g: torch.Generator,
+    fp8_scales: tuple[float, float] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A decode step of vLLM's CPU kernel over the K and V our cache holds for each
-    sequence (copied by vLLM's own writer into its layout, one sequence at a time)."""
+    sequence (copied by vLLM's own writer into its layout, one sequence at a time);
+    with `fp8_scales` (its per-tensor K and V scales), quantized by that writer to
+    e4m3 (vLLM's "fp8_e4m3" KV cache)."""
     batch, num_heads, head_dim = q.shape
     context = int(seq_lens.max())
     bs = VLLM_BLOCK
     blocks_per_seq = -(-context // bs)
     num_blocks = batch * blocks_per_seq + 1  # block 0 is vLLM's null block
-    kv = torch.zeros(num_blocks, NUM_KV_HEADS, bs, 2 * head_dim, dtype=q.dtype)
+    cache_dtype = "fp8_e4m3" if fp8_scales else "auto"
+    k_scale, v_scale = fp8_scales or (1.0, 1.0)
+    kv = torch.zeros(
+        num_blocks, NUM_KV_HEADS, bs, 2 * head_dim, dtype=torch.uint8 if fp8_scales else q.dtype
+    )
     # The backend's own views: [blocks, H, 2 bs, D] split into K and V halves.
     kc, vc = kv.view(num_blocks, NUM_KV_HEADS, 2 * bs, head_dim).chunk(2, dim=2)
     table = (torch.randperm(num_blocks - 1, generator=g) + 1).int().view(batch, blocks_per_seq)
@@ -119,7 +128,9 @@ def vllm_decode(
         k = key_cache[rows].reshape(-1, NUM_KV_HEADS, head_dim)[:context]
         v = value_cache[rows].reshape(-1, NUM_KV_HEADS, head_dim)[:context]
         slots = table[s].long()[t // bs] * bs + t % bs
-        vops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "vec")
+        vops.cpu_attn_reshape_and_cache(
+            k, v, kc, vc, slots, "vec", k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=cache_dtype
+        )
     start = torch.arange(batch + 1, dtype=torch.int32)
     meta = vops.cpu_attn_get_scheduler_metadata(
         num_reqs=batch,
@@ -133,12 +144,30 @@ def vllm_decode(
         sliding_window_size=-1,
         isa="vec",
         enable_kv_split=True,
+        kv_cache_dtype=cache_dtype,
     )
     out = torch.empty_like(q)
 
     def step() -> torch.Tensor:
         vops.cpu_attention_with_kv_cache(
-            q, kc, vc, out, start, seq_lens, scale, True, None, -1, table, 0.0, meta, None
+            q,
+            kc,
+            vc,
+            out,
+            start,
+            seq_lens,
+            scale,
+            True,
+            None,
+            -1,
+            table,
+            0.0,
+            meta,
+            None,
+            None,
+            k_scale,
+            v_scale,
+            cache_dtype,
         )
         return out
 
@@ -232,6 +261,15 @@ def case(
         row["vllm_bytes_per_s"] = kv_bytes / row["vllm_ms_min"] * 1e3
         row["speed_vs_vllm"] = row["vllm_ms_min"] / row["paged_ms_min"]
         del vllm
+        # vLLM's fp8: one scale per tensor (K, V), from the largest |value|.
+        scales = (float(src[0].abs().max()) / ops.FP8_MAX, float(src[1].abs().max()) / ops.FP8_MAX)
+        vllm8 = vllm_decode(vops, q, key_cache, value_cache, tables, seq_lens, scale, g, scales)
+        row["vllm_fp8_max_abs_diff"] = (vllm8().float() - out.float()).abs().max().item()
+        row["vllm_fp8_ms_min"], row["vllm_fp8_ms_median"] = (
+            t * 1e3 for t in timeit(vllm8, seconds)
+        )
+        row["speed_fp8_vs_vllm_fp8"] = row["vllm_fp8_ms_min"] / row["fp8_ms_min"]
+        del vllm8
     if kv_bytes <= sdpa_max_bytes:
         # The same KV, contiguous, for SDPA: [batch, H, T, D].
         k = torch.empty(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype)
@@ -308,12 +346,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{'batch':>7} {'context':>7} {'paged 4k ms':>15} {'paged huge ms':>15} "
         f"{'sdpa ms':>15} {'paged/sdpa':>10} {'KV/stream':>9} {'huge/stream':>11} "
         f"{'fp8 ms':>15} {'fp8/stream':>10} {'bf16/fp8':>8} "
-        f"{'vllm ms':>15} {'vllm/stream':>11} {'paged/vllm':>10}"
+        f"{'vllm ms':>15} {'vllm/stream':>11} {'paged/vllm':>10} "
+        f"{'vllm fp8 ms':>15} {'fp8/vllm fp8':>12}"
     )
     print(head)
     print(
         f"{'':>15} {'fastest median':>15} {'fastest median':>15} {'fastest median':>15}"
         f"{'':>33} {'fastest median':>15}{'':>21}{'fastest median':>15}"
+        f"{'':>24}{'fastest median':>15}"
     )
     print("-" * len(head))
     for r in rows:
@@ -325,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         vllm = (
             f"{r['vllm_ms_min']:>7.2f} {r['vllm_ms_median']:>7.2f} "
-            f"{r['vllm_vs_read_stream']:>11.2f} {r['speed_vs_vllm']:>9.2f}x"
+            f"{r['vllm_vs_read_stream']:>11.2f} {r['speed_vs_vllm']:>9.2f}x "
+            f"{r['vllm_fp8_ms_min']:>7.2f} {r['vllm_fp8_ms_median']:>7.2f} "
+            f"{r['speed_fp8_vs_vllm_fp8']:>11.2f}x"
             if "vllm_ms_min" in r
-            else f"{'-':>7} {'-':>7} {'-':>11} {'-':>10}"
+            else f"{'-':>7} {'-':>7} {'-':>11} {'-':>10} {'-':>7} {'-':>7} {'-':>12}"
         )
         print(
             f"{batch:>7} {r['context']:>7} "
@@ -372,6 +414,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{max(r['fp8_max_abs_diff'] for r in rows):.3g}"
         )
     peer = [r["speed_vs_vllm"] for r in rows if "speed_vs_vllm" in r]
+    peer8 = [r["speed_fp8_vs_vllm_fp8"] for r in rows if "speed_fp8_vs_vllm_fp8" in r]
+    if peer8:
+        print(
+            f"fp8/vllm fp8 (its per-tensor-scale fp8 KV): {min(peer8):.2f}x to {max(peer8):.2f}x; "
+            "largest |vllm fp8 - paged| "
+            f"{max(r['vllm_fp8_max_abs_diff'] for r in rows if 'vllm_fp8_max_abs_diff' in r):.3g}"
+        )
     if peer:
         print(
             f"paged/vllm (vLLM {vops_version()}'s CPU kernel, fastest calls): {min(peer):.2f}x to "

@@ -17,6 +17,15 @@ per sequence) is timed with
   the same KV gathered into contiguous [batch, H, T, D] tensors beforehand (the
   gather is not timed), i.e. the best case for SDPA; only up to --sdpa-max-gib
   of KV (the copy doubles the memory);
+- vllm: vLLM's CPU decode kernel (`vllm._custom_ops.cpu_attention_with_kv_cache`,
+  what its CPU attention backend calls, ISA "vec") over the same K and V, same lengths,
+  same threads, written by its own `cpu_attn_reshape_and_cache` into its own paged
+  layout (`[num_blocks, H, 32, 2 D]`: block size 32, the smallest it takes, blocks
+  placed at random like ours, 4 KiB pages), where vLLM's CPU build is installed (run
+  this script with the python that `bash scripts/vllm_env.sh` prints and
+  PYTHONPATH=python); paged/vllm is its fastest call over our fastest paged 4k call;
+  vllm fp8 is the same with its fp8 KV cache ("fp8_e4m3", one scale per tensor for
+  K and for V), and fp8/vllm fp8 its fastest call over our fastest fp8 call;
 - fp8: paged_attention over the same KV quantized to float8_e4m3fn by write_kv
   (fp32 scales per block and kv head; 4 KiB pages like "paged 4k"): half the
   bytes of bf16 per token. Its KV/stream counts its own (fp8) bytes, and
@@ -53,6 +62,7 @@ import torch.nn.functional as F
 from kvstore import ops
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 128, 16
+VLLM_BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 
 
 def timeit(fn: Callable[[], Any], seconds: float) -> tuple[float, float]:
@@ -75,6 +85,104 @@ def read_bandwidth(nbytes: int, seconds: float) -> float:
     return buf.numel() * 4 / timeit(buf.sum, seconds)[0]
 
 
+def vllm_ops() -> Any:
+    """vLLM's custom ops module (its CPU build), or None where vLLM is not installed."""
+    try:
+        import vllm._custom_ops as vops
+    except ImportError:
+        return None
+    return vops
+
+
+def vllm_decode(
+    vops: Any,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    g: torch.Generator,
+    fp8_scales: tuple[float, float] | None = None,
+) -> Callable[[], torch.Tensor]:
+    """A decode step of vLLM's CPU kernel over the K and V our cache holds for each
+    sequence (copied by vLLM's own writer into its layout, one sequence at a time);
+    with `fp8_scales` (its per-tensor K and V scales), quantized by that writer to
+    e4m3 (vLLM's "fp8_e4m3" KV cache)."""
+    batch, num_heads, head_dim = q.shape
+    context = int(seq_lens.max())
+    bs = VLLM_BLOCK
+    blocks_per_seq = -(-context // bs)
+    num_blocks = batch * blocks_per_seq + 1  # block 0 is vLLM's null block
+    cache_dtype = "fp8_e4m3" if fp8_scales else "auto"
+    k_scale, v_scale = fp8_scales or (1.0, 1.0)
+    kv = torch.zeros(
+        num_blocks, NUM_KV_HEADS, bs, 2 * head_dim, dtype=torch.uint8 if fp8_scales else q.dtype
+    )
+    # The backend's own views: [blocks, H, 2 bs, D] split into K and V halves.
+    kc, vc = kv.view(num_blocks, NUM_KV_HEADS, 2 * bs, head_dim).chunk(2, dim=2)
+    table = (torch.randperm(num_blocks - 1, generator=g) + 1).int().view(batch, blocks_per_seq)
+    t = torch.arange(context)
+    for s in range(batch):
+        rows = tables[s].long()
+        k = key_cache[rows].reshape(-1, NUM_KV_HEADS, head_dim)[:context]
+        v = value_cache[rows].reshape(-1, NUM_KV_HEADS, head_dim)[:context]
+        slots = table[s].long()[t // bs] * bs + t % bs
+        vops.cpu_attn_reshape_and_cache(
+            k, v, kc, vc, slots, "vec", k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=cache_dtype
+        )
+    start = torch.arange(batch + 1, dtype=torch.int32)
+    meta = vops.cpu_attn_get_scheduler_metadata(
+        num_reqs=batch,
+        num_heads=num_heads,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        seq_lens=seq_lens,
+        dtype=q.dtype,
+        query_start_loc=start,
+        causal=True,
+        sliding_window_size=-1,
+        isa="vec",
+        enable_kv_split=True,
+        kv_cache_dtype=cache_dtype,
+    )
+    out = torch.empty_like(q)
+
+    def step() -> torch.Tensor:
+        vops.cpu_attention_with_kv_cache(
+            q,
+            kc,
+            vc,
+            out,
+            start,
+            seq_lens,
+            scale,
+            True,
+            None,
+            -1,
+            table,
+            0.0,
+            meta,
+            None,
+            None,
+            k_scale,
+            v_scale,
+            cache_dtype,
+        )
+        return out
+
+    return step
+
+
+def vops_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except (ImportError, AttributeError):
+        return "?"
+
+
 def load_average() -> str:
     try:
         with open("/proc/loadavg") as f:
@@ -84,7 +192,12 @@ def load_average() -> str:
 
 
 def case(
-    batch: int, context: int, dtype: torch.dtype, seconds: float, sdpa_max_bytes: int
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    seconds: float,
+    sdpa_max_bytes: int,
+    vops: Any = None,
 ) -> dict[str, Any]:
     from kvstore.torch import host_pages
 
@@ -130,6 +243,7 @@ def case(
 
     row: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
     out = paged()
+    row["kernel"] = ops.last_kernel()
     assert torch.equal(out, paged_huge())
     row["paged_ms_min"], row["paged_ms_median"] = (t * 1e3 for t in timeit(paged, seconds))
     row["huge_ms_min"], row["huge_ms_median"] = (t * 1e3 for t in timeit(paged_huge, seconds))
@@ -140,6 +254,22 @@ def case(
     row["fp8_ms_min"], row["fp8_ms_median"] = (t * 1e3 for t in timeit(paged_fp8, seconds))
     row["fp8_bytes_per_s"] = fp8_bytes / row["fp8_ms_min"] * 1e3
     row["fp8_speedup"] = row["paged_ms_min"] / row["fp8_ms_min"]
+    if vops is not None and dtype != torch.float32:
+        vllm = vllm_decode(vops, q, key_cache, value_cache, tables, seq_lens, scale, g)
+        row["vllm_max_abs_diff"] = (vllm().float() - out.float()).abs().max().item()
+        row["vllm_ms_min"], row["vllm_ms_median"] = (t * 1e3 for t in timeit(vllm, seconds))
+        row["vllm_bytes_per_s"] = kv_bytes / row["vllm_ms_min"] * 1e3
+        row["speed_vs_vllm"] = row["vllm_ms_min"] / row["paged_ms_min"]
+        del vllm
+        # vLLM's fp8: one scale per tensor (K, V), from the largest |value|.
+        scales = (float(src[0].abs().max()) / ops.FP8_MAX, float(src[1].abs().max()) / ops.FP8_MAX)
+        vllm8 = vllm_decode(vops, q, key_cache, value_cache, tables, seq_lens, scale, g, scales)
+        row["vllm_fp8_max_abs_diff"] = (vllm8().float() - out.float()).abs().max().item()
+        row["vllm_fp8_ms_min"], row["vllm_fp8_ms_median"] = (
+            t * 1e3 for t in timeit(vllm8, seconds)
+        )
+        row["speed_fp8_vs_vllm_fp8"] = row["vllm_fp8_ms_min"] / row["fp8_ms_min"]
+        del vllm8
     if kv_bytes <= sdpa_max_bytes:
         # The same KV, contiguous, for SDPA: [batch, H, T, D].
         k = torch.empty(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=dtype)
@@ -170,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-kv-gib", type=float, default=4.0, help="largest KV of a case")
     parser.add_argument("--sdpa-max-gib", type=float, default=1.0, help="largest KV for SDPA")
     parser.add_argument("--stream-gib", type=float, default=1.0, help="read-stream buffer")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's kernel")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -185,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         f"H={NUM_KV_HEADS} kv heads x {GROUP} query heads, D={HEAD_DIM}, B={BLOCK}, "
         f"random page placement; load average {load_average()} (before)"
     )
+    vops = None if args.no_vllm else vllm_ops()
+    if vops is None:
+        print(
+            "vLLM's CPU kernel: not installed here (the peer runs under the python that "
+            "`bash scripts/vllm_env.sh` prints, with PYTHONPATH=python)"
+        )
     stream_bytes = int(args.stream_gib * gib)
     stream = read_bandwidth(stream_bytes, args.seconds)
     rows = []
@@ -193,12 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         for context in contexts:
             per_seq = 2 * context * NUM_KV_HEADS * HEAD_DIM * elem
             fits = max(1, min(batch, int(args.max_kv_gib * gib) // per_seq))
-            r = case(fits, context, dtype, args.seconds, int(args.sdpa_max_gib * gib))
+            r = case(fits, context, dtype, args.seconds, int(args.sdpa_max_gib * gib), vops)
             r["batch_asked"] = batch
             r["read_stream_bytes_per_s"] = stream
             r["vs_read_stream"] = r["paged_bytes_per_s"] / stream
             r["huge_vs_read_stream"] = r["huge_bytes_per_s"] / stream
             r["fp8_vs_read_stream"] = r["fp8_bytes_per_s"] / stream
+            if "vllm_bytes_per_s" in r:
+                r["vllm_vs_read_stream"] = r["vllm_bytes_per_s"] / stream
             rows.append(r)
     stream_after = read_bandwidth(stream_bytes, args.seconds)
     load_after = load_average()
@@ -206,12 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     head = (
         f"{'batch':>7} {'context':>7} {'paged 4k ms':>15} {'paged huge ms':>15} "
         f"{'sdpa ms':>15} {'paged/sdpa':>10} {'KV/stream':>9} {'huge/stream':>11} "
-        f"{'fp8 ms':>15} {'fp8/stream':>10} {'bf16/fp8':>8}"
+        f"{'fp8 ms':>15} {'fp8/stream':>10} {'bf16/fp8':>8} "
+        f"{'vllm ms':>15} {'vllm/stream':>11} {'paged/vllm':>10} "
+        f"{'vllm fp8 ms':>15} {'fp8/vllm fp8':>12}"
     )
     print(head)
     print(
         f"{'':>15} {'fastest median':>15} {'fastest median':>15} {'fastest median':>15}"
-        f"{'':>33} {'fastest median':>15}"
+        f"{'':>33} {'fastest median':>15}{'':>21}{'fastest median':>15}"
+        f"{'':>24}{'fastest median':>15}"
     )
     print("-" * len(head))
     for r in rows:
@@ -221,13 +363,21 @@ def main(argv: list[str] | None = None) -> int:
             if "sdpa_ms_min" in r
             else f"{'-':>7} {'-':>7} {'-':>10}"
         )
+        vllm = (
+            f"{r['vllm_ms_min']:>7.2f} {r['vllm_ms_median']:>7.2f} "
+            f"{r['vllm_vs_read_stream']:>11.2f} {r['speed_vs_vllm']:>9.2f}x "
+            f"{r['vllm_fp8_ms_min']:>7.2f} {r['vllm_fp8_ms_median']:>7.2f} "
+            f"{r['speed_fp8_vs_vllm_fp8']:>11.2f}x"
+            if "vllm_ms_min" in r
+            else f"{'-':>7} {'-':>7} {'-':>11} {'-':>10} {'-':>7} {'-':>7} {'-':>12}"
+        )
         print(
             f"{batch:>7} {r['context']:>7} "
             f"{r['paged_ms_min']:>7.2f} {r['paged_ms_median']:>7.2f} "
             f"{r['huge_ms_min']:>7.2f} {r['huge_ms_median']:>7.2f} {sdpa} "
             f"{r['vs_read_stream']:>9.2f} {r['huge_vs_read_stream']:>11.2f} "
             f"{r['fp8_ms_min']:>7.2f} {r['fp8_ms_median']:>7.2f} "
-            f"{r['fp8_vs_read_stream']:>10.2f} {r['fp8_speedup']:>7.2f}x"
+            f"{r['fp8_vs_read_stream']:>10.2f} {r['fp8_speedup']:>7.2f}x {vllm}"
         )
     reduced = sorted(
         {
@@ -240,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"* batch {asked} x {context} reduced to {got} (KV over --max-kv-gib {args.max_kv_gib})"
         )
+    kernels = sorted({f"{r['kernel']['isa']} x{r['kernel']['partitions']}" for r in rows})
+    print(f"kvstore kernel (isa x split-K partitions of the paged call): {', '.join(kernels)}")
     kinds = sorted({r["page_kind"] for r in rows})
     print(
         f"read stream (sum over {args.stream_gib:g} GiB, {torch.get_num_threads()} threads): "
@@ -260,6 +412,20 @@ def main(argv: list[str] | None = None) -> int:
             f"fp8 over {args.dtype} at >= 32K: {min(long):.2f}x to {max(long):.2f}x "
             "(fastest calls; target >= 1.6x); largest |fp8 - paged| "
             f"{max(r['fp8_max_abs_diff'] for r in rows):.3g}"
+        )
+    peer = [r["speed_vs_vllm"] for r in rows if "speed_vs_vllm" in r]
+    peer8 = [r["speed_fp8_vs_vllm_fp8"] for r in rows if "speed_fp8_vs_vllm_fp8" in r]
+    if peer8:
+        print(
+            f"fp8/vllm fp8 (its per-tensor-scale fp8 KV): {min(peer8):.2f}x to {max(peer8):.2f}x; "
+            "largest |vllm fp8 - paged| "
+            f"{max(r['vllm_fp8_max_abs_diff'] for r in rows if 'vllm_fp8_max_abs_diff' in r):.3g}"
+        )
+    if peer:
+        print(
+            f"paged/vllm (vLLM {vops_version()}'s CPU kernel, fastest calls): {min(peer):.2f}x to "
+            f"{max(peer):.2f}x (target >= 1x); largest |vllm - paged| "
+            f"{max(r['vllm_max_abs_diff'] for r in rows if 'vllm_max_abs_diff' in r):.3g}"
         )
     if args.json:
         doc = {"dtype": args.dtype, "load_average": [load_after], "rows": rows}

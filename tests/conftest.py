@@ -98,6 +98,19 @@ def split_k(monkeypatch):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def two_threads(monkeypatch):
+    """Two threads and the default split-K threshold (paged-attention tests that check
+    which kernel and split a long context gets)."""
+    import torch
+
+    monkeypatch.delenv("KVSTORE_SPLIT_MIN_TOKENS", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------------------------ deterministic KV
 
 _M64 = (1 << 64) - 1

@@ -151,22 +151,76 @@ def test_split_k_matches_float64_reference(split_k, group, head_dim, block_size)
     check_against_reference(args, 1 / math.sqrt(head_dim), dtype)
 
 
-@pytest.mark.parametrize("capability", ["default", "avx2"])
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def expected_isa(qdtype, fp8: bool, head_dim: int, capability: str | None = None) -> str:
+    """The kernel build the CPU's flags (/proc/cpuinfo) and ATEN_CPU_CAPABILITY call for:
+    AVX-512 (F, BW, VL, DQ) for head sizes of whole 16-float columns (32 for bfloat16
+    caches), with AVX512-BF16 and VBMI for bfloat16 queries and head sizes of whole 64
+    columns; else AVX2 with FMA and F16C; else the baseline."""
+    flags = cpu_flags()
+    if capability == "default" or not {"avx2", "fma", "f16c"} <= flags:
+        return "base"
+    if capability == "avx2" or not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx2"
+    bf16_cache = qdtype == torch.bfloat16 and not fp8
+    if head_dim % (32 if bf16_cache else 16) != 0:
+        return "avx2"
+    dot = {"avx512_bf16", "avx512vbmi"} <= flags and capability != "avx512"
+    if dot and qdtype == torch.bfloat16 and head_dim % 64 == 0:
+        return "avx512_bf16"
+    return "avx512"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_context_runs_the_widest_kernel_split_k(two_threads, dtype):
+    """A long context (one sequence, 8K tokens, GQA 4) on two threads runs the widest
+    kernel this CPU has (AVX-512 with AVX512-BF16 for bfloat16 here) and is split
+    across the threads (split-K), and still matches the float64 reference."""
+    args = paged_case([8000], 2, 4, 128, dtype, seed=11)
+    check_against_reference(args, 1 / math.sqrt(128), dtype)
+    info = ops.last_kernel()
+    assert info["isa"] == expected_isa(dtype, False, 128), info
+    assert info["partitions"] > 1 and info["threads"] == 2, info
+
+
+def test_last_kernel_reports_no_split_for_a_short_context(two_threads):
+    args = paged_case([40], 2, 4, 64, torch.float32, seed=12)
+    check_against_reference(args, 0.125, torch.float32)
+    info = ops.last_kernel()
+    assert info["partitions"] == 1 and info["isa"] == expected_isa(torch.float32, False, 64)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_narrower_cpu_kernels(capability):
     """ATEN_CPU_CAPABILITY=default selects the baseline x86-64 build of the kernel,
-    =avx2 the AVX2 one (where the CPU has AVX-512, the default is the AVX-512 kernel)."""
+    =avx2 the AVX2 one, =avx512 the AVX-512 one without AVX512-BF16 (where the CPU has
+    AVX-512 with BF16, the default is that kernel); last_kernel says which ran."""
     code = textwrap.dedent(
         f"""
         import os, sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_ops import paged_case, check_against_reference, DTYPES
+        from test_ops import paged_case, check_against_reference, expected_isa, DTYPES
+        from kvstore import ops
         for dtype in DTYPES:
             for group in (1, 4):
                 args = paged_case([3, 40, 700], 2, group, 64, dtype, seed=group)
                 check_against_reference(args, 0.125, dtype)
+                want = expected_isa(dtype, False, 64, {capability!r})
+                assert ops.last_kernel()["isa"] == want, (ops.last_kernel(), want)
         os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = "32"
         args = paged_case([1, 301], 1, 4, 128, torch.bfloat16, seed=7)
         check_against_reference(args, 0.1, torch.bfloat16)
+        assert ops.last_kernel()["partitions"] > 1, ops.last_kernel()
         print("ok")
         """
     )

@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 from kvstore import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_ops import DTYPES, TOL, reference  # noqa: E402
+from test_ops import DTYPES, TOL, expected_isa, reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 NAN_BYTE = 0x7F
@@ -116,17 +116,32 @@ def test_fp8_odd_block_size_and_head_dim():
     check_fp8_against_reference(case, 0.1)
 
 
-@pytest.mark.parametrize("capability", ["default", "avx2"])
+@pytest.mark.parametrize("qdtype", DTYPES, ids=str)
+def test_fp8_long_context_runs_the_widest_kernel_split_k(two_threads, qdtype):
+    """fp8 over a long context (one sequence, 8K tokens, GQA 8) on two threads: the
+    widest kernel (bfloat16 queries: fp8 looked up as bfloat16 for vdpbf16ps where the
+    CPU has AVX512-BF16 and VBMI), split-K, and the float64 reference."""
+    case = fp8_case([8000], 1, 8, 128, qdtype, seed=13)
+    check_fp8_against_reference(case, 1 / math.sqrt(128))
+    info = ops.last_kernel()
+    assert info["isa"] == expected_isa(qdtype, True, 128), info
+    assert info["partitions"] > 1 and info["threads"] == 2, info
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_fp8_narrower_cpu_kernels(capability):
     code = textwrap.dedent(
         f"""
         import os, sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_ops_fp8 import fp8_case, check_fp8_against_reference
-        from test_ops import DTYPES
+        from test_ops import DTYPES, expected_isa
+        from kvstore import ops
         for dtype in DTYPES:
             for group in (1, 4):
                 check_fp8_against_reference(fp8_case([3, 40, 700], 2, group, 64, dtype), 0.125)
+                want = expected_isa(dtype, True, 64, {capability!r})
+                assert ops.last_kernel()["isa"] == want, (ops.last_kernel(), want)
         os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = "32"
         case = fp8_case([1, 301], 1, 8, 128, torch.bfloat16, block_size=32, seed=7)
         check_fp8_against_reference(case, 0.1)

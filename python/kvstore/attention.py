@@ -148,10 +148,19 @@ class PagedCache(Cache):
             )
             self._slots_key = key
         assert self._slots is not None
-        dtype = self.pool.dtype
+        pool = self.pool
+        # An fp8 pool quantizes the model's K/V (write_kv with its scales); others convert.
+        dtype = key_states.dtype if _is_fp8(pool) else pool.dtype
         k = key_states.transpose(1, 2).reshape(b * q, h, d).to(dtype)
         v = value_states.transpose(1, 2).reshape(b * q, h, d).to(dtype)
-        ops.write_kv(k, v, self.pool.key_cache(layer), self.pool.value_cache(layer), self._slots)
+        ops.write_kv(
+            k,
+            v,
+            pool.key_cache(layer),
+            pool.value_cache(layer),
+            self._slots,
+            **_scales(pool, layer),
+        )
         self._lens[layer] = [s + q for s in starts]
         for seq, n in zip(self.seqs, self._lens[layer], strict=True):
             seq.length = max(seq.length, n)
@@ -179,6 +188,18 @@ class PagedCache(Cache):
             self._attn_key = key
         assert self._attn is not None
         return self._attn
+
+
+def _is_fp8(pool: BlockPool) -> bool:
+    return bool(pool.dtype == torch.float8_e4m3fn)
+
+
+def _scales(pool: BlockPool, layer: int) -> dict[str, torch.Tensor]:
+    """The fp8 scale keywords of ops.paged_attention and write_kv for `layer` (none for
+    other pools)."""
+    if not _is_fp8(pool):
+        return {}
+    return {"key_scales": pool.key_scales(layer), "value_scales": pool.value_scales(layer)}
 
 
 def paged_attention_forward(
@@ -222,10 +243,18 @@ def paged_attention_forward(
     b, nh, q, d = query.shape
     tables, lens = cache.attention_inputs(layer, q)
     pool = cache.pool
-    qf = query.transpose(1, 2).reshape(b * q, nh, d).to(pool.dtype)
+    # fp8 pools: the query stays in the model's dtype (the op dequantizes K/V).
+    qf = query.transpose(1, 2).reshape(b * q, nh, d)
+    qf = qf if _is_fp8(pool) else qf.to(pool.dtype)
     scale = float(scaling) if scaling is not None else d**-0.5
     out = ops.paged_attention(
-        qf, pool.key_cache(layer), pool.value_cache(layer), tables, lens, scale
+        qf,
+        pool.key_cache(layer),
+        pool.value_cache(layer),
+        tables,
+        lens,
+        scale,
+        **_scales(pool, layer),
     )
     return out.view(b, q, nh, d).to(query.dtype), None
 

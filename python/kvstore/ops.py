@@ -71,6 +71,7 @@ __all__ = [
     "FP8_MAX",
     "compile_check",
     "find_nvcc",
+    "last_kernel",
     "load",
     "paged_attention",
     "source_dir",
@@ -398,6 +399,20 @@ def _cuda_include_dirs(nvcc: Path) -> list[str]:
     root = nvcc.parent.parent
     dirs = [root / "include", root / "include" / "cccl"]
     return [str(d) for d in dirs if d.is_dir()]
+
+
+def last_kernel() -> dict[str, str | int]:
+    """What the calling thread's last CPU `paged_attention` call ran: `isa` (the kernel
+    build: `avx512_bf16`, `avx512`, `avx2`, `base`, or `none` before any call),
+    `partitions` (split-K partitions of the longest sequence; 1: no split),
+    `partition_tokens` and `threads`. For tests and benchmarks that must know that the
+    fast kernel ran, not only that the result is right."""
+    load()
+    info: dict[str, str | int] = {}
+    for field in torch.ops.kvstore.last_cpu_kernel().split():
+        name, value = field.split("=", 1)
+        info[name] = value if name == "isa" else int(value)
+    return info
 
 
 def compile_check(archs: tuple[str, ...] = _COMPILE_CHECK_ARCHS, verbose: bool = False) -> int:

@@ -1,19 +1,22 @@
 // CPU implementations of kvstore::paged_attention and kvstore::write_kv.
 //
-// Three builds of the decode kernel, picked at run time (cpu_isa): AVX-512
-// (paged_attention_cpu_avx512.h: rows widened in registers, 16 lanes), and the
-// generic 8-lane kernel (paged_attention_cpu_kernel.h) for AVX2 and for baseline x86-64.
+// Four builds of the decode kernel, picked at run time (cpu_isa): AVX-512 with
+// AVX512-BF16 (vdpbf16ps for bfloat16 queries), AVX-512 (paged_attention_cpu_avx512.h:
+// rows converted in registers, 16 lanes), and the generic 8-lane kernel
+// (paged_attention_cpu_kernel.h) for AVX2 and for baseline x86-64.
 //
 // Decode attention is a stream over the KV pages, so the kernel is shaped to
 // read each page once and keep every core busy:
-// - a work unit is (sequence, kv head, partition): the query heads of a GQA
+// - a work unit is (sequence, partition, kv head): the query heads of a GQA
 //   group are processed together, so K and V of a kv head are read once for
-//   the whole group; the kv heads a thread gets for one sequence go chunk by
-//   chunk side by side, so each page is visited once;
-// - when there are fewer (sequence, kv head) pairs than threads, long
-//   contexts are split into partitions (split-K) whose partial softmax states
-//   are merged afterwards in fp32 (softmax_merge, shared with the CUDA kernel);
-// - tokens go by chunks of kChunk: K and V rows are widened to fp32 once into
+//   the whole group; the kv heads of a work item go chunk by chunk side by
+//   side, so each page is visited once;
+// - a step is cut into work items (sequence, partition, group of kv heads), several
+//   per thread: long contexts are split into partitions (split-K) whose partial
+//   softmax states are merged afterwards in fp32 (softmax_merge, shared with the CUDA
+//   kernel), and the threads take items as they finish, so a descheduled thread on a
+//   busy host does not hold the step up by a whole share;
+// - tokens go by chunks: the generic kernel widens K and V rows to fp32 once into
 //   L1-sized scratch, then scores, the online softmax (one rescale per chunk,
 //   not per token) and the P·V accumulation run on 8-lane fp32 vectors.
 #include "checks.h"
@@ -27,10 +30,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <thread>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -57,6 +65,9 @@ constexpr int64_t kChunk = 32;
 // Smallest span of a split-K partition: below it, merging partials costs more than it
 // saves.
 constexpr int64_t kMinPartitionTokens = 256;
+// Work items per thread a step is cut into where it can be (split-K for long contexts):
+// enough that a thread descheduled for a while delays the step by little.
+constexpr int64_t kItemsPerThread = 8;
 // K and V elements a thread should get before a call is worth splitting across threads
 // (about 0.1 ms of work): waking the pool costs more than a tiny decode step.
 constexpr int64_t kMinParallelElements = int64_t{1} << 18;
@@ -154,17 +165,38 @@ void attend_base(const Params& p, const Scratch& w, int64_t b, int64_t e) {
 }
 
 #if KVSTORE_X86_DISPATCH
+// (#pragma does not expand macros: the pragmas below spell the list out.)
+#define KVSTORE_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")  // KVSTORE_AVX512
 namespace cpu_avx512 {
+#define KVSTORE_DPBF16 0
 #include "paged_attention_cpu_avx512.h"
+#undef KVSTORE_DPBF16
 }  // namespace cpu_avx512
 #pragma GCC pop_options
 
+// The same kernel with q·k on vdpbf16ps (AVX512-BF16) for bfloat16 queries over bfloat16
+// or fp8 caches (fp8 looked up as bfloat16 with AVX512-VBMI's vpermi2b).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16,avx512vbmi")
+namespace cpu_avx512bf16 {
+#define KVSTORE_DPBF16 1
+#include "paged_attention_cpu_avx512.h"
+#undef KVSTORE_DPBF16
+}  // namespace cpu_avx512bf16
+#pragma GCC pop_options
+
 template <Kind K, Kind C>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void attend_avx512(
-    const Params& p, const Scratch& w, int64_t b, int64_t e) {
+__attribute__((target(KVSTORE_AVX512))) void attend_avx512(const Params& p, const Scratch& w,
+                                                           int64_t b, int64_t e) {
   cpu_avx512::attend_units<K, C>(p, w, b, e);
+}
+
+template <Kind C>
+__attribute__((target(KVSTORE_AVX512 ",avx512bf16,avx512vbmi"))) void attend_avx512bf16(
+    const Params& p, const Scratch& w, int64_t b, int64_t e) {
+  cpu_avx512bf16::attend_units<Kind::BF16, C>(p, w, b, e);
 }
 
 template <Kind K, Kind C>
@@ -174,27 +206,34 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const
 }
 #endif
 
-// The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ), else AVX2 with FMA and F16C,
-// else the baseline. ATEN_CPU_CAPABILITY=default or =avx2 caps the choice (as it does for
-// ATen's own kernels; the tests use it to check every build).
-enum class Isa { Base, Avx2, Avx512 };
+// The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ) with or without AVX512-BF16
+// (and VBMI),
+// else AVX2 with FMA and F16C, else the baseline. ATEN_CPU_CAPABILITY=default, =avx2 or
+// =avx512 caps the choice (as it does for ATen's own kernels; avx512 leaves out
+// AVX512-BF16): the tests use it to check every build.
+enum class Isa { Base, Avx2, Avx512, Avx512Bf16 };
 
 Isa cpu_isa() {
 #if KVSTORE_X86_DISPATCH
   static const Isa isa = [] {
     const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
-    if (cap != nullptr && std::strcmp(cap, "default") == 0) return Isa::Base;
+    const auto capped = [cap](const char* name) { return cap != nullptr && std::strcmp(cap, name) == 0; };
+    if (capped("default")) return Isa::Base;
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
           __builtin_cpu_supports("f16c"))) {
       return Isa::Base;
     }
-    if (cap != nullptr && std::strcmp(cap, "avx2") == 0) return Isa::Avx2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    if (capped("avx2")) return Isa::Avx2;
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))) {
+      return Isa::Avx2;
+    }
+    if (capped("avx512") || !__builtin_cpu_supports("avx512bf16") ||
+        !__builtin_cpu_supports("avx512vbmi")) {
       return Isa::Avx512;
     }
-    return Isa::Avx2;
+    return Isa::Avx512Bf16;
   }();
   return isa;
 #else
@@ -202,31 +241,53 @@ Isa cpu_isa() {
 #endif
 }
 
+// A kernel and the name last_cpu_kernel reports for it.
+struct Kernel {
+  AttendFn fn;
+  const char* isa;
+};
+
 template <Kind K, Kind C>
-AttendFn attend_for_isa(int64_t head_dim) {
+Kernel kernel_for_isa(int64_t head_dim) {
 #if KVSTORE_X86_DISPATCH
-  // The AVX-512 kernel reads whole 16-float columns: head_dim % 16 == 0.
-  if (cpu_isa() == Isa::Avx512 && head_dim % 16 == 0) return &attend_avx512<K, C>;
-  if (cpu_isa() != Isa::Base) return &attend_avx2<K, C>;
+  const Isa isa = cpu_isa();
+  // The AVX-512 kernel reads whole 16-float columns, bfloat16 rows 32 elements at once.
+  const bool fits = head_dim % (C == Kind::BF16 ? 32 : 16) == 0;
+  if constexpr (K == Kind::BF16 && (C == Kind::BF16 || C == Kind::FP8)) {
+    // P·V (and fp8's lookup) go 64 columns at a time.
+    if (isa == Isa::Avx512Bf16 && head_dim % 64 == 0) return {&attend_avx512bf16<C>, "avx512_bf16"};
+  }
+  if ((isa == Isa::Avx512 || isa == Isa::Avx512Bf16) && fits) return {&attend_avx512<K, C>, "avx512"};
+  if (isa != Isa::Base) return {&attend_avx2<K, C>, "avx2"};
 #else
   (void)head_dim;
 #endif
-  return &attend_base<K, C>;
+  return {&attend_base<K, C>, "base"};
 }
 
 // The kernel for query dtype `dtype` over caches of that dtype, or over fp8 caches.
-AttendFn attend_fn(at::ScalarType dtype, int64_t head_dim, bool fp8) {
+Kernel kernel_for(at::ScalarType dtype, int64_t head_dim, bool fp8) {
   if (dtype == at::kFloat) {
-    return fp8 ? attend_for_isa<Kind::F32, Kind::FP8>(head_dim)
-               : attend_for_isa<Kind::F32, Kind::F32>(head_dim);
+    return fp8 ? kernel_for_isa<Kind::F32, Kind::FP8>(head_dim)
+               : kernel_for_isa<Kind::F32, Kind::F32>(head_dim);
   }
   if (dtype == at::kHalf) {
-    return fp8 ? attend_for_isa<Kind::F16, Kind::FP8>(head_dim)
-               : attend_for_isa<Kind::F16, Kind::F16>(head_dim);
+    return fp8 ? kernel_for_isa<Kind::F16, Kind::FP8>(head_dim)
+               : kernel_for_isa<Kind::F16, Kind::F16>(head_dim);
   }
-  return fp8 ? attend_for_isa<Kind::BF16, Kind::FP8>(head_dim)
-             : attend_for_isa<Kind::BF16, Kind::BF16>(head_dim);
+  return fp8 ? kernel_for_isa<Kind::BF16, Kind::FP8>(head_dim)
+             : kernel_for_isa<Kind::BF16, Kind::BF16>(head_dim);
 }
+
+// What the calling thread's last paged_attention call ran (last_cpu_kernel): so that a
+// test can tell that the fast kernel, and split-K, ran, not only that the result is right.
+struct LastKernel {
+  const char* isa = "none";
+  int64_t partitions = 0;
+  int64_t partition_tokens = 0;
+  int64_t threads = 0;
+};
+thread_local LastKernel last_kernel;
 
 // kMinPartitionTokens, or $KVSTORE_SPLIT_MIN_TOKENS (read on each call, rounded up to a
 // whole chunk): the tests lower it so that short contexts run through split-K too.
@@ -237,11 +298,57 @@ int64_t min_partition_tokens() {
   return v > 0 ? ceil_div(v, kChunk) * kChunk : kMinPartitionTokens;
 }
 
+// Runs `items` work items on the calling thread and up to `workers - 1` helpers from
+// ATen's inter-op pool. `body(claim)` takes items while `claim(i)` gives one.
+//
+// Not at::parallel_for: its parallel region ends in a barrier that waits for every
+// thread of the team, also one that the OS has not scheduled yet, so on a busy host a
+// decode step of a millisecond waited for a whole scheduler time slice (measured: every
+// 8K-token step took 20 ms on two threads under a load average of 5, 2 ms on one).
+// Here items go to whichever thread asks next, and the caller waits only for items a
+// helper has taken: a helper that starts late finds none left and never touches the
+// step's data (the shared state it holds outlives the call; `body` is never run by it
+// then).
+void run_items(int64_t items, int64_t workers,
+               const std::function<void(const std::function<bool(int64_t&)>&)>& body) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    int64_t items = 0;
+    // Set to the caller's body; run by a helper only for an item it has claimed, which
+    // the caller waits for, so the references it captures are alive then.
+    std::function<void(const std::function<bool(int64_t&)>&)> body;
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->items = items;
+  shared->body = body;
+  const auto work = [](Shared& st) {
+    const int64_t first = st.next.fetch_add(1);
+    if (first >= st.items) return;  // nothing left: do not touch the step's data
+    bool given = false;
+    st.body([&st, first, &given](int64_t& i) {
+      if (!given) {
+        given = true;
+        i = first;
+        return true;
+      }
+      st.done.fetch_add(1);  // the item the body just finished
+      i = st.next.fetch_add(1);
+      return i < st.items;
+    });
+  };
+  for (int64_t h = 1; h < workers; ++h) at::launch([shared, work] { work(*shared); });
+  work(*shared);
+  // Every item is taken now; wait for those helpers still run.
+  while (shared->done.load() < items) std::this_thread::yield();
+}
+
 // Merges the partitions of each (sequence, head) and writes the normalised output.
 template <Kind K>
 void merge_partitions(const Params& p, int64_t num_seqs) {
   const int64_t D = p.head_dim, P = p.num_partitions;
-  at::parallel_for(0, num_seqs * p.num_heads, 1, [&](int64_t begin, int64_t end) {
+  // Serial: a few KiB of partials, less work than waking a thread.
+  [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t sh = begin; sh < end; ++sh) {
       float m = -std::numeric_limits<float>::infinity(), l = 0.f;
@@ -258,7 +365,7 @@ void merge_partitions(const Params& p, int64_t num_seqs) {
       const float inv = l > 0.f ? 1.f / l : 0.f;
       for (int64_t d = 0; d < D; ++d) cpu_base::store_out<K>(p.out, sh * D + d, acc[d] * inv);
     }
-  });
+  }(0, num_seqs * p.num_heads);
 }
 
 // Both ops: `key_scales` and `value_scales` are defined for fp8 caches only.
@@ -298,17 +405,25 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   at::Tensor out = at::empty({dims.num_seqs, dims.num_heads, dims.head_dim}, q.options());
   if (dims.num_seqs == 0 || dims.num_heads == 0 || dims.head_dim == 0) return out;
 
-  // Split-K only when (sequence, kv head) pairs cannot keep every thread busy.
+  // Work items (sequence, partition, group of kv heads), at least kItemsPerThread per
+  // thread where the step allows, taken one by one by the threads (items): sequences
+  // first, then split-K partitions of long contexts, then kv heads (a group's rows of
+  // a token are adjacent, so fewer groups visit each page fewer times).
   const int64_t threads = at::get_num_threads();
-  const int64_t pairs = dims.num_seqs * dims.num_kv_heads;
+  const int64_t want = kItemsPerThread * threads;
+  const int64_t H = dims.num_kv_heads;
   int64_t parts = 1;
   int64_t partition_tokens = std::max<int64_t>(max_len, 1);
   const int64_t min_part = min_partition_tokens();
-  if (pairs < 2 * threads && max_len > min_part) {
-    parts = std::min(ceil_div(2 * threads, pairs), ceil_div(max_len, min_part));
+  if (dims.num_seqs < want && max_len > min_part) {
+    parts = std::min(ceil_div(want, dims.num_seqs), ceil_div(max_len, min_part));
     partition_tokens = ceil_div(ceil_div(max_len, parts), kChunk) * kChunk;
     parts = ceil_div(max_len, partition_tokens);
   }
+  const int64_t heads_per_item =
+      ceil_div(H, std::min(H, std::max<int64_t>(1, ceil_div(want, dims.num_seqs * parts))));
+  const int64_t head_groups = ceil_div(H, heads_per_item);
+  const int64_t items = dims.num_seqs * parts * head_groups;
 
   Params p{};
   p.query = q.data_ptr();
@@ -345,10 +460,14 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
 
   const auto kind = q.scalar_type();
   const int64_t D = dims.head_dim, G = dims.group, NH = dims.num_heads;
-  const AttendFn attend = attend_fn(kind, D, fp8);
-  const int64_t unit_elements = std::max<int64_t>(1, 2 * std::min(max_len, partition_tokens) * D);
-  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / unit_elements);
-  at::parallel_for(0, pairs * parts, grain, [&](int64_t begin, int64_t end) {
+  const Kernel kernel = kernel_for(kind, D, fp8);
+  const AttendFn attend = kernel.fn;
+  last_kernel = {kernel.isa, parts, partition_tokens, threads};
+  // Threads: one per kMinParallelElements of K and V (short steps stay on one).
+  const int64_t elements = 2 * dims.num_seqs * std::max<int64_t>(max_len, 1) * H * D;
+  const int64_t workers =
+      std::min({threads, items, std::max<int64_t>(1, elements / kMinParallelElements)});
+  run_items(items, workers, [&](const std::function<bool(int64_t&)>& claim) {
     std::vector<float> buf(2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk);
     std::vector<int64_t> offsets(2 * kChunk);
     std::vector<const float*> rows(2 * kChunk);
@@ -364,7 +483,12 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
     w.voff = offsets.data() + kChunk;
     w.krows = rows.data();
     w.vrows = rows.data() + kChunk;
-    attend(p, w, begin, end);
+    for (int64_t i = 0; claim(i);) {
+      // Units are numbered (sequence, partition, kv head), the head fastest.
+      const int64_t sp = i / head_groups, hg = i % head_groups;
+      const int64_t begin = sp * H + hg * heads_per_item;
+      attend(p, w, begin, std::min(begin + heads_per_item, (sp + 1) * H));
+    }
   });
   if (parts > 1) {
     if (kind == at::kFloat) {
@@ -514,6 +638,18 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
 
 }  // namespace
 }  // namespace kvstore
+
+// "isa=<avx512_bf16|avx512|avx2|base> partitions=<n> partition_tokens=<n> threads=<n>"
+// for the calling thread's last CPU paged_attention call ("isa=none" before any).
+std::string last_cpu_kernel() {
+  const auto& k = kvstore::last_kernel;
+  return std::string("isa=") + k.isa + " partitions=" + std::to_string(k.partitions) +
+         " partition_tokens=" + std::to_string(k.partition_tokens) +
+         " threads=" + std::to_string(k.threads);
+}
+
+// No tensor argument to dispatch on: a catch-all kernel.
+TORCH_LIBRARY_FRAGMENT(kvstore, m) { m.def("last_cpu_kernel() -> str", &last_cpu_kernel); }
 
 TORCH_LIBRARY_IMPL(kvstore, CPU, m) {
   m.impl("paged_attention", &kvstore::paged_attention_cpu);

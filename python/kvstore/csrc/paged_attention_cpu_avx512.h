@@ -1,46 +1,156 @@
-// The AVX-512 decode kernel, included once by paged_attention_cpu.cpp under
+// The AVX-512 decode kernel, included by paged_attention_cpu.cpp under
 // `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")` in namespace
-// cpu_avx512 (no include guard, no #include: the includer provides Params, Scratch,
+// cpu_avx512, and once more with avx512bf16 and KVSTORE_DPBF16=1 in namespace
+// cpu_avx512bf16 (no include guard, no #include: the includer provides Params, Scratch,
 // Kind, Storage and the common header).
 //
-// Why a kernel of its own rather than the generic 8-lane one at 16 lanes: at long
-// context the decode step is a stream, and the generic kernel spends more time
-// widening rows into scratch and summing each dot product across lanes than DRAM
-// takes to deliver them. Here
-// - K and V rows are widened in registers (bf16: a zero-extend and a shift; fp16:
-//   vcvtph2ps) straight into the FMAs, never stored;
-// - the query heads of a GQA group share each widened K vector (QK) and each
-//   widened V vector (P·V), four heads and four 16-float columns at a time, so
-//   the accumulators stay in registers for a whole 16-token chunk;
-// - the 16 dot products of a chunk are summed across lanes together by a
-//   transposing tree (15 adds) instead of one 16-lane reduction per token;
-// - the rows of the next chunk (all of this thread's kv heads, adjacent in a
-//   page) are prefetched while this one computes.
-// Needs head_dim % 16 == 0 (64, 128, 256: every model that matters); other head
-// sizes use the AVX2 kernel.
+// At long context a decode step is a stream over the KV pages: the kernel must consume
+// bytes faster than DRAM delivers them (measured: the previous kernel ran at about 6
+// bytes per cycle on L2-resident KV, less than one core's share of the stream). So
+// - rows go from memory straight into the FMAs, never through scratch: bfloat16 is
+//   split into its even and odd elements (a shift and a mask of 32-bit lanes, two
+//   integer ops per 64 bytes) instead of being widened in order, and q and the output
+//   accumulators are kept in that even/odd order, which a dot product does not see;
+// - with a bfloat16 query on a CPU with AVX512-BF16, q·k is vdpbf16ps on the raw rows
+//   (products of two bfloat16 are exact in fp32), half the instructions of widening;
+// - e4m3 bytes become fp32 with three integer ops per 16 (sign-extend, shift, mask: the
+//   exponent and mantissa land in fp32's fields, so every value, subnormals included,
+//   is exact times 2^-120); the factor 2^120 and the (block, head) scales multiply the
+//   16 scores of a tile and the probabilities, never the rows; NaN bytes are found by
+//   an unsigned max over the tile's bytes, two ops per 64;
+// - the query heads of a GQA group share each loaded K and V vector (tiles of four
+//   heads), so every KV line is loaded from memory once per step;
+// - the 16 dot products of a tile are summed across lanes together by a transposing
+//   tree instead of one 16-lane reduction per token;
+// - the next tile's rows of the head being computed are prefetched token by token
+//   while this tile's scores are computed (pages are scattered, the hardware
+//   prefetchers cannot cross to the next block), and rows are located by walking the
+//   block table, not by a division per token.
+// Needs head_dim % 16 == 0 (% 32 for bfloat16 caches); other head sizes use the AVX2
+// kernel.
 
-constexpr int64_t kTile = 16;  // tokens per inner chunk: one score vector
-constexpr int64_t kGroupTile = 4;  // query heads sharing a widened K or V vector
+constexpr int64_t kTile = 16;      // tokens per tile: one score vector
+constexpr int64_t kGroupTile = 4;  // query heads sharing a loaded K or V vector
 
-template <Kind K>
-KVSTORE_INLINE __m512 load_row16(const typename Storage<K>::type* p) {
-  if constexpr (K == Kind::F32) {
-    return _mm512_loadu_ps(p);
-  } else if constexpr (K == Kind::F16) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  } else if constexpr (K == Kind::FP8) {
-    // e4m3 / 256 as half precision (fp8_e4m3_to_fp16_bits), three integer ops: sign
-    // extension puts the sign in bits 15 and 14 after the shift, the mask clears 14.
-    // The caller's scale carries the factor 256. NaN bytes stay NaN.
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
-                                       _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-    const __mmask16 nan =
-        _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
-    return _mm512_mask_blend_ps(nan, _mm512_cvtph_ps(h), _mm512_set1_ps(__builtin_nanf("")));
+// The factor between an e4m3 value and the fp32 that fp8x16 makes of its byte.
+constexpr float kFp8Unit = 0x1p120f;
+
+// Whether q·k runs on vdpbf16ps: a bfloat16 query, a bfloat16 or fp8 cache (fp8 rows
+// become bfloat16 by table lookup, fp8_to_bf16x64), and this build has it.
+template <Kind K, Kind C>
+constexpr bool kDot = KVSTORE_DPBF16 && K == Kind::BF16 && (C == Kind::BF16 || C == Kind::FP8);
+
+// The order of q and of the output accumulators within each 32 (bfloat16) or 64 (fp8
+// looked up as bfloat16) elements of a row: the order the rows' elements come out of
+// the registers they are loaded into, which a dot product does not see.
+enum class Order { Natural, EvenOdd, DotBf16, DotFp8 };
+template <Kind K, Kind C>
+constexpr Order kOrder = kDot<K, C> ? (C == Kind::FP8 ? Order::DotFp8 : Order::DotBf16)
+                         : C == Kind::BF16 ? Order::EvenOdd
+                                           : Order::Natural;
+
+// Element of a row at position `a` of order O.
+template <Order O>
+KVSTORE_INLINE int64_t row_element(int64_t a) {
+  if constexpr (O == Order::EvenOdd) {
+    // Each 32 elements as their 16 even ones, then their 16 odd ones.
+    const int64_t c = a & ~int64_t{31}, r = a & 31;
+    return c + 2 * (r & 15) + (r >> 4);
+  } else if constexpr (O == Order::DotBf16 || O == Order::DotFp8) {
+    // P·V on vdpbf16ps (pv_tile_dot): each 64 as four vectors of 16, the words of two
+    // tokens' rows interleaved by vpunpckl/hwd (lane 4L + i of the low one is word
+    // 8L + i of the rows, of the high one word 8L + 4 + i), from two 32-element loads
+    // (bfloat16) or from fp8_to_bf16x64's a and b (word w of a is element
+    // 16 (w / 8) + w % 8, of b that + 8).
+    const int64_t c = a & ~int64_t{63}, r = a & 15, part = (a & 63) >> 4;
+    const int64_t w = 8 * (r >> 2) + (r & 3) + 4 * (part & 1);
+    if constexpr (O == Order::DotBf16) return c + 32 * (part >> 1) + w;
+    return c + 16 * (w >> 3) + (w & 7) + 8 * (part >> 1);
   } else {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    return a;
+  }
+}
+
+// Element of q's bfloat16 word `a` for vdpbf16ps (kDot): bfloat16 caches in natural
+// order; fp8 in the word order of fp8_to_bf16x64 (A's 32 words, then B's).
+template <Kind C>
+KVSTORE_INLINE int64_t dot_q_element(int64_t a) {
+  if constexpr (C == Kind::FP8) {
+    const int64_t c = a & ~int64_t{63}, r = a & 63;
+    const int64_t w = r & 31;
+    return c + 16 * (w >> 3) + (w & 7) + (r >> 5) * 8;
+  } else {
+    return a;
+  }
+}
+
+KVSTORE_INLINE __m512 bf16_even(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+KVSTORE_INLINE __m512 bf16_odd(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 16 e4m3 bytes to fp32 times 2^-120: sign extension puts the sign in bit 31 after the
+// shift by 20, the mask keeps it and the 7 bits of exponent and mantissa (bits 20-26).
+// Exact for every byte (e4m3 subnormals become fp32 subnormals); a NaN byte becomes
+// 480 * 2^-120: the caller checks for NaN bytes separately.
+KVSTORE_INLINE __m512 fp8x16(const uint8_t* p) {
+  const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_slli_epi32(x, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u))));
+}
+
+#if KVSTORE_DPBF16
+// The bfloat16 bits of e4m3 magnitudes 0 .. 127, exact (subnormals m * 2^-9 are
+// bfloat16 normals; 0x7f is NaN).
+constexpr uint16_t fp8_bf16_bits(int m) {
+  if (m == 0x7F) return 0x7FC0;
+  const int e = m >> 3, man = m & 7;
+  if (e > 0) return static_cast<uint16_t>(((e + 120) << 7) | (man << 4));
+  if (man == 0) return 0;
+  const int k = man >= 4 ? 2 : man >= 2 ? 1 : 0;  // man = 2^k * (1 + f)
+  return static_cast<uint16_t>(((k - 9 + 127) << 7) | ((man - (1 << k)) << (7 - k)));
+}
+
+struct Fp8Tables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+};
+constexpr Fp8Tables make_fp8_tables() {
+  Fp8Tables t{};
+  for (int m = 0; m < 128; ++m) {
+    t.lo[m] = static_cast<uint8_t>(fp8_bf16_bits(m) & 0xFF);
+    t.hi[m] = static_cast<uint8_t>(fp8_bf16_bits(m) >> 8);
+  }
+  return t;
+}
+constexpr Fp8Tables kFp8Tables = make_fp8_tables();
+
+// 64 e4m3 bytes to 64 bfloat16, exactly (NaN included), in two vectors: a 128-entry
+// byte table lookup (vpermi2b) each for the low and the high byte of the magnitude's
+// bfloat16, the sign into the high byte, and the bytes interleaved into words. Word w
+// of a is element 16 (w / 8) + w % 8, of b that + 8 (the 128-bit lanes of vpunpck).
+KVSTORE_INLINE void fp8_to_bf16x64(const uint8_t* p, __m512i& a, __m512i& b) {
+  const __m512i x = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Tables.lo), x,
+                                              _mm512_load_si512(kFp8Tables.lo + 64));
+  __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Tables.hi), x,
+                                        _mm512_load_si512(kFp8Tables.hi + 64));
+  hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+#endif
+
+template <Kind C>
+KVSTORE_INLINE __m512 load_row16(const typename Storage<C>::type* p) {
+  if constexpr (C == Kind::F32) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (C == Kind::F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return fp8x16(p);
   }
 }
 
@@ -87,70 +197,185 @@ KVSTORE_INLINE __m512 exp16_nonpositive(__m512 x) {
   return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
 }
 
-// dots[g * 16 + j] = q_g · k_j (16 lanes, to be summed) for GT query heads and n tokens.
-template <Kind K, int GT>
-KVSTORE_INLINE void qk_tile(const float* __restrict q, const typename Storage<K>::type* const* rows,
-                            int64_t n, int64_t D, __m512* __restrict dots) {
-  for (int64_t j = 0; j < n; ++j) {
-    const typename Storage<K>::type* k = rows[j];
-    __m512 acc[GT];
-    for (int g = 0; g < GT; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 kv = load_row16<K>(k + d);
-      for (int g = 0; g < GT; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kv, acc[g]);
+// The rows of one tile of one kv head, and where the next tile's rows of that head are.
+template <Kind C>
+struct TileRows {
+  const typename Storage<C>::type* k[kTile];
+  const typename Storage<C>::type* v[kTile];
+  const char* next_k[kTile];  // prefetched while the scores are computed
+  const char* next_v[kTile];
+  int64_t n;
+  int64_t next_n;
+  int64_t row_bytes;
+  alignas(64) float kmul[kTile];  // per token: what multiplies its score
+  alignas(64) float vmul[kTile];  // fp8: the token's V scale
+};
+
+// dots[g * 16 + j] = q_g · k_j (16 lanes, to be summed) for GT query heads and the
+// tile's tokens; prefetches the next tile's rows along the way when `prefetch`.
+template <Kind K, Kind C, int GT>
+KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int64_t D,
+                            bool prefetch, __m512* __restrict dots) {
+  for (int64_t j = 0; j < t.n; ++j) {
+    if (prefetch && j < t.next_n) {
+      for (int64_t b = 0; b < t.row_bytes; b += 64) {
+        _mm_prefetch(t.next_k[j] + b, _MM_HINT_T1);
+        _mm_prefetch(t.next_v[j] + b, _MM_HINT_T1);
+      }
     }
-    for (int g = 0; g < GT; ++g) dots[g * kTile + j] = acc[g];
+    const auto* k = t.k[j];
+    __m512 acc[GT], acc2[GT];
+    for (int g = 0; g < GT; ++g) acc[g] = acc2[g] = _mm512_setzero_ps();
+    if constexpr (kDot<K, C> && C == Kind::FP8) {
+#if KVSTORE_DPBF16
+      const auto* qb = reinterpret_cast<const uint16_t*>(q);
+      for (int64_t d = 0; d < D; d += 64) {
+        __m512i ka, kb;
+        fp8_to_bf16x64(k + d, ka, kb);
+        for (int g = 0; g < GT; ++g) {
+          const __m512i qa = _mm512_loadu_si512(qb + g * D + d);
+          const __m512i qc = _mm512_loadu_si512(qb + g * D + d + 32);
+          acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qa, (__m512bh)ka);
+          acc2[g] = _mm512_dpbf16_ps(acc2[g], (__m512bh)qc, (__m512bh)kb);
+        }
+      }
+#endif
+    } else if constexpr (kDot<K, C>) {
+#if KVSTORE_DPBF16
+      // q holds bfloat16 bits here (see attend_units).
+      const auto* qb = reinterpret_cast<const uint16_t*>(q);
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i kv = _mm512_loadu_si512(k + d);
+        for (int g = 0; g < GT; ++g) {
+          const __m512i qv = _mm512_loadu_si512(qb + g * D + d);
+          acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qv, (__m512bh)kv);
+        }
+      }
+#endif
+    } else if constexpr (C == Kind::BF16) {
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i kv = _mm512_loadu_si512(k + d);
+        const __m512 ke = bf16_even(kv), ko = bf16_odd(kv);
+        for (int g = 0; g < GT; ++g) {
+          acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), ke, acc[g]);
+          acc2[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d + 16), ko, acc2[g]);
+        }
+      }
+    } else {
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 kv = load_row16<C>(k + d);
+        for (int g = 0; g < GT; ++g) {
+          acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kv, acc[g]);
+        }
+      }
+    }
+    for (int g = 0; g < GT; ++g) dots[g * kTile + j] = _mm512_add_ps(acc[g], acc2[g]);
   }
 }
 
-// acc[g][d] += sum_j p[g * 16 + j] * v_j[d] for GT query heads, C columns of 16 at a time.
-template <Kind K, int GT, int C>
+// acc[g][d] += sum_j p[g * 16 + j] * v_j[d] for GT query heads, CB columns of 16 at a
+// time (bfloat16: CB / 2 loads of 32 elements, split even/odd).
+template <Kind K, Kind C, int GT, int CB>
 KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
-                            const typename Storage<K>::type* const* rows, int64_t n, int64_t D) {
-  for (int64_t d0 = 0; d0 < D; d0 += 16 * C) {
-    __m512 a[GT][C];
+                            const TileRows<C>& t, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16 * CB) {
+    __m512 a[GT][CB];
     for (int g = 0; g < GT; ++g) {
-      for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c);
+      for (int c = 0; c < CB; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 v[C];
-      for (int c = 0; c < C; ++c) v[c] = load_row16<K>(rows[j] + d0 + 16 * c);
+    for (int64_t j = 0; j < t.n; ++j) {
+      __m512 v[CB];
+      if constexpr (C == Kind::BF16) {
+        for (int c = 0; c < CB; c += 2) {
+          const __m512i x = _mm512_loadu_si512(t.v[j] + d0 + 16 * c);
+          v[c] = bf16_even(x);
+          v[c + 1] = bf16_odd(x);
+        }
+      } else {
+        for (int c = 0; c < CB; ++c) v[c] = load_row16<C>(t.v[j] + d0 + 16 * c);
+      }
       for (int g = 0; g < GT; ++g) {
         const __m512 pj = _mm512_set1_ps(p[g * kTile + j]);
-        for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pj, v[c], a[g][c]);
+        for (int c = 0; c < CB; ++c) a[g][c] = _mm512_fmadd_ps(pj, v[c], a[g][c]);
       }
     }
     for (int g = 0; g < GT; ++g) {
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, a[g][c]);
+      for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, a[g][c]);
     }
   }
 }
 
-// One 16-token chunk of one kv head for GT query heads (state index i0 .. i0 + GT - 1).
-// fp8 (K == FP8): kscale/vscale hold each token's (block, head) scale times 256. The
-// K scale multiplies the 16 summed scores at once; the V scale multiplies the
-// probabilities fed to P·V (not their sum): rows are never scaled one by one.
-template <Kind K, int GT>
-KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D,
-                                const typename Storage<K>::type* const* krows,
-                                const typename Storage<K>::type* const* vrows, int64_t n,
-                                __m512* dots, const float* kscale, const float* vscale) {
-  qk_tile<K, GT>(w.q + i0 * D, krows, n, D, dots);
+#if KVSTORE_DPBF16
+// acc[g][.] += sum_j p[g][j] * v_j for GT query heads on vdpbf16ps: the rows of tokens
+// j and j + 1 interleaved word by word, times the bfloat16 pair (p[g][j], p[g][j + 1]);
+// half the instructions of fp32 FMAs. The probabilities are rounded to bfloat16
+// (relative 2^-9, the rounding of the bfloat16 output; their sum stays fp32). An odd
+// last token pairs with itself at probability 0. 64 columns at a time (Order::Dot*).
+template <Kind C, int GT>
+KVSTORE_INLINE void pv_tile_dot(float* __restrict acc, const uint16_t* __restrict pb,
+                                const TileRows<C>& t, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[GT][4];
+    for (int g = 0; g < GT; ++g) {
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c);
+    }
+    for (int64_t j = 0; j < t.n; j += 2) {
+      const int64_t j1 = j + 1 < t.n ? j + 1 : j;
+      __m512i x0, x1, y0, y1;
+      if constexpr (C == Kind::FP8) {
+        fp8_to_bf16x64(t.v[j] + d0, x0, x1);
+        fp8_to_bf16x64(t.v[j1] + d0, y0, y1);
+      } else {
+        x0 = _mm512_loadu_si512(t.v[j] + d0);
+        x1 = _mm512_loadu_si512(t.v[j] + d0 + 32);
+        y0 = _mm512_loadu_si512(t.v[j1] + d0);
+        y1 = _mm512_loadu_si512(t.v[j1] + d0 + 32);
+      }
+      const __m512i u[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                            _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+      for (int g = 0; g < GT; ++g) {
+        uint32_t pair;
+        __builtin_memcpy(&pair, pb + g * kTile + j, sizeof(pair));
+        const __m512i pp = _mm512_set1_epi32(static_cast<int>(pair));
+        for (int c = 0; c < 4; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)pp, (__m512bh)u[c]);
+      }
+    }
+    for (int g = 0; g < GT; ++g) {
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, a[g][c]);
+    }
+  }
+}
+#endif
+
+// One tile of one kv head for GT query heads (state index i0 .. i0 + GT - 1).
+template <Kind K, Kind C, int GT>
+KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const TileRows<C>& t,
+                                bool prefetch, __m512* dots) {
+  // q of head i: fp32, or bfloat16 bits (kDot) packed at half the stride.
+  const float* q = kDot<K, C> ? w.q + i0 * D / 2 : w.q + i0 * D;
+  qk_tile<K, C, GT>(q, t, D, prefetch, dots);
   float* p = w.scores;  // [GT, 16]
+  // kDot: the probabilities as bfloat16, [GT, 16] and one word of padding.
+  auto* pb = reinterpret_cast<uint16_t*>(w.scores + GT * kTile);
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  const __mmask16 valid = static_cast<__mmask16>((1u << t.n) - 1u);
   for (int g = 0; g < GT; ++g) {
     const int64_t i = i0 + g;
     // Lanes past n hold -inf: their exp is 0 (the stale dots there are never read).
     __m512 raw = transpose_sum16(dots + g * kTile);
-    if constexpr (K == Kind::FP8) raw = _mm512_mul_ps(raw, _mm512_loadu_ps(kscale));
+    if constexpr (C == Kind::FP8 && !kDot<K, C>) raw = _mm512_mul_ps(raw, _mm512_set1_ps(kFp8Unit));
+    if constexpr (C == Kind::FP8 || kDot<K, C>) raw = _mm512_mul_ps(raw, _mm512_load_ps(t.kmul));
     const __m512 sc = _mm512_mask_blend_ps(valid, neg_inf, raw);
     const SoftmaxMerge mg = softmax_merge(w.m[i], _mm512_reduce_max_ps(sc));
     const __m512 e = exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(mg.max)));
-    if constexpr (K == Kind::FP8) {
-      _mm512_storeu_ps(p + g * kTile, _mm512_mul_ps(e, _mm512_loadu_ps(vscale)));
+    const __m512 pv = C == Kind::FP8 ? _mm512_mul_ps(e, _mm512_load_ps(t.vmul)) : e;
+    if constexpr (kDot<K, C>) {
+#if KVSTORE_DPBF16
+      const __m256bh h = _mm512_cvtneps_pbh(pv);
+      __builtin_memcpy(pb + g * kTile, &h, sizeof(h));
+#endif
     } else {
-      _mm512_storeu_ps(p + g * kTile, e);
+      _mm512_storeu_ps(p + g * kTile, pv);
     }
     float* acc = w.acc + i * D;
     if (mg.scale_a != 1.f) {
@@ -163,13 +388,37 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D,
     w.m[i] = mg.max;
   }
   float* acc = w.acc + i0 * D;
-  if (D % 64 == 0) {
-    pv_tile<K, GT, 4>(acc, p, vrows, n, D);
+  if constexpr (kDot<K, C>) {
+#if KVSTORE_DPBF16
+    pv_tile_dot<C, GT>(acc, pb, t, D);
+#endif
+  } else if (D % 64 == 0) {
+    pv_tile<K, C, GT, 4>(acc, p, t, D);
   } else if (D % 32 == 0) {
-    pv_tile<K, GT, 2>(acc, p, vrows, n, D);
-  } else {
-    pv_tile<K, GT, 1>(acc, p, vrows, n, D);
+    pv_tile<K, C, GT, 2>(acc, p, t, D);
+  } else if constexpr (C != Kind::BF16) {
+    pv_tile<K, C, GT, 1>(acc, p, t, D);
   }
+}
+
+// Whether any of the tile's e4m3 bytes of this head is a NaN (0x7f or 0xff): an
+// unsigned max of the bytes without their sign, compared once.
+KVSTORE_INLINE bool fp8_tile_has_nan(const TileRows<Kind::FP8>& t, int64_t D) {
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  __m512i mx = _mm512_setzero_si512();
+  const __mmask64 tail = D % 64 == 0 ? ~__mmask64{0} : (__mmask64{1} << (D % 64)) - 1;
+  for (int64_t j = 0; j < t.n; ++j) {
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+      mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_loadu_si512(t.k[j] + d), low7));
+      mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_loadu_si512(t.v[j] + d), low7));
+    }
+    if (d < D) {
+      mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_maskz_loadu_epi8(tail, t.k[j] + d), low7));
+      mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_maskz_loadu_epi8(tail, t.v[j] + d), low7));
+    }
+  }
+  return _mm512_cmpeq_epi8_mask(mx, low7) != 0;
 }
 
 KVSTORE_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -196,8 +445,29 @@ KVSTORE_INLINE void store_scalar(void* out, int64_t i, float v) {
   }
 }
 
+// Walks a sequence's tokens in order: the pool block and offset of each, without a
+// division per token.
+struct TokenCursor {
+  const int32_t* table;
+  int64_t block_size;
+  int64_t index;   // block index in the table
+  int64_t offset;  // token offset in that block
+  KVSTORE_INLINE void next(int64_t& blk, int64_t& off) {
+    blk = table[index];
+    off = offset;
+    if (++offset == block_size) {
+      offset = 0;
+      ++index;
+    }
+  }
+};
+
 // The same work units and outputs as attend_units in paged_attention_cpu_kernel.h;
 // K: query and output dtype, C: cache dtype (K, or FP8 with per-(block, head) scales).
+// Per unit group (one sequence and partition, kv heads h0 .. h1 - 1): tile by tile,
+// head by head within a tile (the heads' rows of a token are adjacent, so each page is
+// touched while hot), with the next tile of each head prefetched while its current one
+// computes.
 template <Kind K, Kind C>
 KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
   using T = typename Storage<C>::type;
@@ -208,11 +478,11 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
   const T* vc = static_cast<const T*>(p.value_cache);
   // The 16-lane dot accumulators of a tile: [kGroupTile, 16] vectors (4 KiB), aligned.
   alignas(64) __m512 dots[kGroupTile * kTile];
-  for (auto& d : dots) d = _mm512_setzero_ps();  // lanes past a short chunk: read, never used
-  const T* krows[kTile];
-  const T* vrows[kTile];
-  alignas(64) float kscale[kTile] = {};
-  alignas(64) float vscale[kTile] = {};
+  for (auto& d : dots) d = _mm512_setzero_ps();  // lanes past a short tile: read, never used
+  TileRows<C> t{};
+  t.row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < kTile; ++j) t.kmul[j] = p.scale;  // kDot: q is not pre-scaled
+  int64_t blk[kTile], off[kTile], next_blk[kTile], next_off[kTile];
   for (int64_t unit = begin; unit < end;) {
     const int64_t s = unit / (P * H);
     const int64_t part = (unit / H) % P;
@@ -226,57 +496,65 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
 
     const int64_t heads = (h1 - h0) * G;
     const TQ* q = static_cast<const TQ*>(p.query) + (s * p.num_heads + h0 * G) * D;
-    for (int64_t i = 0; i < heads * D; ++i) w.q[i] = widen_scalar<K>(q[i]) * p.scale;
+    if constexpr (kDot<K, C>) {
+      auto* qb = reinterpret_cast<uint16_t*>(w.q);
+      for (int64_t i = 0; i < heads * D; ++i) qb[i] = q[(i / D) * D + dot_q_element<C>(i % D)];
+    } else {
+      for (int64_t i = 0; i < heads * D; ++i) {
+        const int64_t e = (i / D) * D + row_element<kOrder<K, C>>(i % D);
+        w.q[i] = widen_scalar<K>(q[e]) * p.scale;
+      }
+    }
     for (int64_t i = 0; i < heads * D; ++i) w.acc[i] = 0.f;
     for (int64_t i = 0; i < heads; ++i) {
       w.m[i] = -__builtin_inff();
       w.l[i] = 0.f;
     }
-    const int64_t span = (h1 - h0) * D * static_cast<int64_t>(sizeof(T));
 
+    TokenCursor cur{table, p.block_size, start / p.block_size, start % p.block_size};
+    const int64_t first_n = min64(kTile, stop - start);
+    for (int64_t j = 0; j < first_n; ++j) cur.next(next_blk[j], next_off[j]);
     for (int64_t c0 = start; c0 < stop; c0 += kTile) {
-      const int64_t n = min64(kTile, stop - c0);
-      int64_t koff[kTile], voff[kTile];
-      [[maybe_unused]] int64_t blk[kTile];
-      for (int64_t j = 0; j < n; ++j) {
-        if constexpr (C == Kind::FP8) blk[j] = table[(c0 + j) / p.block_size];
-        koff[j] = token_row_offset(table, c0 + j, p.block_size, p.k_block_stride, row_stride, 0, D);
-        voff[j] = token_row_offset(table, c0 + j, p.block_size, p.v_block_stride, row_stride, 0, D);
+      t.n = min64(kTile, stop - c0);
+      t.next_n = c0 + kTile < stop ? min64(kTile, stop - (c0 + kTile)) : 0;
+      for (int64_t j = 0; j < t.n; ++j) {
+        blk[j] = next_blk[j];
+        off[j] = next_off[j];
       }
-      // The next chunk's rows of heads h0 .. h1 - 1 (adjacent in memory) into L2 while
-      // this one computes: pages are scattered, so the hardware prefetchers cannot guess
-      // across a block boundary.
-      const int64_t next_n = min64(kTile, stop - (c0 + kTile));
-      for (int64_t j = 0; j < next_n; ++j) {
-        const int64_t t = c0 + kTile + j;
-        const char* kp = reinterpret_cast<const char*>(
-            kc + token_row_offset(table, t, p.block_size, p.k_block_stride, row_stride, h0, D));
-        const char* vp = reinterpret_cast<const char*>(
-            vc + token_row_offset(table, t, p.block_size, p.v_block_stride, row_stride, h0, D));
-        for (int64_t b = 0; b < span; b += 64) {
-          _mm_prefetch(kp + b, _MM_HINT_T1);
-          _mm_prefetch(vp + b, _MM_HINT_T1);
-        }
-      }
+      for (int64_t j = 0; j < t.next_n; ++j) cur.next(next_blk[j], next_off[j]);
       for (int64_t h = h0; h < h1; ++h) {
-        for (int64_t j = 0; j < n; ++j) {
-          krows[j] = kc + koff[j] + h * D;
-          vrows[j] = vc + voff[j] + h * D;
+        for (int64_t j = 0; j < t.n; ++j) {
+          t.k[j] = kc + blk[j] * p.k_block_stride + off[j] * row_stride + h * D;
+          t.v[j] = vc + blk[j] * p.v_block_stride + off[j] * row_stride + h * D;
           if constexpr (C == Kind::FP8) {
-            kscale[j] = p.key_scales[blk[j] * p.k_scale_stride + h] * 256.f;
-            vscale[j] = p.value_scales[blk[j] * p.v_scale_stride + h] * 256.f;
+            // kDot: q is not pre-scaled.
+            t.kmul[j] = p.key_scales[blk[j] * p.k_scale_stride + h] * (kDot<K, C> ? p.scale : 1.f);
+            t.vmul[j] = p.value_scales[blk[j] * p.v_scale_stride + h];
           }
         }
-        int64_t g = 0;
+        for (int64_t j = 0; j < t.next_n; ++j) {
+          t.next_k[j] = reinterpret_cast<const char*>(kc + next_blk[j] * p.k_block_stride +
+                                                      next_off[j] * row_stride + h * D);
+          t.next_v[j] = reinterpret_cast<const char*>(vc + next_blk[j] * p.v_block_stride +
+                                                      next_off[j] * row_stride + h * D);
+        }
         const int64_t i_h = (h - h0) * G;
+        int64_t g = 0;
         for (; g + kGroupTile <= G; g += kGroupTile) {
-          attend_tile<C, kGroupTile>(w, i_h + g, D, krows, vrows, n, dots, kscale, vscale);
+          attend_tile<K, C, kGroupTile>(w, i_h + g, D, t, g == 0, dots);
         }
         switch (G - g) {
-          case 3: attend_tile<C, 3>(w, i_h + g, D, krows, vrows, n, dots, kscale, vscale); break;
-          case 2: attend_tile<C, 2>(w, i_h + g, D, krows, vrows, n, dots, kscale, vscale); break;
-          case 1: attend_tile<C, 1>(w, i_h + g, D, krows, vrows, n, dots, kscale, vscale); break;
+          case 3: attend_tile<K, C, 3>(w, i_h + g, D, t, g == 0, dots); break;
+          case 2: attend_tile<K, C, 2>(w, i_h + g, D, t, g == 0, dots); break;
+          case 1: attend_tile<K, C, 1>(w, i_h + g, D, t, g == 0, dots); break;
           default: break;
+        }
+        if constexpr (C == Kind::FP8 && !kDot<K, C>) {
+          // A NaN byte is a NaN value: the reference's softmax makes every output of
+          // the group NaN, and so does a NaN accumulator here (merges keep it).
+          if (fp8_tile_has_nan(t, D)) {
+            for (int64_t d = 0; d < G * D; ++d) w.acc[i_h * D + d] = __builtin_nanf("");
+          }
         }
       }
     }
@@ -284,14 +562,20 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
     for (int64_t i = 0; i < heads; ++i) {
       const int64_t head = h0 * G + i;
       const float* acc = w.acc + i * D;
+      // fp8 rows were read as value * 2^-120 (fp8x16), unless looked up as bfloat16.
+      const float unit_scale = C == Kind::FP8 && !kDot<K, C> ? kFp8Unit : 1.f;
       if (P == 1) {
         // An empty sequence (len 0) attends to nothing: its output is 0.
-        const float inv = w.l[i] > 0.f ? 1.f / w.l[i] : 0.f;
+        const float inv = w.l[i] > 0.f ? unit_scale / w.l[i] : 0.f;
         const int64_t o = (s * p.num_heads + head) * D;
-        for (int64_t d = 0; d < D; ++d) store_scalar<K>(p.out, o + d, acc[d] * inv);
+        for (int64_t a = 0; a < D; ++a) {
+          store_scalar<K>(p.out, o + row_element<kOrder<K, C>>(a), acc[a] * inv);
+        }
       } else {
         const int64_t pi = (s * p.num_heads + head) * P + part;
-        for (int64_t d = 0; d < D; ++d) p.part_out[pi * D + d] = acc[d];
+        for (int64_t a = 0; a < D; ++a) {
+          p.part_out[pi * D + row_element<kOrder<K, C>>(a)] = acc[a] * unit_scale;
+        }
         p.part_max[pi] = w.m[i];
         p.part_sum[pi] = w.l[i];
       }

@@ -87,6 +87,11 @@ def files_under(path: Path) -> list[Path]:
 class Rows:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+
+    def note(self, section: str, text: str) -> None:
+        self.notes.append(f"[{section}] {text}")
+        print(self.notes[-1], flush=True)
 
     def add(self, section: str, name: str, value: float, unit: str, **extra: Any) -> None:
         row = {"section": section, "name": name, "value": value, "unit": unit, **extra}
@@ -148,7 +153,7 @@ def prefix_get(c: Cluster, root: Path, args: argparse.Namespace, rows: Rows) -> 
 
     t_local, t_remote = timed(cold_local), timed(fresh_remote)
     sec = "prefix"
-    rows.add(sec, f"model: {what}; {args.prefix} tokens, KV {kv_mib:.0f} MiB", 0, "-")
+    rows.note(sec, f"model: {what}; {args.prefix} tokens, KV {kv_mib:.0f} MiB")
     rows.add(sec, "recompute (prefill)", t_recompute * 1e3, "ms")
     rows.add(sec, "get, local segments, cold page cache", t_local * 1e3, "ms",
              note=f"{kv_mib / t_local:.0f} MiB/s; handle opened after the eviction")  # fmt: skip
@@ -246,7 +251,7 @@ def throughput(c: Cluster, root: Path, args: argparse.Namespace, rows: Rows) -> 
     c.flushall()
     sec = "throughput"
     mib = moved / 2**20
-    rows.add(sec, f"values: {value} bytes, {len(chains) * 16} blocks, {mib:.0f} MiB", 0, "-")
+    rows.note(sec, f"values: {value} bytes, {len(chains) * 16} blocks, {mib:.0f} MiB")
     rows.add(sec, "local put only (no remote)", mib / t_local_put, "MiB/s")
     for op, t in (
         ("put, write=through", t_put),
@@ -351,7 +356,8 @@ def main(argv: list[str] | None = None) -> Rows:
         finally:
             c.stop()
     if args.json:
-        Path(args.json).write_text(json.dumps({"load": os.getloadavg(), "rows": rows.rows}))
+        data = {"load": os.getloadavg(), "notes": rows.notes, "rows": rows.rows}
+        Path(args.json).write_text(json.dumps(data))
     return rows
 
 

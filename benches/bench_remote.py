@@ -51,7 +51,7 @@ import kvstore
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent / "tests"))
-from bench_store import drop_page_cache  # noqa: E402
+from bench_store import _mincore_resident, drop_page_cache  # noqa: E402
 from support.redis_cluster import CLI, Cluster, cmd, env_ok, free_ports  # noqa: E402
 
 MODEL = "bench/remote@1"
@@ -127,9 +127,14 @@ def prefix_get(c: Cluster, root: Path, args: argparse.Namespace, rows: Rows) -> 
     kv_mib = want.nbytes / 2**20
     tokens = ids[0].numpy()
 
+    resident = []
+
     def cold_local() -> tuple[Any, float]:
-        drop_page_cache(files_under(root / "a"), "fadvise")
+        files = files_under(root / "a")
+        drop_page_cache(files, "fadvise")
         with hf.open(root / "a", model, fingerprint=fp) as s:  # no hot tier
+            segs = [f for f in files if f.suffix == ".kvseg"]
+            resident.append(sum(_mincore_resident(f) for f in segs))
             t0 = time.perf_counter()
             got = s.get(tokens)
             return got, time.perf_counter() - t0
@@ -156,7 +161,8 @@ def prefix_get(c: Cluster, root: Path, args: argparse.Namespace, rows: Rows) -> 
     rows.note(sec, f"model: {what}; {args.prefix} tokens, KV {kv_mib:.0f} MiB")
     rows.add(sec, "recompute (prefill)", t_recompute * 1e3, "ms")
     rows.add(sec, "get, local segments, cold page cache", t_local * 1e3, "ms",
-             note=f"{kv_mib / t_local:.0f} MiB/s; handle opened after the eviction")  # fmt: skip
+             note=f"{kv_mib / t_local:.0f} MiB/s; handle opened after the eviction; "
+             f"{min(resident) / 2**20:.1f} MiB of segments still resident")  # fmt: skip
     rows.add(sec, "get, fresh host from the cluster", t_remote * 1e3, "ms",
              note=f"{kv_mib / t_remote:.0f} MiB/s; fetch, check, promote")  # fmt: skip
     rows.add(sec, "remote get / local cold get (time)", t_remote / t_local, "x",

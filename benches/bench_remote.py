@@ -51,7 +51,7 @@ import kvstore
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent / "tests"))
-from bench_store import drop_page_cache  # noqa: E402
+from bench_store import _mincore_resident, drop_page_cache  # noqa: E402
 from support.redis_cluster import CLI, Cluster, cmd, env_ok, free_ports  # noqa: E402
 
 MODEL = "bench/remote@1"
@@ -87,6 +87,11 @@ def files_under(path: Path) -> list[Path]:
 class Rows:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+
+    def note(self, section: str, text: str) -> None:
+        self.notes.append(f"[{section}] {text}")
+        print(self.notes[-1], flush=True)
 
     def add(self, section: str, name: str, value: float, unit: str, **extra: Any) -> None:
         row = {"section": section, "name": name, "value": value, "unit": unit, **extra}
@@ -122,9 +127,14 @@ def prefix_get(c: Cluster, root: Path, args: argparse.Namespace, rows: Rows) -> 
     kv_mib = want.nbytes / 2**20
     tokens = ids[0].numpy()
 
+    resident = []
+
     def cold_local() -> tuple[Any, float]:
-        drop_page_cache(files_under(root / "a"), "fadvise")
+        files = files_under(root / "a")
+        drop_page_cache(files, "fadvise")
         with hf.open(root / "a", model, fingerprint=fp) as s:  # no hot tier
+            segs = [f for f in files if f.suffix == ".kvseg"]
+            resident.append(sum(_mincore_resident(f) for f in segs))
             t0 = time.perf_counter()
             got = s.get(tokens)
             return got, time.perf_counter() - t0
@@ -148,10 +158,11 @@ def prefix_get(c: Cluster, root: Path, args: argparse.Namespace, rows: Rows) -> 
 
     t_local, t_remote = timed(cold_local), timed(fresh_remote)
     sec = "prefix"
-    rows.add(sec, f"model: {what}; {args.prefix} tokens, KV {kv_mib:.0f} MiB", 0, "-")
+    rows.note(sec, f"model: {what}; {args.prefix} tokens, KV {kv_mib:.0f} MiB")
     rows.add(sec, "recompute (prefill)", t_recompute * 1e3, "ms")
     rows.add(sec, "get, local segments, cold page cache", t_local * 1e3, "ms",
-             note=f"{kv_mib / t_local:.0f} MiB/s; handle opened after the eviction")  # fmt: skip
+             note=f"{kv_mib / t_local:.0f} MiB/s; handle opened after the eviction; "
+             f"{min(resident) / 2**20:.1f} MiB of segments still resident")  # fmt: skip
     rows.add(sec, "get, fresh host from the cluster", t_remote * 1e3, "ms",
              note=f"{kv_mib / t_remote:.0f} MiB/s; fetch, check, promote")  # fmt: skip
     rows.add(sec, "remote get / local cold get (time)", t_remote / t_local, "x",
@@ -246,7 +257,7 @@ def throughput(c: Cluster, root: Path, args: argparse.Namespace, rows: Rows) -> 
     c.flushall()
     sec = "throughput"
     mib = moved / 2**20
-    rows.add(sec, f"values: {value} bytes, {len(chains) * 16} blocks, {mib:.0f} MiB", 0, "-")
+    rows.note(sec, f"values: {value} bytes, {len(chains) * 16} blocks, {mib:.0f} MiB")
     rows.add(sec, "local put only (no remote)", mib / t_local_put, "MiB/s")
     for op, t in (
         ("put, write=through", t_put),
@@ -351,7 +362,8 @@ def main(argv: list[str] | None = None) -> Rows:
         finally:
             c.stop()
     if args.json:
-        Path(args.json).write_text(json.dumps({"load": os.getloadavg(), "rows": rows.rows}))
+        data = {"load": os.getloadavg(), "notes": rows.notes, "rows": rows.rows}
+        Path(args.json).write_text(json.dumps(data))
     return rows
 
 

@@ -134,5 +134,5 @@ def test_bench_remote_tiny(tmp_path: Path) -> None:
     sections = {r["section"] for r in rows.rows}
     assert sections == {"prefix", "throughput", "upload"}
     for r in rows.rows:
-        assert math.isfinite(r["value"]) and r["value"] >= 0, r
+        assert math.isfinite(r["value"]) and r["value"] >= 0, r  # a node may hold no key
     assert len(json.loads(out.read_text())["rows"]) == len(rows.rows)

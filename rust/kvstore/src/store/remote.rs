@@ -23,7 +23,7 @@ use std::time::Duration;
 const PARENT_SEARCH_HASHES: usize = 300_000_000;
 
 /// Where a block stands in its chain, as `remote_push` finds out.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Place {
     /// Not known yet.
     Todo,
@@ -416,5 +416,43 @@ fn settle(place: &mut [Place], i: usize) {
             },
             _ => Place::Lost,
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settle_finds_depths_and_group_heads() {
+        // A chain of 20 in log order, a branch off its block 17, a block whose
+        // parent was not found, an unreadable one and a child of that.
+        let mut place = vec![Place::Todo; 24];
+        place[0] = Place::First;
+        for (i, p) in place.iter_mut().enumerate().take(20).skip(1) {
+            *p = Place::After(i - 1);
+        }
+        place[20] = Place::After(17);
+        place[21] = Place::Lost;
+        place[22] = Place::Unreadable;
+        place[23] = Place::After(22);
+        // From the last: every walk goes up to the chain's first block.
+        for i in (0..place.len()).rev() {
+            settle(&mut place, i);
+        }
+        for (i, p) in place.iter().enumerate().take(20) {
+            let head = if i < GROUP { 0 } else { GROUP };
+            assert_eq!(*p, Place::At { depth: i, head }, "block {i}");
+        }
+        assert_eq!(
+            place[20],
+            Place::At {
+                depth: 18,
+                head: GROUP
+            }
+        );
+        assert_eq!(place[21], Place::Lost);
+        assert_eq!(place[22], Place::Unreadable);
+        assert_eq!(place[23], Place::Lost);
     }
 }

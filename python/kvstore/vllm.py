@@ -30,6 +30,7 @@ This module imports vLLM; `import kvstore` does not import it.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -70,11 +71,12 @@ log = logging.getLogger(__name__)
 _STAT_KEYS = (
     "hit_tokens",  # tokens loaded from the store into vLLM's cache
     "load_bytes",
-    "load_seconds",
+    "load_us",  # microseconds in loads (store read and scatter); integers, because
+    # vLLM's metrics reader (LLM.get_metrics) reads counters as ints
     "load_error_blocks",  # blocks planned for loading that the store could not serve
     "save_tokens",  # tokens handed to the store (new blocks or already stored)
     "save_bytes",
-    "save_seconds",
+    "save_us",  # microseconds in saves (gather and put, on the save thread)
     "save_errors",
 )
 
@@ -236,6 +238,27 @@ def paged_block_map(write: Any, cache: torch.Tensor, layout: Layout) -> torch.Te
     return result
 
 
+def affine_strides(block_map: torch.Tensor, layout: Layout) -> list[tuple[int, tuple[int, ...]]]:
+    """`[(offset, (token, head, dim strides))]` for K and V when `block_map` places each
+    as a strided array inside a block (every backend seen so far: on this CPU K is
+    `[H][D][B]` and V `[H][B][D]`), else []: then values move one by one."""
+    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+    offsets = block_map.view(2, b, h, d)
+    fits = []
+    for o in offsets:
+        base = int(o[0, 0, 0])
+        strides = tuple(
+            int(o[tuple(int(i == axis) for i in range(3))]) - base if size > 1 else 0
+            for axis, size in enumerate((b, h, d))
+        )
+        grid = torch.meshgrid(torch.arange(b), torch.arange(h), torch.arange(d), indexing="ij")
+        model = base + grid[0] * strides[0] + grid[1] * strides[1] + grid[2] * strides[2]
+        if not torch.equal(model, o):
+            return []
+        fits.append((base, strides))
+    return fits
+
+
 # -- what the scheduler half tells the worker half ----------------------------------------------
 
 
@@ -286,13 +309,10 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
-        out: dict[str, int | float] = {k: d[k] for k in _STAT_KEYS if not k.endswith("seconds")}
-        out["load_MBps"] = (
-            round(d["load_bytes"] / d["load_seconds"] / 1e6, 1) if d["load_seconds"] else 0
-        )
-        out["save_MBps"] = (
-            round(d["save_bytes"] / d["save_seconds"] / 1e6, 1) if d["save_seconds"] else 0
-        )
+        out: dict[str, int | float] = {k: d.get(k, 0) for k in _STAT_KEYS}
+        for kind in ("load", "save"):  # bytes per microsecond = MB/s
+            us = d.get(f"{kind}_us", 0)
+            out[f"{kind}_MBps"] = round(d.get(f"{kind}_bytes", 0) / us, 1) if us else 0
         return out
 
     def is_empty(self) -> bool:
@@ -343,7 +363,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sched: _SchedulerHalf | None = None
         self._worker: _WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _SchedulerHalf(self._store)
+            tc = self._kv_transfer_config  # kv_role: "kv_both", "kv_producer" or "kv_consumer"
+            self._sched = _SchedulerHalf(self._store, tc.is_kv_consumer, tc.is_kv_producer)
         else:
             depth = int(
                 (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(
@@ -455,8 +476,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 
 class _SchedulerHalf:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, loads: bool, saves: bool) -> None:
         self._store = store
+        self._loads, self._saves = loads, saves
         self._block = store.layout.block_size
         self._reqs: dict[str, _Tracked] = {}
         # req_id -> (vLLM's local hit, the store's hit), from the last lookup
@@ -470,7 +492,7 @@ class _SchedulerHalf:
         # Looked up even when vLLM's own hit covers it: what is stored needs no save.
         stored = self._store.lookup(tokens[:upto], extra=request_extra(request), count=False)
         self._hits[request.request_id] = (num_computed_tokens, stored)
-        return max(stored - num_computed_tokens, 0)
+        return max(stored - num_computed_tokens, 0) if self._loads else 0
 
     def allocated(self, request: Request, block_ids: list[int], num_external: int) -> None:
         rid = request.request_id
@@ -522,7 +544,7 @@ class _SchedulerHalf:
             tokens = t.request.all_token_ids
             full = min(computed, len(tokens)) // b * b
             full = min(full, len(t.block_ids) * b)
-            if full > t.saved_upto:
+            if self._saves and full > t.saved_upto:
                 meta.saves.append(
                     _Transfer(
                         rid,
@@ -553,11 +575,13 @@ class _WorkerHalf:
         self._config = vllm_config
         self._caches: list[torch.Tensor] = []
         self._flat: list[torch.Tensor] = []
+        self._views: list[list[torch.Tensor]] = [[]]
+        self._buffers: dict[str, torch.Tensor] = {}
         self._map: torch.Tensor | None = None  # canonical element -> offset in a block
         self._block_stride = 0
         self._dtype = getattr(torch, self._layout.dtype)
         self._lock = threading.Lock()
-        self._stats: dict[str, float] = dict.fromkeys(_STAT_KEYS, 0.0)
+        self._stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
         self._load_errors: set[int] = set()
         self._pending: dict[str, int] = {}  # req_id -> save jobs not done
         self._saving: set[str] = set()  # requests that had a save: reported when done
@@ -594,13 +618,66 @@ class _WorkerHalf:
         dims = zip(first.shape, first.stride(), strict=True)
         span = sum((size - 1) * stride for size, stride in dims) + 1
         self._flat = [c.as_strided((span,), (1,)) for c in caches]
+        # Where K and V are strided arrays of a block: per layer, a [blocks, B, H, D] view
+        # of each, so a move is one strided copy per layer and K/V, not a gather.
+        lay = self._layout
+        self._views = [
+            [
+                c.as_strided(
+                    (c.shape[0], lay.block_size, lay.num_kv_heads, lay.head_dim),
+                    (self._block_stride, *strides),
+                    c.storage_offset() + base,
+                )
+                for base, strides in affine_strides(self._map, lay)
+            ]
+            for c in caches
+        ]
         log.info(
-            "kvstore connector: %s, %d layers of %s strides %s",
+            "kvstore connector: %s, %d layers of %s strides %s, %s copies",
             self._store.path,
             len(caches),
             tuple(first.shape),
             first.stride(),
+            "strided" if self._views[0] else "element-wise",
         )
+
+    def _staging(self, which: str, tokens: int) -> torch.Tensor:
+        """A reused `[L, 2, tokens, H, D]` buffer (a new one's page faults cost about as
+        much as the copy), grown as needed; its size is bounded by the longest request."""
+        shape = self._layout.kv_shape(tokens)
+        need = math.prod(shape)
+        buf = self._buffers.get(which)
+        if buf is None or buf.numel() < need:
+            buf = self._buffers[which] = torch.empty(need, dtype=self._dtype)
+        return buf[:need].view(shape)  # contiguous, as Store.get(out=) needs
+
+    def _scatter(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """`kv` (`[L, 2, n*B, H, D]`) into vLLM's blocks `block_ids`."""
+        lay = self._layout
+        n = len(block_ids)
+        if self._views[0]:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            for views, layer in zip(self._views, kv, strict=True):
+                for view, x in zip(views, layer, strict=True):
+                    view.index_copy_(0, ids, x.reshape(n, lay.block_size, *x.shape[1:]))
+            return
+        idx = self._index(block_ids)
+        for flat, layer in zip(self._flat, kv, strict=True):
+            flat.index_copy_(0, idx, layer.reshape(-1))
+
+    def _gather(self, block_ids: list[int], out: torch.Tensor) -> None:
+        """vLLM's blocks `block_ids` into `out` (contiguous `[L, 2, n*B, H, D]`)."""
+        lay = self._layout
+        n = len(block_ids)
+        if self._views[0]:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            for views, layer in zip(self._views, out, strict=True):
+                for view, x in zip(views, layer, strict=True):
+                    torch.index_select(view, 0, ids, out=x.view(n, lay.block_size, *x.shape[1:]))
+            return
+        idx = self._index(block_ids)
+        for flat, layer in zip(self._flat, out, strict=True):
+            torch.index_select(flat, 0, idx, out=layer.view(-1))
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         """Element offsets, in canonical `[2, n*B, H, D]` order, of `block_ids` in a layer."""
@@ -618,7 +695,7 @@ class _WorkerHalf:
         for tr in loads:
             t0 = time.perf_counter()
             n = len(tr.tokens) - tr.start
-            buf = torch.empty(self._layout.kv_shape(n), dtype=self._dtype)
+            buf = self._staging("load", n)
             try:
                 m = self._store.get(tr.tokens, start=tr.start, out=buf, extra=tr.extra)
             except KVStoreError as e:
@@ -626,16 +703,14 @@ class _WorkerHalf:
                 m = 0
             got = max(m - tr.start, 0) // b * b
             if got:
-                idx = self._index(tr.block_ids[: got // b])
-                for flat, kv in zip(self._flat, buf, strict=True):
-                    flat.index_copy_(0, idx, kv[:, :got].reshape(-1))
+                self._scatter(tr.block_ids[: got // b], buf[:, :, :got])
             failed = tr.block_ids[got // b :]
             with self._lock:
                 self._load_errors.update(failed)
                 self._stats["hit_tokens"] += got
                 self._stats["load_bytes"] += got // b * self._layout.block_bytes
                 self._stats["load_error_blocks"] += len(failed)
-                self._stats["load_seconds"] += time.perf_counter() - t0
+                self._stats["load_us"] += round((time.perf_counter() - t0) * 1e6)
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
@@ -659,10 +734,8 @@ class _WorkerHalf:
             t0 = time.perf_counter()
             try:
                 n = len(tr.tokens) - tr.start
-                kv = torch.empty(self._layout.kv_shape(n), dtype=self._dtype)
-                idx = self._index(tr.block_ids)
-                for flat, out in zip(self._flat, kv, strict=True):
-                    torch.index_select(flat, 0, idx, out=out.view(-1))
+                kv = self._staging("save", n)  # only this thread uses it
+                self._gather(tr.block_ids, kv)
                 self._store.put(tr.tokens, kv, start=tr.start, extra=tr.extra)
                 ok = True
             except Exception as e:  # a failed save is a future miss; vLLM goes on
@@ -676,7 +749,7 @@ class _WorkerHalf:
                     )
                 else:
                     self._stats["save_errors"] += 1
-                self._stats["save_seconds"] += time.perf_counter() - t0
+                self._stats["save_us"] += round((time.perf_counter() - t0) * 1e6)
                 self._pending[tr.req_id] -= 1
                 if not self._pending[tr.req_id]:
                     del self._pending[tr.req_id]
@@ -699,7 +772,7 @@ class _WorkerHalf:
 
     def take_stats(self) -> dict[str, Any]:
         with self._lock:
-            stats, self._stats = self._stats, dict.fromkeys(_STAT_KEYS, 0.0)
+            stats, self._stats = self._stats, dict.fromkeys(_STAT_KEYS, 0)
         return stats
 
     def close(self) -> None:

@@ -6,20 +6,36 @@ Run by the vLLM python (scripts/vllm_env.sh) with a JSON spec as its argument:
      kv_connector_extra_config), "prefix_caching": bool, "batched_tokens": int,
      "max_model_len": int, "kv_bytes": int,
      "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int,
-                 "cache_salt": str or null}]}
+                 "cache_salt": str or null, "evict": path or null, "sleep": s}]}
 
 One LLM instance serves the phases in order; after each phase it prints a line
 `PHASE <json>` with the greedy tokens of each prompt, the seconds it took and the
 connector's counters as vLLM's Prometheus metrics show them (cumulative, summed
-over engines). Last comes `DONE`.
+over engines). Last comes `DONE`. A phase with `evict` first drops the files under
+that path from the page cache (fsync + posix_fadvise DONTNEED), for cold reads.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+
+def evict(root: str) -> None:
+    """Drops the files under `root` from the page cache (pages mapped by a process,
+    such as the index's, stay)."""
+    for path in Path(root).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def connector_counters(llm: Any) -> dict[str, float]:
@@ -74,6 +90,9 @@ def main() -> None:
             if phase.get("cache_salt") is not None:
                 prompt["cache_salt"] = phase["cache_salt"]
             prompts.append(prompt)
+        time.sleep(phase.get("sleep", 0))  # e.g. for background saves to finish
+        if phase.get("evict"):
+            evict(phase["evict"])
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0

@@ -47,29 +47,14 @@ import torch
 import kvstore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ttft import build_model  # noqa: E402
 from support import vllm_run  # noqa: E402
 
 
-def build_model(path: Path, hidden: int, layers: int) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 256,
-        vocab_size=1000,
-        max_position_embeddings=8192,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        initializer_range=0.08,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().to(torch.bfloat16).save_pretrained(path)
+def save_model(path: Path, hidden: int, layers: int) -> None:
+    """bench_ttft.py's model (seeded random Llama weights), in bfloat16, for vLLM."""
+    build_model(hidden, layers, vocab=1000).to(torch.bfloat16).save_pretrained(path)
 
 
 def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
@@ -113,7 +98,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_vllm-") as tmp:
         root = Path(tmp)
-        build_model(root / "model", args.hidden, args.layers)
+        save_model(root / "model", args.hidden, args.layers)
         store = root / "store"
         hot = {"hot_bytes": 256 << 20}
 

@@ -66,6 +66,7 @@ class Prompts:
         self.x = [_tokens(rng, 230) for _ in range(2)]
         self.y = [self.x[0][:96] + _tokens(rng, 150), _tokens(rng, 260)]
         self.kill = [_tokens(rng, 400) for _ in range(20)]
+        self.preempt = [_tokens(rng, 220) for _ in range(3)]
 
 
 P = Prompts()
@@ -85,6 +86,10 @@ LATER = [
 CONCURRENT_X = [phase("x", P.x)]
 CONCURRENT_Y = [phase("y", P.y)]
 KILL = [phase("kill-warm", P.kill[:1]), phase("kill", P.kill[1:])]
+# 3 prompts of 7 blocks growing to 8 in 23 usable blocks: vLLM preempts one. Its
+# reference runs in as little memory (a run that preempts nothing batches otherwise).
+PREEMPT = [phase("preempt", P.preempt, max_tokens=12)]
+SMALL = 24 * 4 * B * 2 * 2 * 64 * 2  # bytes of 24 blocks (one is vLLM's null block)
 
 
 def by_name(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -142,7 +147,9 @@ def run(world: dict[str, Any], name: str, s: dict[str, Any]) -> list[dict[str, A
 def reference(world: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Greedy tokens of every prompt from vLLM without the connector."""
     phases = SHARED + PARTIAL + LATER + CONCURRENT_X + CONCURRENT_Y + KILL
-    return by_name(run(world, "reference", spec(world, None, phases)))
+    results = run(world, "reference", spec(world, None, phases))
+    results += run(world, "reference-small", spec(world, None, PREEMPT, kv_bytes=SMALL))
+    return by_name(results)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +175,10 @@ def test_process_a_stores_each_block_once(world, reference, stored):
     assert a["tokens"] == reference["shared"]["tokens"]
     assert a["counters"]["hit_tokens"] == 0
     assert a["counters"]["load_error_blocks"] == 0
+    # Chunked prefill (64 tokens a step) hands each completed block over once per
+    # request: a's 7 blocks, b's 8 at most (fewer if a's were stored before b's
+    # lookup); re-copying earlier blocks at each step would exceed this.
+    assert a["counters"]["save_tokens"] <= 7 * B + 8 * B
     with hf.open(
         stored["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
     ) as s:
@@ -266,19 +277,39 @@ def test_transformers_session_is_a_hit(fresh_b, reference):
     assert by_name(fresh_b["results"])["session"]["tokens"] == reference["session"]["tokens"]
 
 
-def test_damaged_store_misses_and_recomputes(world, reference, stored, fresh_b):
+@pytest.fixture(scope="module")
+def damaged_run(world, stored, fresh_b):
+    """A copy of the store with a byte flipped every ~1 KiB of its segments, served by a
+    vLLM with little KV memory (24 blocks) that also runs the preemption phase, and no
+    prefix cache of its own (else a resumed request finds its blocks there)."""
     damaged = world["root"] / "damaged"
     shutil.copytree(stored["path"], damaged)
     for seg in sorted((damaged / "segments").iterdir()):
         data = bytearray(seg.read_bytes())
-        for i in range(64, len(data), 997):  # a byte flipped every ~1 KiB
+        for i in range(64, len(data), 997):
             data[i] ^= 0x5A
         seg.write_bytes(bytes(data))
-    results = run(world, "damaged", spec(world, damaged, SHARED))
-    d = delta(results, "shared")
+    s = spec(world, damaged, SHARED + PREEMPT, kv_bytes=SMALL, prefix_caching=False)
+    return run(world, "damaged", s)
+
+
+def test_damaged_store_misses_and_recomputes(damaged_run, reference):
+    """The scheduler plans loads from the index; every block's read fails its check, is
+    reported to vLLM, which recomputes: the tokens of a run without the store."""
+    d = delta(damaged_run, "shared")
     assert d["load_error_blocks"] > 0
     assert d["hit_tokens"] == 0
-    assert results[0]["tokens"] == reference["shared"]["tokens"]
+    assert by_name(damaged_run)["shared"]["tokens"] == reference["shared"]["tokens"]
+
+
+def test_preempted_request_resumes_from_the_store(damaged_run, reference):
+    """A preempted request's blocks are freed once its saves have read them; resumed,
+    it loads its prompt's stored blocks (new ones: the damage predates them)."""
+    d = delta(damaged_run, "preempt")
+    assert d["vllm_preemptions"] >= 1
+    assert d["hit_tokens"] > 0
+    assert d["load_error_blocks"] == 0
+    assert by_name(damaged_run)["preempt"]["tokens"] == reference["preempt"]["tokens"]
 
 
 def test_two_processes_then_sigkill_then_fresh(world, reference):

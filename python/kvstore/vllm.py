@@ -651,33 +651,26 @@ class _WorkerHalf:
             buf = self._buffers[which] = torch.empty(need, dtype=self._dtype)
         return buf[:need].view(shape)  # contiguous, as Store.get(out=) needs
 
-    def _scatter(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """`kv` (`[L, 2, n*B, H, D]`) into vLLM's blocks `block_ids`."""
+    def _move(self, block_ids: list[int], kv: torch.Tensor, *, into_cache: bool) -> None:
+        """Between vLLM's blocks `block_ids` and `kv` (contiguous `[L, 2, n*B, H, D]`):
+        into the cache (a load) or out of it (a save)."""
         lay = self._layout
-        n = len(block_ids)
         if self._views[0]:
             ids = torch.tensor(block_ids, dtype=torch.int64)
             for views, layer in zip(self._views, kv, strict=True):
                 for view, x in zip(views, layer, strict=True):
-                    view.index_copy_(0, ids, x.reshape(n, lay.block_size, *x.shape[1:]))
+                    blocks = x.view(len(block_ids), lay.block_size, *x.shape[1:])
+                    if into_cache:
+                        view.index_copy_(0, ids, blocks)
+                    else:
+                        torch.index_select(view, 0, ids, out=blocks)
             return
         idx = self._index(block_ids)
         for flat, layer in zip(self._flat, kv, strict=True):
-            flat.index_copy_(0, idx, layer.reshape(-1))
-
-    def _gather(self, block_ids: list[int], out: torch.Tensor) -> None:
-        """vLLM's blocks `block_ids` into `out` (contiguous `[L, 2, n*B, H, D]`)."""
-        lay = self._layout
-        n = len(block_ids)
-        if self._views[0]:
-            ids = torch.tensor(block_ids, dtype=torch.int64)
-            for views, layer in zip(self._views, out, strict=True):
-                for view, x in zip(views, layer, strict=True):
-                    torch.index_select(view, 0, ids, out=x.view(n, lay.block_size, *x.shape[1:]))
-            return
-        idx = self._index(block_ids)
-        for flat, layer in zip(self._flat, out, strict=True):
-            torch.index_select(flat, 0, idx, out=layer.view(-1))
+            if into_cache:
+                flat.index_copy_(0, idx, layer.reshape(-1))
+            else:
+                torch.index_select(flat, 0, idx, out=layer.view(-1))
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         """Element offsets, in canonical `[2, n*B, H, D]` order, of `block_ids` in a layer."""
@@ -703,7 +696,7 @@ class _WorkerHalf:
                 m = 0
             got = max(m - tr.start, 0) // b * b
             if got:
-                self._scatter(tr.block_ids[: got // b], buf[:, :, :got])
+                self._move(tr.block_ids[: got // b], buf[:, :, :got], into_cache=True)
             failed = tr.block_ids[got // b :]
             with self._lock:
                 self._load_errors.update(failed)
@@ -735,7 +728,7 @@ class _WorkerHalf:
             try:
                 n = len(tr.tokens) - tr.start
                 kv = self._staging("save", n)  # only this thread uses it
-                self._gather(tr.block_ids, kv)
+                self._move(tr.block_ids, kv, into_cache=False)
                 self._store.put(tr.tokens, kv, start=tr.start, extra=tr.extra)
                 ok = True
             except Exception as e:  # a failed save is a future miss; vLLM goes on

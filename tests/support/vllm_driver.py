@@ -18,7 +18,6 @@ that path from the page cache (fsync + posix_fadvise DONTNEED), for cold reads.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,25 +25,24 @@ from typing import Any
 
 
 def evict(root: str) -> None:
-    """Drops the files under `root` from the page cache (pages mapped by a process,
-    such as the index's, stay)."""
-    for path in Path(root).rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    """Drops the files under `root` from the page cache (bench_store's fadvise eviction;
+    pages a process maps, such as the index's, stay)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+    from bench_store import drop_page_cache
+
+    drop_page_cache([p for p in Path(root).rglob("*") if p.is_file()], "fadvise")
 
 
 def connector_counters(llm: Any) -> dict[str, float]:
-    """The `vllm:kvstore_*` counters, read back through vLLM's metrics API."""
-    out: dict[str, float] = {}
+    """The `vllm:kvstore_*` counters, read back through vLLM's metrics API, and vLLM's
+    own count of preempted requests (as `vllm_preemptions`)."""
+    out: dict[str, float] = {"vllm_preemptions": 0.0}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:kvstore_"):
             key = m.name.removeprefix("vllm:kvstore_")
             out[key] = out.get(key, 0.0) + float(m.value)
+        elif m.name == "vllm:num_preemptions":
+            out["vllm_preemptions"] += float(m.value)
     return out
 
 

@@ -359,7 +359,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._store, self._layer_names = _open(vllm_config, kv_cache_config)
         self._layout = self._store.layout
-        self._block = self._layout.block_size
         self._sched: _SchedulerHalf | None = None
         self._worker: _WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -573,7 +572,6 @@ class _WorkerHalf:
         self._layout = store.layout
         self._names = layer_names
         self._config = vllm_config
-        self._caches: list[torch.Tensor] = []
         self._flat: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] = [[]]
         self._buffers: dict[str, torch.Tensor] = {}
@@ -613,7 +611,6 @@ class _WorkerHalf:
 
         self._map = paged_block_map(write, first, self._layout)
         self._block_stride = first.stride(0)
-        self._caches = caches
         # A flat view of each layer's span of storage: offsets are element offsets.
         dims = zip(first.shape, first.stride(), strict=True)
         span = sum((size - 1) * stride for size, stride in dims) + 1

@@ -44,5 +44,11 @@ step "cuda: nvcc compile check of every .cu file for sm_80 and sm_90 (no GPU nee
 python3 -m pip install --quiet nvidia-cuda-nvcc==13.2.86 nvidia-nvvm==13.2.86 nvidia-cuda-crt==13.2.86
 bash python/kvstore/csrc/compile_check.sh
 
+step "vLLM 0.32 (CPU build) for the connector tests: a cached, pinned virtualenv"
+# Built once per machine (scripts/vllm_env.sh); tests/test_vllm.py runs vLLM in
+# it and, with KVSTORE_REQUIRE_VLLM=1, fails rather than skips without it.
+KVSTORE_VLLM_PYTHON="$(bash scripts/vllm_env.sh | tail -n 1)"
+export KVSTORE_VLLM_PYTHON KVSTORE_REQUIRE_VLLM=1
+
 step "python: tests (GPU tests are skipped without a GPU)"
 python3 -m pytest -q tests benches/test_bench_smoke.py "$@"

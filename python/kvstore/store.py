@@ -144,9 +144,11 @@ class Store:
         connectors that name blocks as the store does (see kvstore.torch.BlockPool)."""
         return self._raw.block_ids(tokens_array(tokens), extra_bytes(extra))
 
-    def lookup(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
-        """Longest stored prefix of `tokens`, in tokens (a multiple of block_size)."""
-        return self._raw.lookup(tokens_array(tokens), extra_bytes(extra), True)
+    def lookup(self, tokens: Any, *, extra: bytes | str | None = None, count: bool = True) -> int:
+        """Longest stored prefix of `tokens`, in tokens (a multiple of block_size).
+        With `count=False` the store's hit and miss counters are left alone (for a
+        planner that asks again and again, e.g. the vLLM connector's scheduler)."""
+        return self._raw.lookup(tokens_array(tokens), extra_bytes(extra), bool(count))
 
     def get(
         self,

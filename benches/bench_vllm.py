@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""vLLM with the kvstore connector: time to first token of a request whose prefix is
+stored, in a freshly started vLLM, against the same request recomputed; and the
+connector's load and save throughput against memcpy of the same bytes.
+
+    python benches/bench_vllm.py [--prefix 2048] [--suffix 16] [--repeat 3] [--json OUT]
+
+vLLM 0.32's CPU build runs in its own virtualenv (scripts/vllm_env.sh,
+$KVSTORE_VLLM_PYTHON), three processes one after another, on a Llama-architecture
+model with seeded random weights (bfloat16; hidden 1024, 8 layers, 16 heads,
+4 KV heads: 32 KiB of KV per token, 64 MiB for the 2K prefix):
+
+1. a writer (hot tier on) serves the prompt once: the prefix lands in the segments
+   and in the shared-memory arena;
+2. a fresh vLLM without a hot tier and without vLLM's own prefix cache:
+   - recompute: the prompt under another `cache_salt` (no stored prefix);
+   - cold: the prompt after evicting the store's files from the page cache
+     (fsync + posix_fadvise(DONTNEED), done by the vLLM process between requests);
+   - warm: the prompt again (the segments now in the page cache);
+3. a fresh vLLM with the hot tier: the prompt, its prefix loaded from the arena.
+
+TTFT is the wall time of `generate(max_tokens=1)` of one prompt of `--prefix` +
+`--suffix` tokens, best of `--repeat` (each after a warm-up request of other
+tokens). Load throughput: the connector's own counters (bytes it landed in vLLM's
+paged cache / microseconds in its loads: store read + scatter), best of the repeats
+of each kind; save throughput likewise (gather + put, in the background) in the
+writer. The peer is
+torch's copy of the same number of bytes between two buffers in this process.
+Targets (issue 14): TTFT with the prefix loaded <= 1/5 of recompute; load >= 0.5x
+memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvstore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ttft import build_model  # noqa: E402
+from support import vllm_run  # noqa: E402
+
+
+def save_model(path: Path, hidden: int, layers: int) -> None:
+    """bench_ttft.py's model (seeded random Llama weights), in bfloat16, for vLLM."""
+    build_model(hidden, layers, vocab=1000).to(torch.bfloat16).save_pretrained(path)
+
+
+def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
+    """Best time of a copy of `nbytes` (bfloat16) between touched buffers, torch's copy_
+    in this process, a different pair each time (4 pairs: more than a CPU cache holds,
+    as a load's source and vLLM's cache are)."""
+    n = max(nbytes // 2, 1)
+    pairs = [(torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))]
+    pairs += [(torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))]
+    pairs += [(torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))]
+    pairs += [(torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))]
+    best = float("inf")
+    for i in range(repeat * len(pairs)):
+        src, dst = pairs[i % len(pairs)]
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--prefix", type=int, default=2048)
+    p.add_argument("--suffix", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    py = vllm_run.vllm_python()
+    if py is None:
+        print("no vLLM virtualenv: run scripts/vllm_env.sh or set KVSTORE_VLLM_PYTHON")
+        return 2
+
+    rng = random.Random(2048)
+    prefix = [rng.randrange(3, 1000) for _ in range(args.prefix)]
+    prompt = prefix + [rng.randrange(3, 1000) for _ in range(args.suffix)]
+    warm = [[rng.randrange(3, 1000) for _ in range(64)]]
+    kv_bytes = 1 << 30
+    max_len = args.prefix + args.suffix + 64
+
+    with tempfile.TemporaryDirectory(prefix="bench_vllm-") as tmp:
+        root = Path(tmp)
+        save_model(root / "model", args.hidden, args.layers)
+        store = root / "store"
+        hot = {"hot_bytes": 256 << 20}
+
+        def spec(extra: dict[str, Any], phases: list[Any], caching: bool) -> dict[str, Any]:
+            return {
+                "model": str(root / "model"),
+                "store": str(store),
+                "extra": extra,
+                "phases": phases,
+                "prefix_caching": caching,
+                "batched_tokens": max_len,
+                "max_model_len": max_len,
+                "kv_bytes": kv_bytes,
+            }
+
+        def one(name: str, **kw: Any) -> dict[str, Any]:
+            return {"name": name, "prompts": [prompt], "max_tokens": 1, **kw}
+
+        def runs(name: str, n: int, **kw: Any) -> list[dict[str, Any]]:
+            return [one(f"{name}{i}", **kw) for i in range(n)]
+
+        logs = root / "logs"
+        logs.mkdir()
+        print(f"model: hidden {args.hidden}, {args.layers} layers; prompt {len(prompt)} tokens")
+        warm_up = [{"name": "warm-up", "prompts": warm, "max_tokens": 1}]
+        # "settle": after the background save of the prompt is done, a step reports it.
+        settle = [{"name": "settle", "prompts": warm, "max_tokens": 1, "sleep": 3}]
+        writer = vllm_run.run(
+            py, spec(hot, warm_up + [one("write")] + settle, True), logs / "writer.log"
+        )
+        time.sleep(1)
+        r = args.repeat
+        evict = {"evict": str(store)}
+        disk = vllm_run.run(
+            py,
+            spec(
+                {},
+                warm_up
+                # A salt of its own each time: nothing stored, not even by the last one.
+                + [one(f"recompute{i}", cache_salt=f"bench-{i}") for i in range(r)]
+                + [x for i in range(r) for x in [one(f"cold{i}", **evict)]]
+                + runs("warm", r),
+                False,
+            ),
+            logs / "disk.log",
+        )
+        hot_run = vllm_run.run(py, spec(hot, warm_up + runs("hot", r), False), logs / "hot.log")
+        kvstore.remove_arena(store)
+
+    def best(results: list[dict[str, Any]], name: str) -> float:
+        return min(x["seconds"] for x in results if x["name"].startswith(name))
+
+    def phase_delta(results: list[dict[str, Any]], name: str) -> dict[str, float]:
+        i = [x["name"] for x in results].index(name)
+        return vllm_run.counters_delta(results[i - 1]["counters"], results[i]["counters"])
+
+    recompute = best(disk, "recompute")
+    rows = [
+        ("recompute (no stored prefix)", recompute),
+        ("stored prefix, cold page cache", best(disk, "cold")),
+        ("stored prefix, warm page cache", best(disk, "warm")),
+        ("stored prefix, hot tier", best(hot_run, "hot")),
+    ]
+
+    def load_rate(results: list[dict[str, Any]], name: str) -> float:
+        """Best bytes/s of the connector's loads in the phases `name`0, 1, ..."""
+        rates = []
+        for i in range(r):
+            d = phase_delta(results, f"{name}{i}")
+            if d["load_us"]:
+                rates.append(d["load_bytes"] / d["load_us"] * 1e6)
+        return max(rates, default=0.0)
+
+    loads = [
+        ("load, hot tier", load_rate(hot_run, "hot")),
+        ("load, warm page cache", load_rate(disk, "warm")),
+        ("load, cold page cache", load_rate(disk, "cold")),
+    ]
+    save = phase_delta(writer, "settle")
+    save = {k: save[k] + phase_delta(writer, "write")[k] for k in save}
+    save_bps = save["save_bytes"] / save["save_us"] * 1e6 if save["save_us"] else 0.0
+    load_bytes = phase_delta(hot_run, "hot0")["load_bytes"]
+    mem_bps = load_bytes / memcpy_seconds(int(load_bytes) or 1)
+
+    load_avg = os.getloadavg()
+    print(f"\nTTFT, {len(prompt)}-token prompt, {args.prefix} stored, best of {r}:")
+    print(f"{'':34} {'ms':>9} {'recompute/x':>12}")
+    for name, s in rows:
+        print(f"{name:34} {s * 1e3:9.1f} {recompute / s:12.2f}")
+    print("target: stored <= 1/5 of recompute (ratio >= 5)")
+    print(f"\nconnector throughput ({load_bytes / 2**20:.0f} MiB per load, best of {r}):")
+    for name, bps in [*loads, ("save (gather + put)", save_bps)]:
+        print(f"  {name:24} {bps / 2**30:7.2f} GiB/s  {bps / mem_bps:5.2f}x memcpy")
+    print(f"  {'memcpy':24} {mem_bps / 2**30:7.2f} GiB/s  (torch copy_, same bytes, this run)")
+    print("target: load >= 0.5x memcpy")
+    avg = " ".join(f"{x:.2f}" for x in load_avg)
+    print(f"\nload average {avg}, {platform.node()}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "ttft_s": dict(rows),
+                    "load_Bps": dict(loads),
+                    "save_Bps": save_bps,
+                    "memcpy_Bps": mem_bps,
+                    "loadavg": load_avg,
+                    "phases": {"writer": writer, "disk": disk, "hot": hot_run},
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,771 @@
+"""A vLLM KV connector: vLLM's prefixes survive restarts and are shared by every
+vLLM process on the machine, through a kvstore store.
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(model=..., kv_transfer_config=KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"path": "/data/kv", "hot_bytes": 1 << 30}))
+
+vLLM (0.32 API) builds two halves, each in its own process with its own store
+handle: the scheduler half answers "how much of this prompt is stored beyond
+vLLM's own prefix cache" and plans which blocks to load and save each step; the
+worker half moves KV between vLLM's paged cache and the store. Blocks are stored
+in kvstore's canonical `[L, 2, T, H, D]` under the same keys `kvstore.hf` uses,
+so a prefix vLLM stored is a hit for transformers on the same model and the
+reverse. Where a paged block keeps each value is learnt at start-up by running
+the attention backend's own cache writer on a probe block, never assumed.
+
+Extra config keys: `path` (required), `hot_bytes`, `durability` ("sync", "batch",
+"none"), `salt` (tenant secret), `remote` (a dict of `kvstore.Remote` fields),
+`fingerprint` (the model identity; default: `kvstore.hf.fingerprint` of the
+weights vLLM serves, in vLLM's dtype), `save_queue` (save jobs in flight before a
+step waits, default 64).
+
+This module imports vLLM; `import kvstore` does not import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from .errors import InvalidInput, KVStoreError
+from .layout import Layout, dtype_name
+from .remote import Remote
+from .store import Store
+from .store import open as open_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorStats", "paged_block_map"]
+
+log = logging.getLogger(__name__)
+
+_STAT_KEYS = (
+    "hit_tokens",  # tokens loaded from the store into vLLM's cache
+    "load_bytes",
+    "load_us",  # microseconds in loads (store read and scatter); integers, because
+    # vLLM's metrics reader (LLM.get_metrics) reads counters as ints
+    "load_error_blocks",  # blocks planned for loading that the store could not serve
+    "save_tokens",  # tokens handed to the store (new blocks or already stored)
+    "save_bytes",
+    "save_us",  # microseconds in saves (gather and put, on the save thread)
+    "save_errors",
+)
+
+
+# -- identity -----------------------------------------------------------------------------------
+
+
+def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[Layout, list[str]]:
+    """The store layout of vLLM's KV cache, and the attention layer names in layer order."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if vllm_config.parallel_config.world_size != 1:
+        raise InvalidInput(
+            "KVStoreConnector: tensor/pipeline parallelism is not supported (one worker only)"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise InvalidInput(
+            f"KVStoreConnector: expected one group of full-attention layers, got {kinds}; "
+            "sliding-window, hybrid and MLA caches do not hold a reusable prefix block by block"
+        )
+    spec = groups[0].kv_cache_spec
+    if vllm_config.cache_config.cache_dtype not in ("auto", str(spec.dtype).removeprefix("torch.")):
+        raise InvalidInput(
+            f"KVStoreConnector: kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} is "
+            "quantized; the store keeps the model dtype's KV"
+        )
+    names = sorted(groups[0].layer_names, key=extract_layer_index)
+    layout = Layout(
+        num_layers=len(names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        dtype=dtype_name(spec.dtype),
+        block_size=int(spec.block_size),
+    )
+    return layout, names
+
+
+def model_fingerprint(vllm_config: VllmConfig) -> str:
+    """`kvstore.hf.fingerprint` of the model vLLM serves (its path or hub id, revision
+    and dtype), so blocks are keyed as `kvstore.hf` keys them for the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from . import hf
+
+    mc = vllm_config.model_config
+    model = AutoModelForCausalLM.from_pretrained(
+        mc.model,
+        revision=mc.revision,
+        dtype=mc.dtype,
+        trust_remote_code=mc.trust_remote_code,
+    )
+    try:
+        return hf.fingerprint(model)
+    finally:
+        del model
+
+
+def _open(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[Store, list[str]]:
+    tc = vllm_config.kv_transfer_config
+    assert tc is not None
+    extra = dict(tc.kv_connector_extra_config or {})
+    unknown = set(extra) - {
+        "path",
+        "hot_bytes",
+        "durability",
+        "salt",
+        "remote",
+        "fingerprint",
+        "save_queue",
+    }
+    if unknown:
+        raise InvalidInput(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
+    if "path" not in extra:
+        raise InvalidInput("kv_connector_extra_config: 'path' (the store directory) is required")
+    layout, names = _layout(vllm_config, kv_cache_config)
+    fp = extra.get("fingerprint") or model_fingerprint(vllm_config)
+    remote = extra.get("remote")
+    store = open_store(
+        extra["path"],
+        layout=layout,
+        model=fp,
+        salt=extra.get("salt"),
+        hot_bytes=extra.get("hot_bytes"),
+        durability=extra.get("durability", "batch"),
+        array="torch",
+        remote=Remote(**remote) if remote is not None else None,
+    )
+    return store, names
+
+
+def request_extra(request: Any) -> bytes | None:
+    """What goes into a request's block keys besides its tokens: its `cache_salt` and
+    LoRA adapter, so tenants and adapters never share blocks. None for a plain
+    request, so its blocks are those `kvstore.hf` stores for the same tokens."""
+    salt = getattr(request, "cache_salt", None)
+    lora = getattr(request, "lora_request", None)
+    if salt is None and lora is None:
+        return None
+    parts = [b"kvstore.vllm/1"]
+    if salt is not None:
+        parts.append(b"cache_salt=" + str(salt).encode())
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}:{lora.lora_int_id}:{lora.lora_path}".encode())
+    return b"\0".join(parts)
+
+
+# -- the paged layout, learnt from the backend ---------------------------------------------------
+
+
+def paged_block_map(write: Any, cache: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Where the attention backend keeps each value of a block, learnt by running its
+    cache writer on a probe cache of one block.
+
+    `write(key, value, cache, slot_mapping)` is the backend's writer (`key`, `value`:
+    `[T, H, D]`); `cache` one layer's paged cache, whose first dimension indexes blocks
+    (vLLM's logical per-layer view). Returns, for each canonical element of a block
+    (`[2, B, H, D]`, K then V), its element offset from the block's first element in
+    `cache`'s storage (block `i` starts `i * cache.stride(0)` elements from block 0).
+    """
+    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+    n = 2 * b * h * d
+    dtype = cache.dtype
+    probe_shape = [1, *cache.shape[1:]]
+    base = 64  # every digit 0..63 is exact in float16, bfloat16 and float32
+    digits = 1
+    while base**digits < n:
+        digits += 1
+    codes = torch.arange(n, dtype=torch.int64)
+    decoded = torch.zeros(int(np.prod(probe_shape)), dtype=torch.int64)
+    written = None
+    for i in range(digits):
+        digit = (codes // base**i) % base
+        src = digit.to(dtype).view(2, b, h, d)
+        cache = torch.full(probe_shape, -1.0, dtype=dtype)
+        write(src[0].contiguous(), src[1].contiguous(), cache, torch.arange(b, dtype=torch.int64))
+        flat = cache.reshape(-1).to(torch.float64)
+        if written is None:
+            written = flat >= 0
+        elif not torch.equal(written, flat >= 0):
+            raise KVStoreError("KVStoreConnector: the backend's cache writer is not deterministic")
+        decoded += torch.where(flat >= 0, flat, 0).to(torch.int64) * base**i
+    assert written is not None
+    where = torch.nonzero(written).reshape(-1)
+    codes_found = decoded[where]
+    if len(where) != n or not torch.equal(torch.sort(codes_found).values, codes):
+        raise KVStoreError(
+            f"KVStoreConnector: the backend's cache writer put {len(where)} values for {n} "
+            "written, or transformed them (quantized caches are not supported)"
+        )
+    # Offsets in the probe (one block, contiguous) -> offsets in the layer's cache.
+    strides = torch.tensor(cache.stride(), dtype=torch.int64)
+    index = torch.stack(torch.unravel_index(where, tuple(probe_shape)), dim=1)
+    offsets = (index * strides).sum(dim=1)
+    result = torch.empty(n, dtype=torch.int64)
+    result[codes_found] = offsets
+    return result
+
+
+def affine_strides(block_map: torch.Tensor, layout: Layout) -> list[tuple[int, tuple[int, ...]]]:
+    """`[(offset, (token, head, dim strides))]` for K and V when `block_map` places each
+    as a strided array inside a block (every backend seen so far: on this CPU K is
+    `[H][D][B]` and V `[H][B][D]`), else []: then values move one by one."""
+    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+    offsets = block_map.view(2, b, h, d)
+    fits = []
+    for o in offsets:
+        base = int(o[0, 0, 0])
+        strides = tuple(
+            int(o[tuple(int(i == axis) for i in range(3))]) - base if size > 1 else 0
+            for axis, size in enumerate((b, h, d))
+        )
+        grid = torch.meshgrid(torch.arange(b), torch.arange(h), torch.arange(d), indexing="ij")
+        model = base + grid[0] * strides[0] + grid[1] * strides[1] + grid[2] * strides[2]
+        if not torch.equal(model, o):
+            return []
+        fits.append((base, strides))
+    return fits
+
+
+# -- what the scheduler half tells the worker half ----------------------------------------------
+
+
+@dataclass
+class _Transfer:
+    req_id: str
+    tokens: list[int]  # token ids from 0 to the end of the range
+    start: int  # first token of the range (a block boundary)
+    block_ids: list[int]  # vLLM's blocks of tokens[start:], in order
+    extra: bytes | None  # the request's cache_salt and adapter (see request_extra)
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[_Transfer] = field(default_factory=list)
+    saves: list[_Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    extra: bytes | None
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0  # tokens whose blocks are stored or handed to the worker to store
+    any_save: bool = False
+    load: _Transfer | None = None
+
+
+# -- stats --------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Counters of the worker half since the last report (summed by `aggregate`)."""
+
+    def __post_init__(self) -> None:
+        for k in _STAT_KEYS:
+            self.data.setdefault(k, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(_STAT_KEYS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k in _STAT_KEYS:
+            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {k: d.get(k, 0) for k in _STAT_KEYS}
+        for kind in ("load", "save"):  # bytes per microsecond = MB/s
+            us = d.get(f"{kind}_us", 0)
+            out[f"{kind}_MBps"] = round(d.get(f"{kind}_bytes", 0) / us, 1) if us else 0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in _STAT_KEYS)
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per stat: `vllm:kvstore_<stat>` (e.g. hit_tokens)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[tuple[int, str], Any] = {}
+        for key in _STAT_KEYS:
+            counter = self._counter_cls(
+                name=f"vllm:kvstore_{key}",
+                documentation=f"kvstore connector: {key.replace('_', ' ')}",
+                labelnames=labelnames,
+            )
+            for engine, values in per_engine_labelvalues.items():
+                self._counters[engine, key] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key in _STAT_KEYS:
+            value = transfer_stats_data.get(key, 0)
+            if value and (engine_idx, key) in self._counters:
+                self._counters[engine_idx, key].inc(value)
+
+
+# -- the connector ------------------------------------------------------------------------------
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM's KV through a kvstore store (see the module doc)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._store, self._layer_names = _open(vllm_config, kv_cache_config)
+        self._layout = self._store.layout
+        self._sched: _SchedulerHalf | None = None
+        self._worker: _WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            tc = self._kv_transfer_config  # kv_role: "kv_both", "kv_producer" or "kv_consumer"
+            self._sched = _SchedulerHalf(self._store, tc.is_kv_consumer, tc.is_kv_producer)
+        else:
+            depth = int(
+                (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(
+                    "save_queue", 64
+                )
+            )
+            self._worker = _WorkerHalf(self._store, self._layer_names, vllm_config, depth)
+
+    # -- scheduler half ---------------------------------------------------------------------
+
+    def _scheduler(self) -> _SchedulerHalf:
+        assert self._sched is not None, "a scheduler-half call on the worker half"
+        return self._sched
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler().matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler().allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler().build(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().finished(request.request_id), None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never wrong KV
+
+    # -- worker half ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are reused from this step on: its saves must
+        # have read them first.
+        assert self._worker is not None and isinstance(
+            kv_connector_metadata, KVStoreConnectorMetadata
+        )
+        self._worker.drain(kv_connector_metadata.preempted)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        self._worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv lands every layer before the forward pass begins
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # saved once per step, all layers together, by wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        self._worker.save(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.finished(finished_req_ids), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return KVStoreConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if not self._store.closed:
+            self._store.flush()
+            self._store.close()
+
+
+class _SchedulerHalf:
+    def __init__(self, store: Store, loads: bool, saves: bool) -> None:
+        self._store = store
+        self._loads, self._saves = loads, saves
+        self._block = store.layout.block_size
+        self._reqs: dict[str, _Tracked] = {}
+        # req_id -> (vLLM's local hit, the store's hit), from the last lookup
+        self._hits: dict[str, tuple[int, int]] = {}
+
+    def matched(self, request: Request, num_computed_tokens: int) -> int:
+        b = self._block
+        tokens = request.prompt_token_ids or []
+        # The last prompt token is always computed: its logits start the output.
+        upto = (len(tokens) - 1) // b * b
+        # Looked up even when vLLM's own hit covers it: what is stored needs no save.
+        stored = self._store.lookup(tokens[:upto], extra=request_extra(request), count=False)
+        self._hits[request.request_id] = (num_computed_tokens, stored)
+        return max(stored - num_computed_tokens, 0) if self._loads else 0
+
+    def allocated(self, request: Request, block_ids: list[int], num_external: int) -> None:
+        rid = request.request_id
+        local, stored = self._hits.pop(rid, (0, 0))
+        t = self._reqs.get(rid)
+        if t is None:
+            t = self._reqs[rid] = _Tracked(request, request_extra(request))
+        t.block_ids = list(block_ids)
+        # The blocks the store holds need no save; a load lands [local, local + external).
+        t.saved_upto = max(t.saved_upto, stored)
+        t.load = None
+        if num_external > 0:
+            b = self._block
+            end = local + num_external
+            t.load = _Transfer(
+                rid,
+                list(request.prompt_token_ids or [])[:end],
+                local,
+                t.block_ids[local // b : end // b],
+                t.extra,
+            )
+
+    def build(self, so: SchedulerOutput) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(preempted=set(so.preempted_req_ids or ()))
+        b = self._block
+        done: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            t = self._reqs.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = list(new.block_ids[0])
+            done[new.req_id] = new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            t = self._reqs.get(rid)
+            if t is None:
+                continue
+            ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                t.block_ids = list(ids[0]) if ids is not None else []
+            elif ids is not None:
+                t.block_ids.extend(ids[0])
+            done[rid] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
+        for rid, computed in done.items():
+            t = self._reqs[rid]
+            if t.load is not None:
+                meta.loads.append(t.load)
+                t.load = None
+            tokens = t.request.all_token_ids
+            full = min(computed, len(tokens)) // b * b
+            full = min(full, len(t.block_ids) * b)
+            if self._saves and full > t.saved_upto:
+                meta.saves.append(
+                    _Transfer(
+                        rid,
+                        list(tokens[:full]),
+                        t.saved_upto,
+                        t.block_ids[t.saved_upto // b : full // b],
+                        t.extra,
+                    )
+                )
+                t.saved_upto = full
+                t.any_save = True
+        return meta
+
+    def finished(self, req_id: str) -> bool:
+        """Whether the request's blocks stay allocated until the worker has saved them."""
+        self._hits.pop(req_id, None)
+        t = self._reqs.pop(req_id, None)
+        return t is not None and t.any_save
+
+
+class _WorkerHalf:
+    def __init__(
+        self, store: Store, layer_names: list[str], vllm_config: VllmConfig, depth: int
+    ) -> None:
+        self._store = store
+        self._layout = store.layout
+        self._names = layer_names
+        self._config = vllm_config
+        self._flat: list[torch.Tensor] = []
+        self._views: list[list[torch.Tensor]] = [[]]
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._map: torch.Tensor | None = None  # canonical element -> offset in a block
+        self._block_stride = 0
+        self._dtype = getattr(torch, self._layout.dtype)
+        self._lock = threading.Lock()
+        self._stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+        self._load_errors: set[int] = set()
+        self._pending: dict[str, int] = {}  # req_id -> save jobs not done
+        self._saving: set[str] = set()  # requests that had a save: reported when done
+        self._finished: set[str] = set()  # finished by the scheduler, saves maybe pending
+        self._idle = threading.Condition(self._lock)
+        self._jobs: queue.Queue[_Transfer | None] = queue.Queue(maxsize=max(depth, 1))
+        self._thread = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
+        self._thread.start()
+
+    # -- layout ---------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self._names if n not in kv_caches]
+        if missing:
+            raise InvalidInput(f"KVStoreConnector: no KV cache for layers {missing}")
+        caches = [kv_caches[n] for n in self._names]
+        first = caches[0]
+        for name, c in zip(self._names, caches, strict=True):
+            if c.device.type != "cpu" or c.shape != first.shape or c.stride() != first.stride():
+                raise InvalidInput(
+                    f"KVStoreConnector: layer {name}: expected CPU caches of one shape and "
+                    f"strides, got {c.device} {tuple(c.shape)} {c.stride()}"
+                )
+        layer = self._config.compilation_config.static_forward_context[self._names[0]]
+        impl = layer.impl
+
+        def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
+            impl.do_kv_cache_update(layer, key, value, cache, slots)
+
+        self._map = paged_block_map(write, first, self._layout)
+        self._block_stride = first.stride(0)
+        # A flat view of each layer's span of storage: offsets are element offsets.
+        dims = zip(first.shape, first.stride(), strict=True)
+        span = sum((size - 1) * stride for size, stride in dims) + 1
+        self._flat = [c.as_strided((span,), (1,)) for c in caches]
+        # Where K and V are strided arrays of a block: per layer, a [blocks, B, H, D] view
+        # of each, so a move is one strided copy per layer and K/V, not a gather.
+        lay = self._layout
+        self._views = [
+            [
+                c.as_strided(
+                    (c.shape[0], lay.block_size, lay.num_kv_heads, lay.head_dim),
+                    (self._block_stride, *strides),
+                    c.storage_offset() + base,
+                )
+                for base, strides in affine_strides(self._map, lay)
+            ]
+            for c in caches
+        ]
+        log.info(
+            "kvstore connector: %s, %d layers of %s strides %s, %s copies",
+            self._store.path,
+            len(caches),
+            tuple(first.shape),
+            first.stride(),
+            "strided" if self._views[0] else "element-wise",
+        )
+
+    def _staging(self, which: str, tokens: int) -> torch.Tensor:
+        """A reused `[L, 2, tokens, H, D]` buffer (a new one's page faults cost about as
+        much as the copy), grown as needed; its size is bounded by the longest request."""
+        shape = self._layout.kv_shape(tokens)
+        need = math.prod(shape)
+        buf = self._buffers.get(which)
+        if buf is None or buf.numel() < need:
+            buf = self._buffers[which] = torch.empty(need, dtype=self._dtype)
+        return buf[:need].view(shape)  # contiguous, as Store.get(out=) needs
+
+    def _move(self, block_ids: list[int], kv: torch.Tensor, *, into_cache: bool) -> None:
+        """Between vLLM's blocks `block_ids` and `kv` (contiguous `[L, 2, n*B, H, D]`):
+        into the cache (a load) or out of it (a save)."""
+        lay = self._layout
+        if self._views[0]:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            for views, layer in zip(self._views, kv, strict=True):
+                for view, x in zip(views, layer, strict=True):
+                    blocks = x.view(len(block_ids), lay.block_size, *x.shape[1:])
+                    if into_cache:
+                        view.index_copy_(0, ids, blocks)
+                    else:
+                        torch.index_select(view, 0, ids, out=blocks)
+            return
+        idx = self._index(block_ids)
+        for flat, layer in zip(self._flat, kv, strict=True):
+            if into_cache:
+                flat.index_copy_(0, idx, layer.reshape(-1))
+            else:
+                torch.index_select(flat, 0, idx, out=layer.view(-1))
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        """Element offsets, in canonical `[2, n*B, H, D]` order, of `block_ids` in a layer."""
+        assert self._map is not None
+        lay = self._layout
+        blocks = torch.tensor(block_ids, dtype=torch.int64) * self._block_stride
+        per_block = self._map.view(2, 1, lay.block_size * lay.num_kv_heads * lay.head_dim)
+        idx = per_block + blocks.view(1, -1, 1)  # [2, n, B*H*D]
+        return idx.reshape(-1)
+
+    # -- loads ----------------------------------------------------------------------------
+
+    def load(self, loads: list[_Transfer]) -> None:
+        b = self._layout.block_size
+        for tr in loads:
+            t0 = time.perf_counter()
+            n = len(tr.tokens) - tr.start
+            buf = self._staging("load", n)
+            try:
+                m = self._store.get(tr.tokens, start=tr.start, out=buf, extra=tr.extra)
+            except KVStoreError as e:
+                log.warning("kvstore connector: load of %s failed: %s", tr.req_id, e)
+                m = 0
+            got = max(m - tr.start, 0) // b * b
+            if got:
+                self._move(tr.block_ids[: got // b], buf[:, :, :got], into_cache=True)
+            failed = tr.block_ids[got // b :]
+            with self._lock:
+                self._load_errors.update(failed)
+                self._stats["hit_tokens"] += got
+                self._stats["load_bytes"] += got // b * self._layout.block_bytes
+                self._stats["load_error_blocks"] += len(failed)
+                self._stats["load_us"] += round((time.perf_counter() - t0) * 1e6)
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves ----------------------------------------------------------------------------
+
+    def save(self, saves: list[_Transfer]) -> None:
+        for tr in saves:
+            with self._lock:
+                self._pending[tr.req_id] = self._pending.get(tr.req_id, 0) + 1
+                self._saving.add(tr.req_id)
+            self._jobs.put(tr)  # waits when the queue is full
+
+    def _save_loop(self) -> None:
+        while True:
+            tr = self._jobs.get()
+            if tr is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                n = len(tr.tokens) - tr.start
+                kv = self._staging("save", n)  # only this thread uses it
+                self._move(tr.block_ids, kv, into_cache=False)
+                self._store.put(tr.tokens, kv, start=tr.start, extra=tr.extra)
+                ok = True
+            except Exception as e:  # a failed save is a future miss; vLLM goes on
+                log.warning("kvstore connector: save of %s failed: %s", tr.req_id, e)
+                ok = False
+            with self._lock:
+                if ok:
+                    self._stats["save_tokens"] += n
+                    self._stats["save_bytes"] += (
+                        n // self._layout.block_size * self._layout.block_bytes
+                    )
+                else:
+                    self._stats["save_errors"] += 1
+                self._stats["save_us"] += round((time.perf_counter() - t0) * 1e6)
+                self._pending[tr.req_id] -= 1
+                if not self._pending[tr.req_id]:
+                    del self._pending[tr.req_id]
+                self._idle.notify_all()
+
+    def drain(self, req_ids: set[str]) -> None:
+        """Waits until no save of `req_ids` is pending."""
+        if not req_ids:
+            return
+        with self._idle:
+            self._idle.wait_for(lambda: not req_ids & self._pending.keys())
+
+    def finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        with self._lock:
+            self._finished |= finished_req_ids & self._saving
+            done = {r for r in self._finished if r not in self._pending}
+            self._finished -= done
+            self._saving -= done
+        return done or None
+
+    def take_stats(self) -> dict[str, Any]:
+        with self._lock:
+            stats, self._stats = self._stats, dict.fromkeys(_STAT_KEYS, 0)
+        return stats
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()

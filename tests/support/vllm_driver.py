@@ -1,0 +1,109 @@
+"""Runs one vLLM process for tests/test_vllm.py and benches/bench_vllm.py.
+
+Run by the vLLM python (scripts/vllm_env.sh) with a JSON spec as its argument:
+
+    {"model": dir, "store": path or null (no connector), "extra": {...} (more
+     kv_connector_extra_config), "prefix_caching": bool, "batched_tokens": int,
+     "max_model_len": int, "kv_bytes": int,
+     "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int,
+                 "cache_salt": str or null, "evict": path or null, "sleep": s}]}
+
+One LLM instance serves the phases in order; after each phase it prints a line
+`PHASE <json>` with the greedy tokens of each prompt, the seconds it took and the
+connector's counters as vLLM's Prometheus metrics show them (cumulative, summed
+over engines). Last comes `DONE`. A phase with `evict` first drops the files under
+that path from the page cache (fsync + posix_fadvise DONTNEED), for cold reads.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def evict(root: str) -> None:
+    """Drops the files under `root` from the page cache (bench_store's fadvise eviction;
+    pages a process maps, such as the index's, stay)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+    from bench_store import drop_page_cache
+
+    drop_page_cache([p for p in Path(root).rglob("*") if p.is_file()], "fadvise")
+
+
+def connector_counters(llm: Any) -> dict[str, float]:
+    """The `vllm:kvstore_*` counters, read back through vLLM's metrics API, and vLLM's
+    own count of preempted requests (as `vllm_preemptions`)."""
+    out: dict[str, float] = {"vllm_preemptions": 0.0}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:kvstore_"):
+            key = m.name.removeprefix("vllm:kvstore_")
+            out[key] = out.get(key, 0.0) + float(m.value)
+        elif m.name == "vllm:num_preemptions":
+            out["vllm_preemptions"] += float(m.value)
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("store") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="kvstore.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"path": spec["store"], **spec.get("extra", {})},
+        )
+    llm = LLM(
+        model=spec["model"],
+        dtype="bfloat16",
+        block_size=32,
+        max_model_len=spec.get("max_model_len", 512),
+        max_num_batched_tokens=spec.get("batched_tokens", 512),
+        enable_chunked_prefill=True,
+        enforce_eager=True,
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        seed=0,
+        **kwargs,
+    )
+    for phase in spec["phases"]:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=phase.get("max_tokens", 8),
+            min_tokens=phase.get("max_tokens", 8),
+            detokenize=False,
+        )
+        prompts: list[Any] = []
+        for p in phase["prompts"]:
+            prompt: dict[str, Any] = {"prompt_token_ids": p}
+            if phase.get("cache_salt") is not None:
+                prompt["cache_salt"] = phase["cache_salt"]
+            prompts.append(prompt)
+        time.sleep(phase.get("sleep", 0))  # e.g. for background saves to finish
+        if phase.get("evict"):
+            evict(phase["evict"])
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        result = {
+            "name": phase["name"],
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "seconds": seconds,
+            "counters": connector_counters(llm),
+        }
+        print("PHASE " + json.dumps(result), flush=True)
+    del llm
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""kvstore.vllm.KVStoreConnector against real vLLM processes (vLLM 0.32, CPU build).
+
+vLLM runs in its own virtualenv (scripts/vllm_env.sh), one process at a time
+except where two share a store on purpose; each serves several phases
+(tests/support/vllm_driver.py) so the file costs a handful of vLLM start-ups.
+The reference for every generated token is a vLLM run without the connector,
+and for the stored KV transformers on the same weights.
+
+Without the vLLM virtualenv these tests skip; with KVSTORE_REQUIRE_VLLM=1 (CI,
+scripts/test.sh) that is a failure instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import vllm_run
+
+import kvstore
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvstore import hf  # noqa: E402
+
+PY = vllm_run.vllm_python()
+if PY is None:
+    reason = "no vLLM virtualenv (run scripts/vllm_env.sh, or set KVSTORE_VLLM_PYTHON)"
+    if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"KVSTORE_REQUIRE_VLLM=1 but {reason}")
+    pytest.skip(reason, allow_module_level=True)
+assert PY is not None
+
+pytestmark = pytest.mark.slow
+
+B = 32  # vLLM's block size here (the CPU backend needs a multiple of 32)
+NEW = 8  # greedy tokens per prompt
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+class Prompts:
+    """Token-id prompts: two with a shared prefix, one sharing part of it, one to plant
+    KV under, one for a transformers session, and batches for the concurrency and kill
+    tests."""
+
+    def __init__(self) -> None:
+        rng = random.Random(14)
+        prefix = _tokens(rng, 200)
+        self.a = prefix + _tokens(rng, 40)
+        self.b = prefix + _tokens(rng, 50)
+        self.partial = prefix[:100] + _tokens(rng, 150)  # 3 blocks in common with a
+        self.planted = _tokens(rng, 130)
+        self.session = _tokens(rng, 170)
+        self.x = [_tokens(rng, 230) for _ in range(2)]
+        self.y = [self.x[0][:96] + _tokens(rng, 150), _tokens(rng, 260)]
+        self.kill = [_tokens(rng, 400) for _ in range(20)]
+        self.preempt = [_tokens(rng, 220) for _ in range(3)]
+
+
+P = Prompts()
+
+
+def phase(name: str, prompts: list[list[int]], **kw: Any) -> dict[str, Any]:
+    return {"name": name, "prompts": prompts, "max_tokens": NEW, **kw}
+
+
+SHARED = [phase("shared", [P.a, P.b])]
+PARTIAL = [phase("partial", [P.partial])]
+LATER = [
+    phase("salted", [P.a], cache_salt="tenant-2"),
+    phase("planted", [P.planted]),
+    phase("session", [P.session]),
+]
+CONCURRENT_X = [phase("x", P.x)]
+CONCURRENT_Y = [phase("y", P.y)]
+KILL = [phase("kill-warm", P.kill[:1]), phase("kill", P.kill[1:])]
+# 3 prompts of 7 blocks growing to 8 in 23 usable blocks: vLLM preempts one. Its
+# reference runs in as little memory (a run that preempts nothing batches otherwise).
+PREEMPT = [phase("preempt", P.preempt, max_tokens=12)]
+SMALL = 24 * 4 * B * 2 * 2 * 64 * 2  # bytes of 24 blocks (one is vLLM's null block)
+
+
+def by_name(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in results}
+
+
+def delta(results: list[dict[str, Any]], name: str) -> dict[str, float]:
+    """What the connector's counters (read through vLLM's metrics) grew by in a phase."""
+    i = [r["name"] for r in results].index(name)
+    before = results[i - 1]["counters"] if i else {}
+    return vllm_run.counters_delta(before, results[i]["counters"])
+
+
+def store_hits(path: Path) -> int:
+    """Blocks served by the store to every process, as `kvstore stats` reports it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "stats", "--json", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(json.loads(out.stdout)["store"]["total_hit_blocks"])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("vllm")
+    model_dir = vllm_run.save_model(root / "model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return {
+        "root": root,
+        "model_dir": str(model_dir),
+        "model": model.eval(),
+        "fingerprint": hf.fingerprint(model),
+        "logs": root / "logs",
+    }
+
+
+def spec(world: dict[str, Any], store: Path | None, phases: list[Any], **kw: Any) -> dict:
+    return {
+        "model": world["model_dir"],
+        "store": str(store) if store is not None else None,
+        "phases": phases,
+        "batched_tokens": 64,  # chunked prefill: a 240-token prompt takes 4 steps
+        **kw,
+    }
+
+
+def run(world: dict[str, Any], name: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+    world["logs"].mkdir(exist_ok=True)
+    return vllm_run.run(PY, s, world["logs"] / f"{name}.log")
+
+
+@pytest.fixture(scope="module")
+def reference(world: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Greedy tokens of every prompt from vLLM without the connector."""
+    phases = SHARED + PARTIAL + LATER + CONCURRENT_X + CONCURRENT_Y + KILL
+    results = run(world, "reference", spec(world, None, phases))
+    results += run(world, "reference-small", spec(world, None, PREEMPT, kv_bytes=SMALL))
+    return by_name(results)
+
+
+@pytest.fixture(scope="module")
+def stored(world: dict[str, Any]) -> dict[str, Any]:
+    """Process A serves the shared-prefix prompts into a fresh store."""
+    path = world["root"] / "store"
+    results = run(world, "A", spec(world, path, SHARED))
+    return {"path": path, "A": by_name(results)}
+
+
+def expected_blocks(store: kvstore.Store, seqs: list[list[int]]) -> set[bytes]:
+    """Block ids of every full block whose KV a request computed (prompt and output,
+    less the last output token, whose KV is never computed)."""
+    ids: set[bytes] = set()
+    for s in seqs:
+        n = (len(s) - 1) // B * B
+        ids.update(store.block_ids(s[:n]))
+    return ids
+
+
+def test_process_a_stores_each_block_once(world, reference, stored):
+    a = stored["A"]["shared"]
+    assert a["tokens"] == reference["shared"]["tokens"]
+    assert a["counters"]["hit_tokens"] == 0
+    assert a["counters"]["load_error_blocks"] == 0
+    # Chunked prefill (64 tokens a step) hands each completed block over once per
+    # request: a's 7 blocks, b's 8 at most (fewer if a's were stored before b's
+    # lookup); re-copying earlier blocks at each step would exceed this.
+    assert a["counters"]["save_tokens"] <= 7 * B + 8 * B
+    with hf.open(
+        stored["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
+    ) as s:
+        seqs = [p + t for p, t in zip([P.a, P.b], a["tokens"], strict=True)]
+        want = expected_blocks(s, seqs)
+        st = s.stats()
+        assert st["blocks"] == len(want)
+        for seq in seqs:  # the whole computed prefix is stored, under hf's keys
+            assert s.lookup(seq, count=False) == (len(seq) - 1) // B * B
+
+
+def test_stored_kv_equals_transformers(world, stored):
+    """vLLM's stored KV against transformers' on the same weights and tokens: layer 0's
+    V is the same math (bit-exact); elsewhere vLLM is as close to a float32 reference
+    as transformers' own bfloat16 run is."""
+    n = (len(P.a) - 1) // B * B
+    ids = torch.tensor([P.a[:n]])
+    with hf.open(
+        stored["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
+    ) as s:
+        kv = s.get(P.a[:n], like=torch.empty(0))
+    assert kv.shape[2] == n
+    with torch.inference_mode():
+        bf16 = hf.cache_to_kv(world["model"](ids, use_cache=True).past_key_values)
+        m32 = transformers.AutoModelForCausalLM.from_pretrained(
+            world["model_dir"], dtype=torch.float32
+        ).eval()
+        f32 = hf.cache_to_kv(m32(ids, use_cache=True).past_key_values)
+    assert torch.equal(kv[0, 1], bf16[0, 1])
+    for layer in range(kv.shape[0]):
+        for j in range(2):
+            ours = (kv[layer, j].float() - f32[layer, j]).abs().max().item()
+            theirs = (bf16[layer, j].float() - f32[layer, j]).abs().max().item()
+            assert ours <= 1.5 * theirs + 0.02, (layer, j, ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def fresh_b(world, stored):
+    """Plants KV (random under one prompt, transformers' session under another), then a
+    fresh process B on the same store serves the shared prompts and the later phases."""
+    path = stored["path"]
+    with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
+        n = len(P.planted) // B * B
+        g = torch.Generator().manual_seed(3)
+        planted = torch.randn(s.layout.kv_shape(n), generator=g).mul(4).to(torch.bfloat16)
+        assert s.put(P.planted[:n], planted) == n
+        ids = torch.tensor([P.session])
+        with torch.inference_mode():
+            cache = world["model"](ids, use_cache=True).past_key_values
+        hf.save_session(s, "transformers", ids, cache)
+    hits_before = store_hits(path)
+    results = run(world, "B", spec(world, path, PARTIAL + SHARED + LATER))
+    return {"results": results, "hits": store_hits(path) - hits_before}
+
+
+def test_fresh_process_loads_and_matches(world, reference, stored, fresh_b):
+    b = by_name(fresh_b["results"])
+    shared = delta(fresh_b["results"], "shared")
+    # vLLM's own cache holds the first 3 blocks (from "partial"): a loads its 4 others
+    # from the store; b shares 6 blocks with a (local hits once a's are loaded, loads
+    # otherwise) and loads its 7th.
+    assert 4 * B + B <= shared["hit_tokens"] <= 4 * B + 4 * B
+    assert shared["load_error_blocks"] == 0
+    assert b["shared"]["tokens"] == stored["A"]["shared"]["tokens"]
+    assert b["shared"]["tokens"] == reference["shared"]["tokens"]
+    # The store (`kvstore stats`, every process) counted each load's blocks, and the
+    # stored prefix before a load's start that the range get checked: up to the end of
+    # each loaded prompt's stored prefix. B loaded partial, a, b, planted and session.
+    # partial: 3 blocks, a: 7, b: 7, planted: 4, session: 5.
+    assert fresh_b["hits"] == 3 + 7 + 7 + 4 + 5
+
+
+def test_partial_hit(fresh_b, reference):
+    """A prompt sharing 3 blocks with a stored one: those load, the rest is computed."""
+    d = delta(fresh_b["results"], "partial")
+    assert d["hit_tokens"] == 3 * B
+    assert d["load_error_blocks"] == 0
+    assert by_name(fresh_b["results"])["partial"]["tokens"] == reference["partial"]["tokens"]
+
+
+def test_other_cache_salt_gets_no_hit(fresh_b, reference):
+    d = delta(fresh_b["results"], "salted")
+    assert d["hit_tokens"] == 0
+    assert by_name(fresh_b["results"])["salted"]["tokens"] == reference["salted"]["tokens"]
+
+
+def test_planted_kv_is_used(fresh_b, reference):
+    d = delta(fresh_b["results"], "planted")
+    assert d["hit_tokens"] == len(P.planted) // B * B
+    assert by_name(fresh_b["results"])["planted"]["tokens"] != reference["planted"]["tokens"]
+
+
+def test_transformers_session_is_a_hit(fresh_b, reference):
+    d = delta(fresh_b["results"], "session")
+    assert d["hit_tokens"] == (len(P.session) - 1) // B * B
+    assert by_name(fresh_b["results"])["session"]["tokens"] == reference["session"]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def damaged_run(world, stored, fresh_b):
+    """A copy of the store with a byte flipped every ~1 KiB of its segments, served by a
+    vLLM with little KV memory (24 blocks) that also runs the preemption phase, and no
+    prefix cache of its own (else a resumed request finds its blocks there)."""
+    damaged = world["root"] / "damaged"
+    shutil.copytree(stored["path"], damaged)
+    for seg in sorted((damaged / "segments").iterdir()):
+        data = bytearray(seg.read_bytes())
+        for i in range(64, len(data), 997):
+            data[i] ^= 0x5A
+        seg.write_bytes(bytes(data))
+    s = spec(world, damaged, SHARED + PREEMPT, kv_bytes=SMALL, prefix_caching=False)
+    return run(world, "damaged", s)
+
+
+def test_damaged_store_misses_and_recomputes(damaged_run, reference):
+    """The scheduler plans loads from the index; every block's read fails its check, is
+    reported to vLLM, which recomputes: the tokens of a run without the store."""
+    d = delta(damaged_run, "shared")
+    assert d["load_error_blocks"] > 0
+    assert d["hit_tokens"] == 0
+    assert by_name(damaged_run)["shared"]["tokens"] == reference["shared"]["tokens"]
+
+
+def test_preempted_request_resumes_from_the_store(damaged_run, reference):
+    """A preempted request's blocks are freed once its saves have read them; resumed,
+    it loads its prompt's stored blocks (new ones: the damage predates them)."""
+    d = delta(damaged_run, "preempt")
+    assert d["vllm_preemptions"] >= 1
+    assert d["hit_tokens"] > 0
+    assert d["load_error_blocks"] == 0
+    assert by_name(damaged_run)["preempt"]["tokens"] == reference["preempt"]["tokens"]
+
+
+def test_two_processes_then_sigkill_then_fresh(world, reference):
+    path = world["root"] / "shared-store"
+    world["logs"].mkdir(exist_ok=True)
+    x = vllm_run.VLLM(PY, spec(world, path, CONCURRENT_X), world["logs"] / "X.log")
+    y = vllm_run.VLLM(PY, spec(world, path, CONCURRENT_Y), world["logs"] / "Y.log")
+    rx, ry = x.wait(), y.wait()
+    assert rx[0]["tokens"] == reference["x"]["tokens"]
+    assert ry[0]["tokens"] == reference["y"]["tokens"]
+
+    k = vllm_run.VLLM(PY, spec(world, path, KILL), world["logs"] / "kill.log")
+    assert k.next_phase() is not None  # warm: the engine is up and saving
+    time.sleep(0.5)  # into the long phase: prefills, decodes and saves in flight
+    k.kill()
+    assert len(k.results) == 1, "the killed process finished its work before the kill"
+
+    fresh = run(
+        world,
+        "after-kill",
+        spec(world, path, CONCURRENT_X + CONCURRENT_Y + KILL, prefix_caching=False),
+    )
+    got = by_name(fresh)
+    for name in ("x", "y", "kill-warm", "kill"):
+        pairs = zip(got[name]["tokens"], reference[name]["tokens"], strict=True)
+        for i, (ours, ref) in enumerate(pairs):
+            assert ours == ref, (name, i, ours, ref)
+    # Without vLLM's prefix cache every stored prefix is a load: both processes'
+    # prompts were stored (the killed one's too, as far as it got).
+    assert delta(fresh, "x")["hit_tokens"] == sum((len(p) - 1) // B * B for p in P.x)
+    assert delta(fresh, "y")["hit_tokens"] == sum((len(p) - 1) // B * B for p in P.y)
+    assert delta(fresh, "kill-warm")["hit_tokens"] == (len(P.kill[0]) - 1) // B * B
+    for name in ("x", "y", "kill-warm", "kill"):
+        assert delta(fresh, name)["load_error_blocks"] == 0
+
+
+def test_import_kvstore_does_not_import_vllm():
+    code = "import sys, kvstore, kvstore.hf; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

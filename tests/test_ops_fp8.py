@@ -335,3 +335,59 @@ def test_fp8_block_pool_decodes_with_its_scales(tmp_path):
         pool.save(store, seq, list(range(40)))
     with pytest.raises(kvstore.InvalidInput, match="scales"):
         BlockPool(layout.__class__(1, 1, 64, "bfloat16"), 2, device="cpu").key_scales(0)
+
+
+def test_paged_cache_over_an_fp8_pool_quantizes_the_models_kv():
+    """transformers over an fp8 BlockPool (kvstore.attention): the pool then holds the
+    model's own K and V (layer 0's of an eager run with transformers' cache) within the
+    fp8 bound of write_kv, `2^-4 |x| + 2^-9 s` per (block, head) scale s, and decoding
+    on it runs with the pool's scales (finite logits)."""
+    pytest.importorskip("transformers")
+    from test_hf_attention import tiny_llama
+    from transformers import DynamicCache
+
+    import kvstore
+    from kvstore import attention
+    from kvstore.torch import BlockPool
+
+    model = tiny_llama()
+    c = model.config
+    prompt = torch.randint(1, c.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        eager = DynamicCache()
+        model(input_ids=prompt, past_key_values=eager)
+        layout = kvstore.Layout(
+            num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.hidden_size // c.num_attention_heads,
+            dtype="float8_e4m3fn",
+            block_size=16,
+        )
+        pool = BlockPool(layout, num_blocks=8, device="cpu", huge_pages=False)
+        seq = pool.new_sequence()
+        cache = attention.PagedCache(pool, [seq])
+        model.set_attn_implementation(attention.register())
+        pos = cache.position_ids(prompt.shape[1])
+        logits = model(input_ids=prompt, position_ids=pos, past_key_values=cache).logits
+        nxt = logits[:, -1:].argmax(-1)
+        step = model(input_ids=nxt, position_ids=cache.position_ids(1), past_key_values=cache)
+    assert logits.isfinite().all() and step.logits.isfinite().all()
+    t = torch.arange(prompt.shape[1])
+    blk = torch.tensor(seq.blocks)[t // layout.block_size]
+    off = t % layout.block_size
+    # Layer 0's K and V are projections of the embeddings: the same in both runs. Later
+    # layers' depend on attention over fp8 KV, so they differ by more than write_kv's
+    # rounding; the pool holds them with scales all the same.
+    for cache_of, scales_of, want in (
+        (pool.key_cache, pool.key_scales, eager.layers[0].keys),
+        (pool.value_cache, pool.value_scales, eager.layers[0].values),
+    ):
+        s = scales_of(0)[blk].double()[:, :, None]  # [T, H, 1]
+        got = cache_of(0)[blk, off].double() * s
+        x = want[0].transpose(0, 1).double()  # [T, H, D]
+        assert (s > 0).all()
+        assert ((got - x).abs() <= 2.0**-4 * x.abs() + 2.0**-9 * s).all()
+    for layer in range(1, layout.num_layers):
+        assert (pool.key_scales(layer)[blk] > 0).all()
+        assert (pool.value_scales(layer)[blk] > 0).all()
+    seq.release()

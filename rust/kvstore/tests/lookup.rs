@@ -1,5 +1,5 @@
-//! `lookup` is exact on long chains (walked by hashing and probing in
-//! parallel, see `store/lookup.rs`): holes in the middle of a chain
+//! `lookup` is exact on long chains (hashed and probed a chunk at a time,
+//! in key order, see `store/lookup.rs`): holes in the middle of a chain
 //! (blocks removed from the index as eviction does, damaged records found
 //! by a read, pinned blocks removed) end the prefix exactly where a model
 //! of the expected state says, on the handle that saw the chain and on
@@ -16,7 +16,7 @@ mod support;
 use support::{kv_for, prefix_matches, seq};
 
 /// Small blocks (4 tokens, 64 bytes of KV), so chains of thousands of
-/// blocks (several of the walk's 512-block chunks) stay small.
+/// blocks (several of the walk's 1024-block chunks) stay small.
 fn layout() -> Layout {
     Layout::new(1, 1, 4, DType::Float16, 4).unwrap()
 }
@@ -66,9 +66,12 @@ fn check(dir: &Path, s: &Store, tokens: &[u32], want: usize) {
 #[test]
 fn holes_end_the_prefix_where_the_model_says() {
     let l = layout();
-    // Chains above and below the parallel walk's threshold (512 blocks),
-    // holes at chunk edges, at the start, at the end, and several at once.
+    // Chains below the chunked walk's threshold (64 blocks) and of several
+    // 1024-block chunks; holes at chunk edges, at the start, at the end, and
+    // several at once.
     let cases: &[(usize, &[usize])] = &[
+        (40, &[]),
+        (40, &[17]),
         (100, &[]),
         (100, &[37]),
         (1500, &[]),
@@ -76,6 +79,7 @@ fn holes_end_the_prefix_where_the_model_says() {
         (1500, &[511]),
         (1500, &[512]),
         (1500, &[1023, 7]),
+        (2500, &[1024]),
         (1500, &[1499]),
         (2048, &[1600, 900, 1601]),
     ];

@@ -1,82 +1,55 @@
-//! The stored prefix of a long chain. Block ids are a hash chain (each id
-//! keys the next), so hashing is serial and, at ~170 ns a block, as slow as
-//! an index probe. For long chains the two overlap: a helper thread hashes
-//! while this thread probes the ids already hashed, a chunk at a time, in
-//! key order (neighbouring keys share B-tree pages: a third cheaper than
-//! probing in chain order). The walk stays exact: each chunk's results are
-//! read back in chain order, and the first block found nowhere ends it.
+//! The stored prefix of a long chain on a handle that has not seen it: the
+//! chain is hashed a chunk at a time and each chunk's ids are probed in key
+//! order (neighbouring keys share B-tree pages and branch decisions: a third
+//! cheaper than probing in chain order), their locations cached under one
+//! lock. The walk stays exact: a chunk's results are read back in chain
+//! order, and the first block found nowhere ends it; hashing stops there.
+//!
+//! Hashing on a helper thread while this one probes was tried: on an idle
+//! second core it saved ~40%, but on a busy machine waiting for the helper
+//! to be scheduled cost milliseconds, more than it saved.
 
 use super::read::Snap;
 use super::Inner;
 use crate::error::Result;
 use crate::id::{BlockId, ROOT};
 use crate::index::Location;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 
-/// Chains of at least this many blocks are walked in parallel (below, a
-/// thread's start costs more than it saves).
-pub(super) const PARALLEL_MIN_BLOCKS: usize = 512;
+/// Chains of at least this many blocks are walked by chunks.
+pub(super) const CHUNKED_MIN_BLOCKS: usize = 64;
 
-/// Blocks hashed, then probed, per step: small enough that the last step's
-/// probes (after hashing ends) stay short, large enough to sort usefully.
-const CHUNK: usize = 512;
+/// Blocks hashed, then probed, per step: large enough to sort usefully,
+/// small enough that a miss early in a long chain stops hashing soon.
+const CHUNK: usize = 1024;
 
 impl Inner {
     /// Walks the chain of `tokens` while it is stored (hot tier, location
-    /// cache, or the index as `snap` sees it). Returns the snapshot, the ids
-    /// hashed, in chain order, and how many leading blocks are stored: the
-    /// ids run at least one past that count unless every block is stored.
-    ///
-    /// This thread hashes and a helper probes: if the machine has no core
-    /// to spare, the helper runs when this thread waits for it at the end,
-    /// and the walk costs what a serial one does.
-    pub(super) fn walk_stored<'s>(
-        &'s self,
-        snap: Snap<'s>,
+    /// cache, or the index as `snap` sees it). Returns the ids hashed, in
+    /// chain order, and how many leading blocks are stored: the ids run at
+    /// least one past that count unless every block is stored.
+    pub(super) fn walk_stored(
+        &self,
+        snap: &Snap<'_>,
         tokens: &[u32],
         extra: &[u8],
-    ) -> Result<(Snap<'s>, Vec<BlockId>, usize)> {
+    ) -> Result<(Vec<BlockId>, usize)> {
         let b = self.layout.block_size as usize;
         let blocks = tokens.len() / b;
-        let missed = AtomicBool::new(false);
-        // Never full: at most one message per chunk.
-        let (tx, rx) = mpsc::sync_channel::<Vec<BlockId>>(blocks.div_ceil(CHUNK));
         let mut ids = Vec::with_capacity(blocks);
-        let (snap, stored) = std::thread::scope(|s| {
-            let missed = &missed;
-            let prober = s.spawn(move || {
-                let mut stored = 0;
-                let mut scratch = Probe::default();
-                while let Ok(chunk) = rx.recv() {
-                    let n = match self.stored_run(&snap, &chunk, &mut scratch) {
-                        Ok(n) => n,
-                        Err(e) => return (snap, Err(e)),
-                    };
-                    stored += n;
-                    if n < chunk.len() {
-                        missed.store(true, Ordering::Relaxed);
-                        break;
-                    }
-                }
-                (snap, Ok(stored))
-            });
-            let mut parent = ROOT;
-            for piece in tokens[..blocks * b].chunks(CHUNK * b) {
-                if missed.load(Ordering::Relaxed) {
-                    break;
-                }
-                let chunk = self.keyer.chain_from(&parent, piece, b, extra);
-                parent = *chunk.last().expect("a piece holds a block");
-                ids.extend_from_slice(&chunk);
-                if tx.send(chunk).is_err() {
-                    break;
-                }
+        let mut parent = ROOT;
+        let mut scratch = Probe::default();
+        for piece in tokens[..blocks * b].chunks(CHUNK * b) {
+            let chunk = self.keyer.chain_from(&parent, piece, b, extra);
+            parent = *chunk.last().expect("a piece holds a block");
+            let n = self.stored_run(snap, &chunk, &mut scratch)?;
+            let stored = ids.len() + n;
+            ids.extend_from_slice(&chunk);
+            if n < chunk.len() {
+                return Ok((ids, stored));
             }
-            drop(tx);
-            prober.join().expect("lookup prober panicked")
-        });
-        Ok((snap, ids, stored?))
+        }
+        let stored = ids.len();
+        Ok((ids, stored))
     }
 
     /// How many leading ids of `chunk` are stored; probes the index in key

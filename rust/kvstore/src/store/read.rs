@@ -74,10 +74,10 @@ impl Inner {
         let blocks = tokens.len() / b;
         // One snapshot per call, so the cache notices a newer generation.
         let snap = self.snapshot()?;
-        let (snap, mut ids, mut n) = if blocks >= super::lookup::PARALLEL_MIN_BLOCKS {
-            self.walk_stored(snap, tokens, extra)?
+        let (mut ids, mut n) = if blocks >= super::lookup::CHUNKED_MIN_BLOCKS {
+            self.walk_stored(&snap, tokens, extra)?
         } else {
-            (snap, self.keyer.chain(tokens, b, extra), 0)
+            (self.keyer.chain(tokens, b, extra), 0)
         };
         // From the first block not found (or from the start): one block at
         // a time, with this handle's pending writes and a fresh snapshot on

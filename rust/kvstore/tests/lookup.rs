@@ -107,16 +107,24 @@ fn holes_end_the_prefix_where_the_model_says() {
     }
 }
 
+/// A store at `dir` holding a chain of `blocks` blocks: the open handle,
+/// the tokens and the chain's ids.
+fn stored_chain(dir: &Path, seed: u32, blocks: usize) -> (Store, Vec<u32>, Vec<[u8; 32]>) {
+    let l = layout();
+    let tokens = seq(seed, blocks * 4);
+    let s = Store::open(dir, opts()).unwrap();
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    let ids = Keyer::new("lookup-model@1", &l, None).chain(&tokens, 4, b"");
+    (s, tokens, ids)
+}
+
 #[test]
 fn a_damaged_block_found_by_a_read_ends_the_prefix() {
     let l = layout();
     let dir = tempfile::tempdir().unwrap();
     let blocks = 1300;
-    let tokens = seq(77, blocks * 4);
-    let s = Store::open(dir.path(), opts()).unwrap();
-    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
-        .unwrap();
-    let ids = Keyer::new("lookup-model@1", &l, None).chain(&tokens, 4, b"");
+    let (s, tokens, ids) = stored_chain(dir.path(), 77, blocks);
     let bad = 700;
     let loc = {
         let index = Index::open(
@@ -156,15 +164,10 @@ fn a_damaged_block_found_by_a_read_ends_the_prefix() {
 
 #[test]
 fn a_pinned_block_removed_from_the_middle_ends_the_prefix() {
-    let l = layout();
     let dir = tempfile::tempdir().unwrap();
     let blocks = 1100;
-    let tokens = seq(5, blocks * 4);
-    let s = Store::open(dir.path(), opts()).unwrap();
-    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
-        .unwrap();
+    let (s, tokens, ids) = stored_chain(dir.path(), 5, blocks);
     assert_eq!(s.pin(&tokens, b"", 5, None).unwrap(), blocks * 4);
-    let ids = Keyer::new("lookup-model@1", &l, None).chain(&tokens, 4, b"");
     remove(dir.path(), &ids[600]);
     check(dir.path(), &s, &tokens, 600 * 4);
 }

@@ -171,3 +171,30 @@ fn a_pinned_block_removed_from_the_middle_ends_the_prefix() {
     remove(dir.path(), &ids[600]);
     check(dir.path(), &s, &tokens, 600 * 4);
 }
+
+#[test]
+fn pending_blocks_past_the_committed_ones_count_on_their_handle() {
+    let l = layout();
+    let dir = tempfile::tempdir().unwrap();
+    let committed = seq(9, 700 * 4);
+    let mut tokens = committed.clone();
+    tokens.extend(seq(10, 800 * 4));
+    let batch = || Options {
+        durability: Durability::Batch,
+        batch_window: std::time::Duration::from_secs(3600),
+        batch_bytes: 1 << 30,
+        ..opts()
+    };
+    let s = Store::open(dir.path(), batch()).unwrap();
+    s.put(&committed, &kv_for(&l, &committed), committed.len(), b"")
+        .unwrap();
+    s.flush().unwrap();
+    // The rest waits for its group commit: only this handle sees it.
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    assert_eq!(s.lookup(&tokens, b"").unwrap(), tokens.len());
+    let other = Store::open(dir.path(), opts()).unwrap();
+    assert_eq!(other.lookup(&tokens, b"").unwrap(), committed.len());
+    s.flush().unwrap();
+    assert_eq!(other.lookup(&tokens, b"").unwrap(), tokens.len());
+}

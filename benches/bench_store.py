@@ -1077,23 +1077,24 @@ def _warm_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path]) -> float:
     res.add(
         Row(
             G,
-            "get() allocating the result, warm page cache",
+            "get() without out=, warm page cache (result in the process's reused buffers)",
             wbw("get_alloc"),
             "GiB/s",
-            wbw("clone"),
-            "torch clone() of the same bytes (allocation + copy)",
-            note="info",
+            lim_mem,
+            "memcpy of the same bytes",
+            0.5,
+            "ratio>=",
             samples=warm["get_alloc"],
         )
     )
     res.add(
         Row(
             G,
-            "get() allocating the result, warm  vs memcpy",
+            "get() without out=, warm  vs torch clone()",
             wbw("get_alloc"),
             "GiB/s",
-            lim_mem,
-            "memcpy of the same bytes",
+            wbw("clone"),
+            "torch clone() of the same bytes (allocation + copy)",
             note="info",
         )
     )
@@ -1128,7 +1129,7 @@ def _lookup_rows(b: _Bench, lookup_tokens: int, lookup_runs: int) -> None:
             f"lookup, {lookup_tokens} tokens fully stored, first call on a fresh handle",
             lk["hit_fresh"] * 1e3,
             "ms",
-            target=2.0,
+            target=1.5,
             target_kind="value<=",
             note=f"median of {lookup_runs} handles (min {lo['hit_fresh']:.3f} ms): "
             "no location cached yet",
@@ -1138,7 +1139,8 @@ def _lookup_rows(b: _Bench, lookup_tokens: int, lookup_runs: int) -> None:
     res.add(
         Row(
             K,
-            f"lookup, {lookup_tokens} tokens, empty store (hash + 1 probe)",
+            f"lookup, {lookup_tokens} tokens, empty store (the walk stops after its first "
+            "chunk: 1024 ids hashed and probed)",
             lk["miss"] * 1e3,
             "ms",
             note=f"median of {lookup_runs} (min {lo['miss']:.3f} ms)",

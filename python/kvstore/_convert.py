@@ -74,6 +74,8 @@ def tokens_array(tokens: Any) -> np.ndarray:
         bad = next((t for t in a.tolist() if not isinstance(t, int) or not 0 <= t <= U32_MAX), None)
         if isinstance(bad, int) and not isinstance(bad, bool):
             raise InvalidInput(f"tokens: expected ids in [0, {U32_MAX}], got {bad}")
+    if a.dtype == np.uint32:
+        return np.ascontiguousarray(a)  # every uint32 is a token id: no range scan
     if a.dtype.kind not in "iu":
         raise InvalidInput(f"tokens: expected integer token ids, got dtype {a.dtype}")
     lo, hi = int(a.min()), int(a.max())

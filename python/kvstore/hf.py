@@ -15,11 +15,8 @@ prefix. transformers and torch are imported on first use, never by
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import math
-import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -303,29 +300,6 @@ def kv_to_cache(kv: torch.Tensor, config: Any = None, device: Any = None) -> Dyn
     return cache
 
 
-# Restore buffers at least this large come from an anonymous mapping with transparent
-# huge pages: first-touch page faults on 4 KiB pages cost more than reading the KV
-# itself (a 64 MiB restore on a 2-core VM: ~43 ms into torch.empty, ~17 ms into huge
-# pages).
-_HUGE_PAGES_FROM = 4 << 20
-
-
-def _empty_kv(layout: Layout, tokens: int) -> torch.Tensor:
-    """An uninitialized contiguous `[L, 2, tokens, H, D]` CPU tensor of the layout's dtype."""
-    import torch
-
-    shape = layout.kv_shape(tokens)
-    dtype = getattr(torch, layout.dtype)
-    nbytes = math.prod(shape) * layout.itemsize
-    if nbytes < _HUGE_PAGES_FROM or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    # The tensor keeps the mapping alive; it is unmapped when the last view goes.
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # THP disabled: 4 KiB pages, still correct
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(m, dtype=dtype).view(shape)
-
-
 def _storable(store: Store, ids: Any, past_key_values: Any) -> int:
     """Tokens of `ids` whose KV the cache holds, rounded down to full blocks."""
     layers = _layer_kv(past_key_values)
@@ -391,8 +365,8 @@ def load(
         ids = ids[: out.shape[2]]
     if len(ids) < layout.block_size:
         return kv_to_cache(torch.empty(layout.kv_shape(0)), config=config), 0
-    # Sized for the whole request; pages past the n tokens get() fills stay untouched.
-    buf = _empty_kv(layout, len(ids)) if out is None else out
+    # Sized for the whole request, in memory the store reuses (already faulted in).
+    buf = store._result_buffer(len(ids), "torch") if out is None else out
     n = store.get(ids, out=buf)
     return kv_to_cache(buf[:, :, :n], config=config, device=device), n
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _lib
 from ._convert import U32_MAX, extra_bytes, is_torch, kv_bytes, out_bytes, tokens_array
+from ._pool import ResultPool
 from .errors import InvalidInput
 from .layout import Layout
 from .remote import Remote
@@ -39,6 +40,11 @@ _U64_MAX = 2**64 - 1
 # Durations go to Rust as f64 seconds; Duration::from_secs_f64 panics at 2**64.
 _MAX_SECONDS = float(2**63)
 _NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32}
+# Bytes of result buffers this process keeps for reuse (see kvstore._pool), shared by
+# its handles: a server that opens a handle per request still restores into memory
+# already faulted in.
+RESULT_POOL_BYTES = 512 << 20
+_RESULTS = ResultPool(RESULT_POOL_BYTES)
 
 
 def _check_callable(progress: Any) -> None:
@@ -92,6 +98,7 @@ class Store:
         self.layout = layout
         self.model = model
         self._array = array
+        self._pool = _RESULTS
 
     # -- properties -------------------------------------------------------------------------
 
@@ -191,22 +198,27 @@ class Store:
         family = self._array
         if like is not None:
             family = "torch" if is_torch(like) else "numpy"
+        return self._result_buffer(tokens, family)
+
+    def _result_buffer(self, tokens: int, family: str) -> Any:
+        """An uninitialized `[L, 2, tokens, H, D]` array of `family` ("torch" or
+        "numpy") in memory this handle reuses (see kvstore._pool): already faulted in,
+        and never handed out again while anything made from it is alive."""
         shape = self.layout.kv_shape(tokens)
         if family == "torch":
             import torch
 
-            # Through numpy: it asks for transparent huge pages on large buffers, and a
-            # result faulted in 4 KiB pages made get() several times slower than get(out=).
             dtype = getattr(torch, self.layout.dtype)
             if tokens == 0:  # a zero-length byte buffer cannot be viewed as another dtype
                 return torch.empty(shape, dtype=dtype)
-            raw = np.empty(int(np.prod(shape)) * self.layout.itemsize, dtype=np.uint8)
+            raw = self._pool.take(math.prod(shape) * self.layout.itemsize)
             return torch.from_numpy(raw).view(dtype).view(shape)
         if self.layout.dtype not in _NUMPY_DTYPES:
             raise InvalidInput(
                 f"array: numpy has no {self.layout.dtype}; use array='torch' or like=<torch tensor>"
             )
-        return np.empty(shape, dtype=_NUMPY_DTYPES[self.layout.dtype])
+        raw = self._pool.take(math.prod(shape) * self.layout.itemsize)
+        return raw.view(_NUMPY_DTYPES[self.layout.dtype]).reshape(shape)
 
     def pin(
         self,

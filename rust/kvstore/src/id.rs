@@ -83,9 +83,21 @@ impl Keyer {
 
     /// Ids of every full block of `tokens`.
     pub fn chain(&self, tokens: &[u32], block_size: usize, extra: &[u8]) -> Vec<BlockId> {
+        self.chain_from(&ROOT, tokens, block_size, extra)
+    }
+
+    /// Ids of every full block of `tokens`, the first one's parent being
+    /// `parent` (a chain hashed piece by piece).
+    pub fn chain_from(
+        &self,
+        parent: &BlockId,
+        tokens: &[u32],
+        block_size: usize,
+        extra: &[u8],
+    ) -> Vec<BlockId> {
         let mut ids = Vec::with_capacity(tokens.len() / block_size);
         let mut buf = Vec::with_capacity(32 + 4 + 4 * block_size + 8 + extra.len());
-        let mut parent = ROOT;
+        let mut parent = *parent;
         for chunk in tokens.chunks_exact(block_size) {
             parent = self.block_id_with(&mut buf, &parent, chunk, extra);
             ids.push(parent);

@@ -66,6 +66,14 @@ impl Known {
         self.inner.read().expect("known lock").map.get(id).copied()
     }
 
+    /// `get` of many ids under one lock: `out[i]` for `ids[i]`.
+    pub fn get_many(&self, ids: &[BlockId], out: &mut [Option<Location>]) {
+        let r = self.inner.read().expect("known lock");
+        for (o, id) in out.iter_mut().zip(ids) {
+            *o = r.map.get(id).copied();
+        }
+    }
+
     /// Remembers a location read from an index snapshot at `generation`.
     pub fn insert(&self, generation: u64, id: &BlockId, loc: Location) {
         let mut w = self.inner.write().expect("known lock");
@@ -76,6 +84,18 @@ impl Known {
             w.map.clear();
         }
         w.map.insert(*id, loc);
+    }
+
+    /// `insert` of many locations under one lock.
+    pub fn insert_many(&self, generation: u64, entries: &[(BlockId, Location)]) {
+        let mut w = self.inner.write().expect("known lock");
+        if w.generation != generation {
+            return;
+        }
+        if w.map.len() + entries.len() > CAPACITY {
+            w.map.clear();
+        }
+        w.map.extend(entries.iter().copied());
     }
 
     pub fn forget(&self, id: &BlockId) {

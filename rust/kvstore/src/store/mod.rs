@@ -27,6 +27,7 @@
 
 mod compact;
 mod evict;
+mod lookup;
 mod options;
 mod pin;
 mod put;

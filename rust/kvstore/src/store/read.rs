@@ -40,8 +40,8 @@ const MAX_OPEN_SEGMENTS: usize = 256;
 
 /// A read snapshot of the index and the generation it saw.
 pub(super) struct Snap<'s> {
-    txn: heed::RoTxn<'s, heed::WithoutTls>,
-    generation: u64,
+    pub(super) txn: heed::RoTxn<'s, heed::WithoutTls>,
+    pub(super) generation: u64,
 }
 
 /// Why a record could not be served.
@@ -70,13 +70,27 @@ impl ReadFail {
 impl Inner {
     /// Number of leading full blocks of `tokens` that are stored.
     pub(super) fn stored_blocks(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
-        let ids = self
-            .keyer
-            .chain(tokens, self.layout.block_size as usize, extra);
+        let b = self.layout.block_size as usize;
+        let blocks = tokens.len() / b;
         // One snapshot per call, so the cache notices a newer generation.
-        let mut snap = Some(self.snapshot()?);
-        let mut n = 0;
-        for id in &ids {
+        let snap = self.snapshot()?;
+        let (mut ids, mut n) = if blocks >= super::lookup::CHUNKED_MIN_BLOCKS {
+            self.walk_stored(&snap, tokens, extra)?
+        } else {
+            (self.keyer.chain(tokens, b, extra), 0)
+        };
+        // From the first block not found (or from the start): one block at
+        // a time, with this handle's pending writes and a fresh snapshot on
+        // a miss (`find`).
+        let mut snap = Some(snap);
+        while n < blocks {
+            if n == ids.len() {
+                let rest = self
+                    .keyer
+                    .chain_from(&ids[n - 1], &tokens[n * b..], b, extra);
+                ids.extend(rest);
+            }
+            let id = &ids[n];
             let hot = self.arena.as_ref().is_some_and(|a| a.contains(id));
             if !hot && self.find(&mut snap, id)?.is_none() {
                 break;
@@ -84,6 +98,15 @@ impl Inner {
             n += 1;
         }
         drop(snap);
+        if self.remote.is_none() {
+            return Ok(n);
+        }
+        if ids.len() < blocks {
+            let rest =
+                self.keyer
+                    .chain_from(&ids[ids.len() - 1], &tokens[ids.len() * b..], b, extra);
+            ids.extend(rest);
+        }
         Ok(n + self.remote_extend(&ids, tokens, n, None))
     }
 

@@ -10,7 +10,16 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_kv_equal, kv_for, run_child, seq, small_layout
+from conftest import (
+    RECORD_HEADER_LEN,
+    assert_kv_equal,
+    block_record,
+    kv_for,
+    run_child,
+    segment_file,
+    seq,
+    small_layout,
+)
 from support.redis_cluster import Cluster, RespError, cmd, env_ok, free_ports
 
 import kvstore
@@ -214,6 +223,32 @@ def test_every_wrong_value_is_a_counted_miss(clean, tmp_path):
     with open_host(tmp_path / "c", clean) as c:
         assert c.lookup(tokens) == 8 * B
         assert remote_stats(c)["invalid"] == 0
+
+
+def test_invalid_value_is_replaced_by_the_next_upload(clean, tmp_path):
+    """Garbage under a real key: a reader counts it invalid, recomputes and puts the
+    block, and that put overwrites the garbage (the server "having" the key is not
+    taken for having the block); a later reader hits."""
+    tokens = seq(19000, 8 * B)
+    with open_host(tmp_path / "a", clean) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        a.flush()
+        key = block_key(clean, a, tokens, 3)
+    good = clean.call(key, "GET", key)
+    clean.call(key, "SET", key, b"\x00garbage" * 50)
+    with open_host(tmp_path / "b", clean) as b:
+        assert b.lookup(tokens) == 3 * B
+        assert remote_stats(b)["invalid"] == 1
+        b.put(tokens, kv_for(LAYOUT, tokens))  # recomputed here
+        b.flush()
+        r = remote_stats(b)
+        assert r["blocks_uploaded"] >= 1 and r["write_failures"] == 0, r
+    assert clean.call(key, "GET", key) == good
+    with open_host(tmp_path / "c", clean) as c:
+        assert c.lookup(tokens) == 8 * B
+        assert_kv_equal(c.get(tokens), kv_for(LAYOUT, tokens))
+        r = remote_stats(c)
+        assert r["hits"] == 8 and r["invalid"] == 0, r
 
 
 def test_node_kill_and_restart(fresh_cluster, tmp_path):
@@ -474,6 +509,29 @@ def test_cli_push_uploads_what_the_cluster_lacks(clean, tmp_path):
     clean.flushall()
     out = kv_cli("remote", "push", tmp_path / "a", "--node", clean.nodes[0]).stdout
     assert f"{placeable} uploaded" in out and "4 not placed" in out
+
+
+def test_cli_push_does_not_spread_bit_rot(clean, tmp_path):
+    """A local record whose payload has a flipped bit (its header intact) is not
+    uploaded: push reports it unreadable, and the cluster lacks its key."""
+    import json
+
+    tokens = seq(66000, 6 * B)
+    with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none", compression=None) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        ids = a.block_ids(tokens)
+    _, loc = block_record(tmp_path / "a", LAYOUT, tokens, 2)
+    with open(segment_file(tmp_path / "a", loc.segment), "r+b") as f:
+        at = loc.offset + RECORD_HEADER_LEN + 4 * B + loc.stored_len // 2
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+    nodes = ",".join(clean.nodes)
+    r = json.loads(kv_cli("remote", "push", tmp_path / "a", "--node", nodes, "--json").stdout)
+    assert (r["uploaded"], r["unreadable"], r["failed"]) == (5, 1, 0), r
+    assert clean.keys(f"kvstore:*:{ids[2].hex()}") == []
+    assert len(clean.keys("kvstore:*")) == 5
 
 
 def test_cli_push_salted_store(clean, tmp_path):

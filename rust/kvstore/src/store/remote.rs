@@ -170,6 +170,8 @@ impl Inner {
                     )
                 });
                 if !ok {
+                    // Replaced by this handle's next upload of the block.
+                    r.found_invalid(&ids[j]);
                     invalid = 1;
                     break;
                 }
@@ -350,8 +352,9 @@ impl Inner {
         Some(record::tokens(&meta).collect())
     }
 
-    /// Block `id`'s whole record at `loc` as in its segment (header checked;
-    /// the payload is checked by whoever reads it from the server).
+    /// Block `id`'s whole record at `loc` as in its segment, checked like a
+    /// record read from the server (header and payload: a record with bit
+    /// rot is not spread to other hosts).
     fn record_bytes(&self, id: &BlockId, loc: &Location) -> Option<Vec<u8>> {
         let meta_len = record::meta_len(&self.layout);
         if loc.stored_len > self.layout.block_bytes() as u64
@@ -362,8 +365,11 @@ impl Inner {
         let mut rec = vec![0u8; loc.record_len as usize];
         let file = self.reader(loc.segment).ok()?;
         fs::read_exact_at(&file, &mut [IoSliceMut::new(&mut rec)], loc.offset).ok()?;
-        record::check_read(&self.layout, &rec[..meta_len], id, loc.stored_len, None).ok()?;
-        Some(rec)
+        let tokens: Vec<u32> = record::tokens(&rec[..meta_len]).collect();
+        let b = self.layout.block_size as usize;
+        let mut scratch = vec![0u8; self.layout.block_bytes()];
+        let mut out = self.layout.block_runs_mut(&mut scratch, b, 0);
+        land(&self.layout, &rec, id, &tokens, &mut out).then_some(rec)
     }
 
     /// Waits for queued uploads (bounded).

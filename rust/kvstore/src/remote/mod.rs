@@ -36,6 +36,15 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// `host:port` of `node` (`host:port` or a URL): what messages and reports
+/// show of a node.
+pub(crate) fn addr(node: &str) -> &str {
+    let rest = node.split_once("://").map_or(node, |(_, r)| r);
+    let rest = rest.split('/').next().unwrap_or(rest);
+    // Never a user or password (refused at open, but options may be shown before).
+    rest.rsplit_once('@').map_or(rest, |(_, host)| host)
+}
+
 /// When a put's blocks reach the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WriteMode {
@@ -108,7 +117,10 @@ impl Default for RemoteOptions {
 impl std::fmt::Debug for RemoteOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteOptions")
-            .field("nodes", &self.nodes)
+            .field(
+                "nodes",
+                &self.nodes.iter().map(|n| addr(n)).collect::<Vec<_>>(),
+            )
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
             .field("tls_ca", &self.tls_ca)
@@ -260,6 +272,14 @@ impl Remote {
     pub(crate) fn open(opts: &RemoteOptions, tag: &[u8; 16], mac_key: [u8; 32]) -> Result<Remote> {
         if opts.nodes.is_empty() {
             return Err(Error::InvalidInput("remote: nodes is empty".into()));
+        }
+        if opts.nodes.iter().any(|n| n.contains('@')) {
+            // Not echoed: the part before '@' may be a password.
+            return Err(Error::InvalidInput(
+                "remote nodes: a user or password in a node URL is not accepted; give the \
+                 username and the password (from a variable or file) apart"
+                    .into(),
+            ));
         }
         if opts.prefix.is_empty() || opts.prefix.contains(['{', '}']) {
             return Err(Error::InvalidInput(format!(
@@ -491,6 +511,9 @@ impl Shared {
                 add(&self.counters.faults[fault as usize], 1);
                 if matches!(fault, Fault::Timeout | Fault::Connection) {
                     self.breaker.trip(&node);
+                    // Slots may have moved off the node (the client follows a
+                    // redirect silently): blame the right node from now on.
+                    c.refresh_slots(&self.opts, &node, |n| !self.breaker.is_open(n));
                 }
                 None
             }

@@ -79,6 +79,13 @@ impl Inner {
         self.remote.as_ref()
     }
 
+    /// The remote tier, for calls that need one: `InvalidInput` without.
+    pub(super) fn remote_required(&self) -> Result<&Remote> {
+        self.remote().ok_or_else(|| {
+            Error::InvalidInput("this store was opened without a remote tier".into())
+        })
+    }
+
     /// After a local put: sends the blocks the server is not known to hold.
     pub(super) fn remote_put(
         &self,
@@ -262,9 +269,7 @@ impl Inner {
     /// block of a put that continued a stored prefix) are matched against
     /// every block, within [`PARENT_SEARCH_HASHES`].
     pub(super) fn remote_push(&self, progress: Progress<'_>) -> Result<PushReport> {
-        let r = self.remote().ok_or_else(|| {
-            Error::InvalidInput("this store was opened without a remote tier".into())
-        })?;
+        let r = self.remote_required()?;
         let mut blocks = {
             let txn = self.index.read()?;
             self.index.all_blocks(&txn)?

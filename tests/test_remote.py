@@ -249,6 +249,25 @@ def test_invalid_value_is_replaced_by_the_next_upload(clean, tmp_path):
         assert_kv_equal(c.get(tokens), kv_for(LAYOUT, tokens))
         r = remote_stats(c)
         assert r["hits"] == 8 and r["invalid"] == 0, r
+    # A session's value likewise.
+    short = tokens[: 2 * B]
+    with open_host(tmp_path / "d", clean) as d:
+        d.save_session("chat", short, kv_for(LAYOUT, short))
+        d.flush()
+    (skey,) = clean.keys("kvstore:*:session:*")
+    sgood = clean.call(skey, "GET", skey)
+    clean.call(skey, "SET", skey, b"not a session")
+    with open_host(tmp_path / "e", clean) as e:
+        with pytest.raises(kvstore.SessionNotFound):
+            e.load_session("chat")
+        assert remote_stats(e)["invalid"] == 1
+        e.save_session("chat", short, kv_for(LAYOUT, short))
+        e.flush()
+    assert clean.call(skey, "GET", skey) == sgood
+    with open_host(tmp_path / "f", clean) as f:
+        toks, kv = f.load_session("chat")
+        assert list(toks) == short
+        assert_kv_equal(kv, kv_for(LAYOUT, short))
 
 
 def test_node_kill_and_restart(fresh_cluster, tmp_path):

@@ -243,7 +243,7 @@ fn add(c: &AtomicU64, n: usize) {
 /// Ids this handle believes the server holds (uploaded or read), bounded.
 const KNOWN_MAX: usize = 1 << 20;
 
-/// Ids whose value on the server this handle found invalid, bounded: their
+/// Keys whose value on the server this handle found invalid, bounded: their
 /// next upload overwrites the value instead of taking it for present.
 const INVALID_MAX: usize = 4096;
 
@@ -255,7 +255,7 @@ struct Shared {
     queue: Queue,
     writer: Mutex<Client>,
     known: Mutex<HashSet<BlockId>>,
-    invalid: Mutex<HashSet<BlockId>>,
+    invalid: Mutex<HashSet<String>>,
 }
 
 /// An open remote tier (one per store handle).
@@ -379,23 +379,24 @@ impl Remote {
         v
     }
 
-    /// Block `id`'s value on the server failed verification: not there for
-    /// this handle, and overwritten by its next upload.
-    pub(crate) fn found_invalid(&self, id: &BlockId) {
-        self.shared.mark(std::iter::once(id), false);
+    /// The value under `key` (of block `id`, or a session) failed
+    /// verification: not there for this handle, and overwritten by its next
+    /// upload of that key. Counted.
+    pub(crate) fn found_invalid(&self, key: &str, id: Option<&BlockId>) {
+        self.shared.mark(id.into_iter(), false);
+        add(&self.shared.counters.invalid, 1);
         let mut bad = self.shared.invalid.lock().expect("invalid lock");
         if bad.len() >= INVALID_MAX {
             bad.clear();
         }
-        bad.insert(*id);
+        bad.insert(key.to_string());
     }
 
-    /// Counts blocks served, missed and refused.
-    pub(crate) fn count(&self, hits: usize, misses: usize, invalid: usize) {
+    /// Counts blocks served and missed (refused ones: `found_invalid`).
+    pub(crate) fn count(&self, hits: usize, misses: usize) {
         let c = &self.shared.counters;
         add(&c.hits, hits);
         add(&c.misses, misses);
-        add(&c.invalid, invalid);
     }
 
     /// Waits (up to `timeout`) for the queue to drain; whether it did.
@@ -536,9 +537,7 @@ impl Shared {
         let blocks = |ks: &mut dyn Iterator<Item = usize>| ks.filter(|&k| ids[k].is_some()).count();
         let forced: Vec<bool> = {
             let bad = self.invalid.lock().expect("invalid lock");
-            ids.iter()
-                .map(|id| id.is_some_and(|id| bad.contains(&id)))
-                .collect()
+            keys.iter().map(|k| bad.contains(*k)).collect()
         };
         // Which the server has (`None`: the call failed, counted).
         let asked: Vec<&str> = (0..keys.len())
@@ -603,8 +602,10 @@ impl Shared {
             );
             self.mark(sent.clone(), true);
             let mut bad = self.invalid.lock().expect("invalid lock");
-            for id in sent {
-                bad.remove(id);
+            if !bad.is_empty() {
+                for (k, _) in &todo {
+                    bad.remove(keys[*k]);
+                }
             }
         } else {
             rep.failed += todo.len() as u64;
@@ -622,5 +623,18 @@ impl Shared {
         self.send(&mut c, &keys, &ids, |k| {
             Some(Cow::Borrowed(&batch[k].value[..]))
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::addr;
+
+    #[test]
+    fn addr_is_host_and_port_only() {
+        assert_eq!(addr("10.0.0.5:6379"), "10.0.0.5:6379");
+        assert_eq!(addr("rediss://cache-1:6380/0"), "cache-1:6380");
+        assert_eq!(addr("redis://kv:secret@cache-1:6379"), "cache-1:6379");
+        assert_eq!(addr("kv:secret@cache-1:6379"), "cache-1:6379");
     }
 }

@@ -178,14 +178,14 @@ impl Inner {
                 });
                 if !ok {
                     // Replaced by this handle's next upload of the block.
-                    r.found_invalid(&ids[j]);
+                    r.found_invalid(&keys[k], Some(&ids[j]));
                     invalid = 1;
                     break;
                 }
                 good += 1;
             }
             let missed = usize::from(good < end - at) - invalid;
-            r.count(good, missed, invalid);
+            r.count(good, missed);
             r.mark(&ids[at..at + good], true);
             if good < end - at {
                 // Not there (evicted, lost with a node): upload it again next time.
@@ -251,7 +251,7 @@ impl Inner {
         let v = r.get(&key)?;
         let tokens = r.keys.open(&key, &v).and_then(|p| decode_session(name, p));
         if tokens.is_none() {
-            r.count(0, 0, 1);
+            r.found_invalid(&key, None);
         }
         tokens
     }

@@ -164,8 +164,38 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _salt(args: argparse.Namespace) -> str | None:
+    """The tenant salt: `--salt` (shows in `ps`), or read from the environment
+    variable `--salt-env` names or the file `--salt-file` (one trailing newline
+    dropped): the salt is the MAC secret of the remote tier."""
+    given = [(n, v) for n in ("salt", "salt_env", "salt_file") if (v := getattr(args, n))]
+    if len(given) > 1:
+        raise InvalidInput("give one of --salt, --salt-env, --salt-file")
+    if not given:
+        return None
+    name, value = given[0]
+    if name == "salt_env":
+        if value not in os.environ:
+            raise InvalidInput(f"--salt-env: the environment variable {value!r} is not set")
+        return os.environ[value]
+    if name == "salt_file":
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise InvalidInput(f"--salt-file {value}: {e.strerror}") from None
+        return text[:-1] if text.endswith("\n") else text
+    return str(value)
+
+
+def _salt_flags(sp: argparse.ArgumentParser, what: str) -> None:
+    sp.add_argument("--salt", help=f"{what} (default: no salt; visible in ps: see --salt-env)")
+    sp.add_argument("--salt-env", metavar="VAR", help="environment variable holding the salt")
+    sp.add_argument("--salt-file", metavar="FILE", help="file holding the salt")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    with _open(args.path, args.salt) as s:
+    with _open(args.path, _salt(args)) as s:
         if args.sessions:
             sessions = [{"name": n, "tokens": t} for n, t in s.session_sizes().items()]
 
@@ -439,7 +469,7 @@ def _remote(args: argparse.Namespace) -> Remote:
 def _open_remote(args: argparse.Namespace) -> Store:
     # "none": push reads the store and writes nothing to it.
     return open_store(
-        args.path, salt=args.salt, create=False, durability="none", remote=_remote(args)
+        args.path, salt=_salt(args), create=False, durability="none", remote=_remote(args)
     )
 
 
@@ -546,7 +576,7 @@ def _add_remote(sub: Any) -> None:
         sp.add_argument("--prefix", help="key namespace on the server (default: kvstore)")
         sp.add_argument("--timeout", type=parse_duration, help="per-call deadline (default: 1s)")
         sp.add_argument("--ttl", type=parse_duration, help="time to live of pushed blocks")
-        sp.add_argument("--salt", help="the tenant salt of the blocks (default: no salt)")
+        _salt_flags(sp, "the tenant salt of the blocks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -569,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("info", cmd_info, "manifest, layout, blocks, bytes per tier, segments, page kind")
     ls = add("ls", cmd_ls, "list segments, or sessions with --sessions")
     ls.add_argument("--sessions", action="store_true", help="list sessions instead of segments")
-    ls.add_argument("--salt", help="tenant salt whose sessions to list (default: no salt)")
+    _salt_flags(ls, "tenant salt whose sessions to list")
     add("stats", cmd_stats, "live and dead bytes per segment, compression ratio")
     verify = add(
         "verify", cmd_verify, "re-read and check every record; exit 1 if anything is damaged"

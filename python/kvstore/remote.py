@@ -51,6 +51,16 @@ class Remote:
     timeout: float = 1.0
     password_file: str | os.PathLike[str] | None = field(default=None, kw_only=True)
 
+    def __post_init__(self) -> None:
+        # A password in a node URL would be in every repr and message naming the
+        # node: refused before the object exists, without echoing the node.
+        nodes = [self.nodes] if isinstance(self.nodes, str) else self.nodes
+        if any(isinstance(n, str) and "@" in n for n in nodes):
+            raise InvalidInput(
+                "remote nodes: a user or password in a node URL is not accepted; "
+                "give username= and password_env= or password_file="
+            )
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Remote:
         """A `Remote` from a plain mapping of the same option names, as in a config
@@ -82,7 +92,9 @@ class Remote:
         if self.write not in ("behind", "through"):
             raise InvalidInput(f"remote write: expected 'behind' or 'through', got {self.write!r}")
         for name, value in (("ttl", self.ttl), ("timeout", self.timeout)):
-            if value is not None and (isinstance(value, bool) or not value > 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
                 raise InvalidInput(f"remote {name}: expected positive seconds, got {value!r}")
         return {
             "nodes": nodes,

@@ -40,6 +40,14 @@ impl Breaker {
         }
     }
 
+    /// Whether `node` failed and has not answered since (no side effect).
+    pub(crate) fn is_open(&self, node: &str) -> bool {
+        self.open_until
+            .lock()
+            .expect("breaker lock")
+            .contains_key(node)
+    }
+
     /// The node failed (timeout, unreachable): skip it for a while.
     pub(crate) fn trip(&self, node: &str) {
         self.open_until

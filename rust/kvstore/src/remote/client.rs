@@ -6,12 +6,13 @@
 //! `tls_ca` (or the system's roots for a `rediss://` node without one).
 
 use super::keys::slot;
-use super::{NodeReport, RemoteOptions};
+use super::{addr, NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use redis::cluster::{ClusterClientBuilder, ClusterConnection};
 use redis::{
     Cmd, ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisError, TlsCertificates, Value,
 };
+use std::time::Instant;
 
 pub(crate) use super::fault::Fault;
 
@@ -75,11 +76,11 @@ impl Tls {
         Ok(Tls { on, certs })
     }
 
-    /// `redis://` or `rediss://` URL of `node` (`host:port` or a URL).
+    /// `redis://` or `rediss://` URL of `node` (`host:port` or a URL; a user
+    /// or password in it was refused when the options were checked).
     fn url(&self, node: &str) -> String {
-        let rest = node.split_once("://").map_or(node, |(_, r)| r);
         let scheme = if self.on { "rediss" } else { "redis" };
-        format!("{scheme}://{rest}")
+        format!("{scheme}://{}", addr(node))
     }
 
     fn client(&self, info: ConnectionInfo) -> RedisResult<redis::Client> {
@@ -91,10 +92,12 @@ impl Tls {
 }
 
 fn info_for(opts: &RemoteOptions, tls: &Tls, node: &str) -> Result<ConnectionInfo> {
-    let info = tls
-        .url(node)
-        .into_connection_info()
-        .map_err(|e| Error::Remote(format!("remote node {node:?}: not an address ({e})")))?;
+    let info = tls.url(node).into_connection_info().map_err(|e| {
+        Error::Remote(format!(
+            "remote node {:?}: not an address ({e})",
+            addr(node)
+        ))
+    })?;
     let mut settings = info.redis_settings().clone();
     if let Some(u) = &opts.username {
         settings = settings.set_username(u);
@@ -108,6 +111,7 @@ fn info_for(opts: &RemoteOptions, tls: &Tls, node: &str) -> Result<ConnectionInf
 /// A message naming the node and the user, never the password.
 fn open_error(opts: &RemoteOptions, node: &str, what: &str, e: &RedisError) -> Error {
     let user = opts.username.as_deref().unwrap_or("default");
+    let node = addr(node);
     let mut msg = format!("remote node {node} (user {user:?}): {what}: {e}");
     if let Some(p) = opts.password.as_deref().filter(|p| !p.is_empty()) {
         msg = msg.replace(p, "***");
@@ -133,11 +137,11 @@ impl Client {
                     return Err(open_error(opts, node, "authentication failed", &e));
                 }
                 Err(e) => {
-                    let what = if tls.on {
+                    let what = if e.is_connection_refusal() {
+                        "unreachable"
+                    } else if tls.on {
                         "TLS connection failed (is tls_ca the CA of its certificate, and the \
                          port a TLS port?)"
-                    } else if e.is_connection_refusal() {
-                        "unreachable"
                     } else {
                         "unreachable (if the port speaks TLS: give tls_ca or a rediss:// node)"
                     };
@@ -170,7 +174,7 @@ impl Client {
                 Client {
                     conn: Conn::Cluster(Box::new(cluster)),
                     slots,
-                    single_node: node.clone(),
+                    single_node: addr(node).to_string(),
                     timeout: opts.timeout,
                     tls: tls.clone(),
                     max_value,
@@ -182,7 +186,7 @@ impl Client {
                         conn: Some(conn),
                     },
                     slots: Vec::new(),
-                    single_node: node.clone(),
+                    single_node: addr(node).to_string(),
                     timeout: opts.timeout,
                     tls: tls.clone(),
                     max_value,
@@ -225,6 +229,41 @@ impl Client {
         })
     }
 
+    /// Reads the slot map again from a node other than `failed` that `allow`
+    /// lets through (a fresh connection each, within the timeout), so that
+    /// slots moved away from a failed node are no longer blamed on it: the
+    /// crate follows a redirect of a single command silently, without telling
+    /// this map. Keeps the old map if no node answers.
+    pub(crate) fn refresh_slots(
+        &mut self,
+        opts: &RemoteOptions,
+        failed: &str,
+        allow: impl Fn(&str) -> bool,
+    ) {
+        let mut nodes: Vec<String> = self.slots.iter().map(|r| r.2.clone()).collect();
+        nodes.sort();
+        nodes.dedup();
+        for n in nodes.iter().filter(|n| *n != failed && allow(n)) {
+            let Ok(info) = info_for(opts, &self.tls, n) else {
+                continue;
+            };
+            let conn = self
+                .tls
+                .client(info)
+                .and_then(|c| c.get_connection_with_timeout(self.timeout));
+            let Ok(mut conn) = conn else { continue };
+            if conn.set_read_timeout(Some(self.timeout)).is_err() {
+                continue;
+            }
+            if let Ok(slots) = cluster_slots(&mut conn) {
+                if !slots.is_empty() {
+                    self.slots = slots;
+                    return;
+                }
+            }
+        }
+    }
+
     /// The largest value the server accepts, in bytes.
     pub(crate) fn max_value(&self) -> u64 {
         self.max_value
@@ -253,15 +292,25 @@ impl Client {
                 for cmd in cmds {
                     p.add_command(cmd);
                 }
+                let deadline = Instant::now() + self.timeout;
                 match p.query(c) {
                     Err(e) if redirected(&e) => {
                         // The crate's cluster pipeline returns MOVED/ASK (after a
                         // reshard) as failures instead of following them; one
                         // command at a time follows them and refreshes the
-                        // client's slot map for the next pipeline.
+                        // client's slot map for the next pipeline. Each command
+                        // has its own timeout: the call's deadline bounds them all.
                         let out = p
                             .cmd_iter()
-                            .map(|cmd| cmd.query(&mut **c))
+                            .map(|cmd| {
+                                if Instant::now() >= deadline {
+                                    return Err(RedisError::from(std::io::Error::new(
+                                        std::io::ErrorKind::TimedOut,
+                                        "the call's deadline passed while following a reshard",
+                                    )));
+                                }
+                                cmd.query(&mut **c)
+                            })
                             .collect::<RedisResult<Vec<T>>>()?;
                         if let Ok(slots) = cluster_slots(&mut **c) {
                             self.slots = slots;

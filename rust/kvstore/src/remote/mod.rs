@@ -28,12 +28,22 @@ use client::{Client, Fault};
 use keys::Keys;
 pub(crate) use queue::Item;
 use queue::Queue;
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// `host:port` of `node` (`host:port` or a URL): what messages and reports
+/// show of a node.
+pub(crate) fn addr(node: &str) -> &str {
+    let rest = node.split_once("://").map_or(node, |(_, r)| r);
+    let rest = rest.split('/').next().unwrap_or(rest);
+    // Never a user or password (refused at open, but options may be shown before).
+    rest.rsplit_once('@').map_or(rest, |(_, host)| host)
+}
 
 /// When a put's blocks reach the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,7 +117,10 @@ impl Default for RemoteOptions {
 impl std::fmt::Debug for RemoteOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteOptions")
-            .field("nodes", &self.nodes)
+            .field(
+                "nodes",
+                &self.nodes.iter().map(|n| addr(n)).collect::<Vec<_>>(),
+            )
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
             .field("tls_ca", &self.tls_ca)
@@ -197,10 +210,11 @@ pub struct RemoteStats {
     pub blocks_present: u64,
     /// Blocks dropped: queue full, or still queued at close.
     pub writes_dropped: u64,
-    /// Blocks whose upload failed (counted by kind too).
+    /// Values (blocks and sessions) whose upload failed (counted by kind
+    /// too).
     pub write_failures: u64,
-    /// Values not sent because they are larger than the server accepts
-    /// (`proto-max-bulk-len`; also counted in `write_failures`).
+    /// Values (blocks and sessions) not sent because they are larger than the
+    /// server accepts (`proto-max-bulk-len`; also counted in `write_failures`).
     pub too_large: u64,
     /// Bytes waiting in the upload queue.
     pub queued_bytes: u64,
@@ -229,6 +243,10 @@ fn add(c: &AtomicU64, n: usize) {
 /// Ids this handle believes the server holds (uploaded or read), bounded.
 const KNOWN_MAX: usize = 1 << 20;
 
+/// Keys whose value on the server this handle found invalid, bounded: their
+/// next upload overwrites the value instead of taking it for present.
+const INVALID_MAX: usize = 4096;
+
 /// What the uploader thread and the callers share.
 struct Shared {
     opts: RemoteOptions,
@@ -237,6 +255,7 @@ struct Shared {
     queue: Queue,
     writer: Mutex<Client>,
     known: Mutex<HashSet<BlockId>>,
+    invalid: Mutex<HashSet<String>>,
 }
 
 /// An open remote tier (one per store handle).
@@ -254,6 +273,14 @@ impl Remote {
         if opts.nodes.is_empty() {
             return Err(Error::InvalidInput("remote: nodes is empty".into()));
         }
+        if opts.nodes.iter().any(|n| n.contains('@')) {
+            // Not echoed: the part before '@' may be a password.
+            return Err(Error::InvalidInput(
+                "remote nodes: a user or password in a node URL is not accepted; give the \
+                 username and the password (from a variable or file) apart"
+                    .into(),
+            ));
+        }
         if opts.prefix.is_empty() || opts.prefix.contains(['{', '}']) {
             return Err(Error::InvalidInput(format!(
                 "remote prefix: expected a non-empty string without braces, got {:?}",
@@ -270,6 +297,7 @@ impl Remote {
             queue: Queue::new(opts.queue_bytes),
             writer: Mutex::new(writer),
             known: Mutex::new(HashSet::new()),
+            invalid: Mutex::new(HashSet::new()),
         });
         let uploader = (opts.write == WriteMode::Behind).then(|| {
             let s = shared.clone();
@@ -351,12 +379,24 @@ impl Remote {
         v
     }
 
-    /// Counts blocks served, missed and refused.
-    pub(crate) fn count(&self, hits: usize, misses: usize, invalid: usize) {
+    /// The value under `key` (of block `id`, or a session) failed
+    /// verification: not there for this handle, and overwritten by its next
+    /// upload of that key. Counted.
+    pub(crate) fn found_invalid(&self, key: &str, id: Option<&BlockId>) {
+        self.shared.mark(id.into_iter(), false);
+        add(&self.shared.counters.invalid, 1);
+        let mut bad = self.shared.invalid.lock().expect("invalid lock");
+        if bad.len() >= INVALID_MAX {
+            bad.clear();
+        }
+        bad.insert(key.to_string());
+    }
+
+    /// Counts blocks served and missed (refused ones: `found_invalid`).
+    pub(crate) fn count(&self, hits: usize, misses: usize) {
         let c = &self.shared.counters;
         add(&c.hits, hits);
         add(&c.misses, misses);
-        add(&c.invalid, invalid);
     }
 
     /// Waits (up to `timeout`) for the queue to drain; whether it did.
@@ -392,56 +432,12 @@ impl Remote {
         mut record: impl FnMut(usize) -> Option<Vec<u8>>,
     ) -> PushReport {
         let s = &self.shared;
-        let mut rep = PushReport::default();
         let mut c = s.writer.lock().expect("remote writer");
-        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let Some(lack) = s.lacking(&mut c, &key_refs) else {
-            rep.failed = keys.len() as u64;
-            add(&s.counters.write_failures, keys.len());
-            return rep;
-        };
-        let mut todo = Vec::new();
-        for (k, &missing) in lack.iter().enumerate() {
-            if !missing {
-                rep.present += 1;
-            } else if let Some(v) = record(k) {
-                let v = self.keys.seal(&keys[k], v);
-                if s.fits(&c, v.len()) {
-                    todo.push((k, v));
-                } else {
-                    rep.failed += 1;
-                    add(&s.counters.write_failures, 1);
-                }
-            } else {
-                rep.unreadable += 1;
-            }
-        }
-        add(&s.counters.blocks_present, rep.present as usize);
-        let present: Vec<BlockId> = lack
-            .iter()
-            .zip(ids)
-            .filter(|(&l, _)| !l)
-            .map(|(_, id)| *id)
-            .collect();
-        s.mark(present.iter(), true);
-        if todo.is_empty() {
-            return rep;
-        }
-        let pairs: Vec<(&str, &[u8])> = todo
-            .iter()
-            .map(|(k, v)| (keys[*k].as_str(), v.as_slice()))
-            .collect();
-        let sent: Vec<BlockId> = todo.iter().map(|(k, _)| ids[*k]).collect();
-        if s.store(&mut c, &pairs) {
-            rep.uploaded = todo.len() as u64;
-            rep.bytes_written = pairs.iter().map(|(_, v)| v.len() as u64).sum();
-            add(&s.counters.blocks_uploaded, todo.len());
-            s.mark(sent.iter(), true);
-        } else {
-            rep.failed = todo.len() as u64;
-            add(&s.counters.write_failures, todo.len());
-        }
-        rep
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let ids: Vec<Option<BlockId>> = ids.iter().copied().map(Some).collect();
+        s.send(&mut c, &keys, &ids, |k| {
+            record(k).map(|v| Cow::Owned(self.keys.seal(keys[k], v)))
+        })
     }
 
     pub(crate) fn stats(&self) -> RemoteStats {
@@ -516,91 +512,129 @@ impl Shared {
                 add(&self.counters.faults[fault as usize], 1);
                 if matches!(fault, Fault::Timeout | Fault::Connection) {
                     self.breaker.trip(&node);
+                    // Slots may have moved off the node (the client follows a
+                    // redirect silently): blame the right node from now on.
+                    c.refresh_slots(&self.opts, &node, |n| !self.breaker.is_open(n));
                 }
                 None
             }
         }
     }
 
-    /// Whether a value of `len` bytes is within the server's bulk limit
-    /// (`proto-max-bulk-len`): a larger one would make the server drop the
-    /// connection, and the node look dead to the breaker. Counted if not.
-    fn fits(&self, c: &Client, len: usize) -> bool {
-        let ok = len as u64 <= c.max_value();
-        if !ok {
-            add(&self.counters.too_large, 1);
+    /// Uploads the values of one hash-tag group (one slot) that the server
+    /// lacks, or that this handle found invalid there (overwritten without
+    /// asking): `keys[k]` for block `ids[k]` (`None`: a session), whose value
+    /// `value(k)` makes only for those sent (`None`: unreadable, not sent).
+    /// Counts and remembers what happened; a failure is counted, never raised.
+    fn send<'v>(
+        &self,
+        c: &mut Client,
+        keys: &[&str],
+        ids: &[Option<BlockId>],
+        mut value: impl FnMut(usize) -> Option<Cow<'v, [u8]>>,
+    ) -> PushReport {
+        let mut rep = PushReport::default();
+        let blocks = |ks: &mut dyn Iterator<Item = usize>| ks.filter(|&k| ids[k].is_some()).count();
+        let forced: Vec<bool> = {
+            let bad = self.invalid.lock().expect("invalid lock");
+            keys.iter().map(|k| bad.contains(*k)).collect()
+        };
+        // Which the server has (`None`: the call failed, counted).
+        let asked: Vec<&str> = (0..keys.len())
+            .filter(|&k| !forced[k])
+            .map(|k| keys[k])
+            .collect();
+        let there = if asked.is_empty() {
+            Some(Vec::new())
+        } else {
+            self.call(c, asked[0], |c| c.exists(&asked))
+        };
+        let Some(there) = there else {
+            rep.failed = keys.len() as u64;
+            add(&self.counters.write_failures, keys.len());
+            self.mark(ids.iter().flatten(), false);
+            return rep;
+        };
+        let mut there = there.into_iter();
+        let mut present = Vec::new();
+        let mut todo = Vec::new();
+        for k in 0..keys.len() {
+            if !forced[k] && there.next().unwrap_or(false) {
+                present.push(k);
+            } else if let Some(v) = value(k) {
+                // Over the server's bulk limit (`proto-max-bulk-len`) the
+                // server would drop the connection, and the node look dead
+                // to the breaker: not sent, counted.
+                if v.len() as u64 <= c.max_value() {
+                    todo.push((k, v));
+                } else {
+                    rep.failed += 1;
+                    add(&self.counters.too_large, 1);
+                    add(&self.counters.write_failures, 1);
+                    self.mark(ids[k].iter(), false);
+                }
+            } else {
+                rep.unreadable += 1;
+            }
         }
-        ok
-    }
-
-    /// Which of `keys` (one slot) the server lacks; `None` if the call failed
-    /// (counted).
-    fn lacking(&self, c: &mut Client, keys: &[&str]) -> Option<Vec<bool>> {
-        let there = self.call(c, keys[0], |c| c.exists(keys))?;
-        Some(there.into_iter().map(|t| !t).collect())
-    }
-
-    /// Sets `pairs` (one slot); whether it worked (a failure is counted).
-    fn store(&self, c: &mut Client, pairs: &[(&str, &[u8])]) -> bool {
+        rep.present = present.len() as u64;
+        add(
+            &self.counters.blocks_present,
+            blocks(&mut present.iter().copied()),
+        );
+        self.mark(present.iter().filter_map(|&k| ids[k].as_ref()), true);
+        if todo.is_empty() {
+            return rep;
+        }
+        let pairs: Vec<(&str, &[u8])> = todo.iter().map(|(k, v)| (keys[*k], &v[..])).collect();
         let ttl = self.opts.ttl;
-        let ok = self
-            .call(c, pairs[0].0, |c| c.set_all(pairs, ttl))
-            .is_some();
-        if ok {
+        let sent = todo.iter().filter_map(|(k, _)| ids[*k].as_ref());
+        if self
+            .call(c, pairs[0].0, |c| c.set_all(&pairs, ttl))
+            .is_some()
+        {
+            rep.uploaded = todo.len() as u64;
+            rep.bytes_written = pairs.iter().map(|(_, v)| v.len() as u64).sum();
+            add(&self.counters.bytes_written, rep.bytes_written as usize);
             add(
-                &self.counters.bytes_written,
-                pairs.iter().map(|(_, v)| v.len()).sum(),
+                &self.counters.blocks_uploaded,
+                blocks(&mut todo.iter().map(|(k, _)| *k)),
             );
+            self.mark(sent.clone(), true);
+            let mut bad = self.invalid.lock().expect("invalid lock");
+            if !bad.is_empty() {
+                for (k, _) in &todo {
+                    bad.remove(keys[*k]);
+                }
+            }
+        } else {
+            rep.failed += todo.len() as u64;
+            add(&self.counters.write_failures, todo.len());
+            self.mark(sent, false);
         }
-        ok
+        rep
     }
 
-    /// Uploads the items of one batch (one slot) that the server lacks.
+    /// Uploads one batch of the queue (one slot).
     fn write(&self, batch: &[Item]) {
         let mut c = self.writer.lock().expect("remote writer");
-        // Blocks only (a session has no id).
-        let blocks = |items: &[&Item]| items.iter().filter(|i| i.id.is_some()).count();
-        let (batch, big): (Vec<&Item>, Vec<&Item>) =
-            batch.iter().partition(|i| self.fits(&c, i.value.len()));
-        if !big.is_empty() {
-            add(&self.counters.write_failures, blocks(&big));
-            self.mark(big.iter().filter_map(|i| i.id.as_ref()), false);
-        }
-        if batch.is_empty() {
-            return;
-        }
         let keys: Vec<&str> = batch.iter().map(|i| i.key.as_str()).collect();
-        let ok = self.lacking(&mut c, &keys).is_some_and(|lack| {
-            let todo: Vec<&Item> = batch
-                .iter()
-                .copied()
-                .zip(&lack)
-                .filter(|(_, &l)| l)
-                .map(|(i, _)| i)
-                .collect();
-            add(
-                &self.counters.blocks_present,
-                blocks(&batch) - blocks(&todo),
-            );
-            if todo.is_empty() {
-                return true;
-            }
-            let pairs: Vec<(&str, &[u8])> = todo
-                .iter()
-                .map(|i| (i.key.as_str(), i.value.as_slice()))
-                .collect();
-            let ok = self.store(&mut c, &pairs);
-            if ok {
-                add(&self.counters.blocks_uploaded, blocks(&todo));
-            }
-            ok
+        let ids: Vec<Option<BlockId>> = batch.iter().map(|i| i.id).collect();
+        self.send(&mut c, &keys, &ids, |k| {
+            Some(Cow::Borrowed(&batch[k].value[..]))
         });
-        if !ok {
-            add(
-                &self.counters.write_failures,
-                batch.iter().filter(|i| i.id.is_some()).count(),
-            );
-            self.mark(batch.iter().filter_map(|i| i.id.as_ref()), false);
-        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::addr;
+
+    #[test]
+    fn addr_is_host_and_port_only() {
+        assert_eq!(addr("10.0.0.5:6379"), "10.0.0.5:6379");
+        assert_eq!(addr("rediss://cache-1:6380/0"), "cache-1:6380");
+        assert_eq!(addr("redis://kv:secret@cache-1:6379"), "cache-1:6379");
+        assert_eq!(addr("kv:secret@cache-1:6379"), "cache-1:6379");
     }
 }

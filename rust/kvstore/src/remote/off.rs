@@ -24,6 +24,9 @@ impl Client {
     pub(crate) fn node_of(&self, _: &str) -> &str {
         match self.0 {}
     }
+    pub(crate) fn refresh_slots(&mut self, _: &RemoteOptions, _: &str, _: impl Fn(&str) -> bool) {
+        match self.0 {}
+    }
     pub(crate) fn max_value(&self) -> u64 {
         match self.0 {}
     }

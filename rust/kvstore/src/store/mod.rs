@@ -340,11 +340,7 @@ impl Store {
     /// Every node of the remote tier: round trip and `INFO` figures, or the
     /// error; `InvalidInput` without a remote tier.
     pub fn remote_nodes(&self) -> Result<Vec<crate::remote::NodeReport>> {
-        let inner = self.live()?;
-        let r = inner.remote.as_ref().ok_or_else(|| {
-            Error::InvalidInput("this store was opened without a remote tier".into())
-        })?;
-        Ok(r.nodes())
+        Ok(self.live()?.remote_required()?.nodes())
     }
 
     /// Uploads the store's blocks that the remote tier lacks (`kvstore

@@ -79,6 +79,13 @@ impl Inner {
         self.remote.as_ref()
     }
 
+    /// The remote tier, for calls that need one: `InvalidInput` without.
+    pub(super) fn remote_required(&self) -> Result<&Remote> {
+        self.remote().ok_or_else(|| {
+            Error::InvalidInput("this store was opened without a remote tier".into())
+        })
+    }
+
     /// After a local put: sends the blocks the server is not known to hold.
     pub(super) fn remote_put(
         &self,
@@ -170,13 +177,15 @@ impl Inner {
                     )
                 });
                 if !ok {
+                    // Replaced by this handle's next upload of the block.
+                    r.found_invalid(&keys[k], Some(&ids[j]));
                     invalid = 1;
                     break;
                 }
                 good += 1;
             }
             let missed = usize::from(good < end - at) - invalid;
-            r.count(good, missed, invalid);
+            r.count(good, missed);
             r.mark(&ids[at..at + good], true);
             if good < end - at {
                 // Not there (evicted, lost with a node): upload it again next time.
@@ -242,7 +251,7 @@ impl Inner {
         let v = r.get(&key)?;
         let tokens = r.keys.open(&key, &v).and_then(|p| decode_session(name, p));
         if tokens.is_none() {
-            r.count(0, 0, 1);
+            r.found_invalid(&key, None);
         }
         tokens
     }
@@ -260,9 +269,7 @@ impl Inner {
     /// block of a put that continued a stored prefix) are matched against
     /// every block, within [`PARENT_SEARCH_HASHES`].
     pub(super) fn remote_push(&self, progress: Progress<'_>) -> Result<PushReport> {
-        let r = self.remote().ok_or_else(|| {
-            Error::InvalidInput("this store was opened without a remote tier".into())
-        })?;
+        let r = self.remote_required()?;
         let mut blocks = {
             let txn = self.index.read()?;
             self.index.all_blocks(&txn)?
@@ -350,8 +357,9 @@ impl Inner {
         Some(record::tokens(&meta).collect())
     }
 
-    /// Block `id`'s whole record at `loc` as in its segment (header checked;
-    /// the payload is checked by whoever reads it from the server).
+    /// Block `id`'s whole record at `loc` as in its segment, checked like a
+    /// record read from the server (header and payload: a record with bit
+    /// rot is not spread to other hosts).
     fn record_bytes(&self, id: &BlockId, loc: &Location) -> Option<Vec<u8>> {
         let meta_len = record::meta_len(&self.layout);
         if loc.stored_len > self.layout.block_bytes() as u64
@@ -362,8 +370,11 @@ impl Inner {
         let mut rec = vec![0u8; loc.record_len as usize];
         let file = self.reader(loc.segment).ok()?;
         fs::read_exact_at(&file, &mut [IoSliceMut::new(&mut rec)], loc.offset).ok()?;
-        record::check_read(&self.layout, &rec[..meta_len], id, loc.stored_len, None).ok()?;
-        Some(rec)
+        let tokens: Vec<u32> = record::tokens(&rec[..meta_len]).collect();
+        let b = self.layout.block_size as usize;
+        let mut scratch = vec![0u8; self.layout.block_bytes()];
+        let mut out = self.layout.block_runs_mut(&mut scratch, b, 0);
+        land(&self.layout, &rec, id, &tokens, &mut out).then_some(rec)
     }
 
     /// Waits for queued uploads (bounded).

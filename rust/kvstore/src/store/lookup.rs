@@ -1,9 +1,11 @@
-//! The stored prefix of a long chain on a handle that has not seen it: the
-//! chain is hashed a chunk at a time and each chunk's ids are probed in key
-//! order (neighbouring keys share B-tree pages and branch decisions: a third
-//! cheaper than probing in chain order), their locations cached under one
-//! lock. The walk stays exact: a chunk's results are read back in chain
-//! order, and the first block found nowhere ends it; hashing stops there.
+//! `lookup`: how many leading blocks of a chain are stored. A short chain
+//! goes one block at a time through the read path's `find`. A long chain on a
+//! handle that has not seen it is hashed a chunk at a time and each chunk's
+//! ids are probed in key order (neighbouring keys share B-tree pages and
+//! branch decisions: a third cheaper than probing in chain order), their
+//! locations cached under one lock. The walk stays exact: a chunk's results
+//! are read back in chain order, and the first block found nowhere ends it;
+//! hashing stops there.
 //!
 //! Hashing on a helper thread while this one probes was tried: on an idle
 //! second core it saved ~40%, but on a busy machine waiting for the helper
@@ -23,6 +25,48 @@ pub(super) const CHUNKED_MIN_BLOCKS: usize = 64;
 const CHUNK: usize = 1024;
 
 impl Inner {
+    /// Number of leading full blocks of `tokens` that are stored.
+    pub(super) fn stored_blocks(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
+        let b = self.layout.block_size as usize;
+        let blocks = tokens.len() / b;
+        // One snapshot per call, so the cache notices a newer generation.
+        let snap = self.snapshot()?;
+        let (mut ids, mut n) = if blocks >= CHUNKED_MIN_BLOCKS {
+            self.walk_stored(&snap, tokens, extra)?
+        } else {
+            (self.keyer.chain(tokens, b, extra), 0)
+        };
+        // From the first block not found (or from the start): one block at
+        // a time, with this handle's pending writes and a fresh snapshot on
+        // a miss (`find`).
+        let mut snap = Some(snap);
+        while n < blocks {
+            if n == ids.len() {
+                let rest = self
+                    .keyer
+                    .chain_from(&ids[n - 1], &tokens[n * b..], b, extra);
+                ids.extend(rest);
+            }
+            let id = &ids[n];
+            let hot = self.arena.as_ref().is_some_and(|a| a.contains(id));
+            if !hot && self.find(&mut snap, id)?.is_none() {
+                break;
+            }
+            n += 1;
+        }
+        drop(snap);
+        if self.remote.is_none() {
+            return Ok(n);
+        }
+        if ids.len() < blocks {
+            let rest =
+                self.keyer
+                    .chain_from(&ids[ids.len() - 1], &tokens[ids.len() * b..], b, extra);
+            ids.extend(rest);
+        }
+        Ok(n + self.remote_extend(&ids, tokens, n, None))
+    }
+
     /// Walks the chain of `tokens` while it is stored (hot tier, location
     /// cache, or the index as `snap` sees it). Returns the ids hashed, in
     /// chain order, and how many leading blocks are stored: the ids run at

@@ -68,48 +68,6 @@ impl ReadFail {
 }
 
 impl Inner {
-    /// Number of leading full blocks of `tokens` that are stored.
-    pub(super) fn stored_blocks(&self, tokens: &[u32], extra: &[u8]) -> Result<usize> {
-        let b = self.layout.block_size as usize;
-        let blocks = tokens.len() / b;
-        // One snapshot per call, so the cache notices a newer generation.
-        let snap = self.snapshot()?;
-        let (mut ids, mut n) = if blocks >= super::lookup::CHUNKED_MIN_BLOCKS {
-            self.walk_stored(&snap, tokens, extra)?
-        } else {
-            (self.keyer.chain(tokens, b, extra), 0)
-        };
-        // From the first block not found (or from the start): one block at
-        // a time, with this handle's pending writes and a fresh snapshot on
-        // a miss (`find`).
-        let mut snap = Some(snap);
-        while n < blocks {
-            if n == ids.len() {
-                let rest = self
-                    .keyer
-                    .chain_from(&ids[n - 1], &tokens[n * b..], b, extra);
-                ids.extend(rest);
-            }
-            let id = &ids[n];
-            let hot = self.arena.as_ref().is_some_and(|a| a.contains(id));
-            if !hot && self.find(&mut snap, id)?.is_none() {
-                break;
-            }
-            n += 1;
-        }
-        drop(snap);
-        if self.remote.is_none() {
-            return Ok(n);
-        }
-        if ids.len() < blocks {
-            let rest =
-                self.keyer
-                    .chain_from(&ids[ids.len() - 1], &tokens[ids.len() * b..], b, extra);
-            ids.extend(rest);
-        }
-        Ok(n + self.remote_extend(&ids, tokens, n, None))
-    }
-
     /// A fresh index snapshot; advances the location cache (and drops open
     /// segment files) when the index generation moved on.
     pub(super) fn snapshot(&self) -> Result<Snap<'_>> {

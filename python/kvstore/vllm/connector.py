@@ -28,7 +28,7 @@ from ..remote import Remote
 from ..store import Store
 from ..store import open as open_store
 from .keys import keyed_by_tokens, parse_extra, request_extra, vllm_fingerprint
-from .paged import affine_strides, paged_block_map
+from .paged import PagedKV, paged_block_map
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -486,16 +486,13 @@ class _WorkerHalf:
         self._layout = store.layout
         self._names = layer_names
         self._config = vllm_config
-        self._flat: list[torch.Tensor] = []
-        self._views: list[list[torch.Tensor]] = [[]]
         # Staging buffers of at most _STAGING_BYTES each (whole blocks): a transfer
         # moves in chunks of `self._chunk` tokens, so memory stays bounded.
         lay = self._layout
         self._chunk = max(_STAGING_BYTES // lay.block_bytes, 1) * lay.block_size
         self._buffers: dict[str, torch.Tensor] = {}
         self._tainted: set[str] = set()  # requests whose load failed, not yet recomputed
-        self._map: torch.Tensor | None = None  # canonical element -> offset in a block
-        self._block_stride = 0
+        self._paged: PagedKV | None = None  # vLLM's caches, once registered
         self._dtype = getattr(torch, self._layout.dtype)
         self._lock = threading.Lock()
         self._stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
@@ -528,34 +525,19 @@ class _WorkerHalf:
         def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
             impl.do_kv_cache_update(layer, key, value, cache, slots)
 
-        self._map = paged_block_map(write, first, self._layout)
-        self._block_stride = first.stride(0)
-        # A flat view of each layer's span of storage: offsets are element offsets.
-        dims = zip(first.shape, first.stride(), strict=True)
-        span = sum((size - 1) * stride for size, stride in dims) + 1
-        self._flat = [c.as_strided((span,), (1,)) for c in caches]
-        # Where K and V are strided arrays of a block: per layer, a [blocks, B, H, D] view
-        # of each, so a move is one strided copy per layer and K/V, not a gather.
-        lay = self._layout
-        self._views = [
-            [
-                c.as_strided(
-                    (c.shape[0], lay.block_size, lay.num_kv_heads, lay.head_dim),
-                    (self._block_stride, *strides),
-                    c.storage_offset() + base,
-                )
-                for base, strides in affine_strides(self._map, lay)
-            ]
-            for c in caches
-        ]
+        self._paged = PagedKV(caches, paged_block_map(write, first, self._layout), self._layout)
         log.info(
             "kvstore connector: %s, %d layers of %s strides %s, %s copies",
             self._store.path,
             len(caches),
             tuple(first.shape),
             first.stride(),
-            "strided" if self._views[0] else "element-wise",
+            "strided" if self._paged.strided else "element-wise",
         )
+
+    def _caches(self) -> PagedKV:
+        assert self._paged is not None, "a transfer before register_kv_caches"
+        return self._paged
 
     def _staging(self, which: str, tokens: int) -> torch.Tensor:
         """A reused `[L, 2, tokens, H, D]` buffer, `tokens` at most `self._chunk` (a new
@@ -577,40 +559,11 @@ class _WorkerHalf:
             for s in range(tr.start, end, self._chunk)
         ]
 
-    def _move(self, block_ids: list[int], kv: torch.Tensor, into_cache: bool) -> None:
-        """Between vLLM's blocks `block_ids` and `kv` (contiguous `[L, 2, n*B, H, D]`):
-        into the cache (a load) or out of it (a save)."""
-        lay = self._layout
-        if self._views[0]:
-            ids = torch.tensor(block_ids, dtype=torch.int64)
-            for views, layer in zip(self._views, kv, strict=True):
-                for view, x in zip(views, layer, strict=True):
-                    blocks = x.view(len(block_ids), lay.block_size, *x.shape[1:])
-                    if into_cache:
-                        view.index_copy_(0, ids, blocks)
-                    else:
-                        torch.index_select(view, 0, ids, out=blocks)
-            return
-        idx = self._index(block_ids)
-        for flat, layer in zip(self._flat, kv, strict=True):
-            if into_cache:
-                flat.index_copy_(0, idx, layer.reshape(-1))
-            else:
-                torch.index_select(flat, 0, idx, out=layer.view(-1))
-
-    def _index(self, block_ids: list[int]) -> torch.Tensor:
-        """Element offsets, in canonical `[2, n*B, H, D]` order, of `block_ids` in a layer."""
-        assert self._map is not None
-        lay = self._layout
-        blocks = torch.tensor(block_ids, dtype=torch.int64) * self._block_stride
-        per_block = self._map.view(2, 1, lay.block_size * lay.num_kv_heads * lay.head_dim)
-        idx = per_block + blocks.view(1, -1, 1)  # [2, n, B*H*D]
-        return idx.reshape(-1)
-
     # -- loads ----------------------------------------------------------------------------
 
     def load(self, loads: list[_Transfer], recomputed: set[str]) -> None:
         self._tainted -= recomputed
+        b = self._layout.block_size
         for tr in loads:
             t0 = time.perf_counter()
             got = 0  # tokens landed in vLLM's cache from tr.start
@@ -618,16 +571,15 @@ class _WorkerHalf:
                 for s, e, blocks in self._chunks(tr):
                     buf = self._staging("load", e - s)
                     m = self._store.get(tr.tokens[:e], start=s, out=buf, extra=tr.extra)
-                    n = max(m - s, 0) // self._layout.block_size * self._layout.block_size
+                    n = max(m - s, 0) // b * b
                     if n:
-                        self._move(blocks[: n // self._layout.block_size], buf[:, :, :n], True)
+                        self._caches().move(blocks[: n // b], buf[:, :, :n], True)
                     got += n
                     if s + n < e:
                         break
             except Exception as e:  # a load that fails is a miss: vLLM recomputes it
                 log.warning("kvstore connector: load of %s failed: %s", tr.req_id, e)
                 got = 0
-            b = self._layout.block_size
             failed = tr.block_ids[got // b :]
             if failed:  # what this step computes after them is wrong: not saved
                 self._tainted.add(tr.req_id)
@@ -664,7 +616,7 @@ class _WorkerHalf:
             try:
                 for s, e, blocks in self._chunks(tr):
                     kv = self._staging("save", e - s)  # only this thread uses it
-                    self._move(blocks, kv, False)
+                    self._caches().move(blocks, kv, False)
                     self._store.put(tr.tokens[:e], kv, start=s, extra=tr.extra)
                 ok = True
             except Exception as e:  # a failed save is a future miss; vLLM goes on

@@ -81,3 +81,65 @@ def affine_strides(block_map: torch.Tensor, layout: Layout) -> list[tuple[int, t
             return []
         fits.append((base, strides))
     return fits
+
+
+class PagedKV:
+    """Moves whole blocks between every layer's paged cache (`caches`, in layer order,
+    of one shape and strides; `block_map` from `paged_block_map`) and canonical
+    `[L, 2, n*B, H, D]` KV: one strided copy per layer and K/V where the map is
+    affine, else an element gather through offsets computed per call (bounded by
+    the caller's chunk of blocks)."""
+
+    def __init__(self, caches: list[torch.Tensor], block_map: torch.Tensor, layout: Layout):
+        self._layout = layout
+        self._map = block_map
+        first = caches[0]
+        self._block_stride = first.stride(0)
+        # A flat view of each layer's span of storage: offsets are element offsets.
+        dims = zip(first.shape, first.stride(), strict=True)
+        span = sum((size - 1) * stride for size, stride in dims) + 1
+        self._flat = [c.as_strided((span,), (1,)) for c in caches]
+        # Where K and V are strided arrays of a block: per layer, a [blocks, B, H, D] view
+        # of each, so a move is one strided copy per layer and K/V, not a gather.
+        fits = affine_strides(block_map, layout)
+        self._views = [
+            [
+                c.as_strided(
+                    (c.shape[0], layout.block_size, layout.num_kv_heads, layout.head_dim),
+                    (self._block_stride, *strides),
+                    c.storage_offset() + base,
+                )
+                for base, strides in fits
+            ]
+            for c in caches
+        ]
+        self.strided = bool(fits)
+
+    def move(self, block_ids: list[int], kv: torch.Tensor, into_cache: bool) -> None:
+        """Between the blocks `block_ids` and `kv` (`[L, 2, n*B, H, D]`, each `[n*B, H,
+        D]` contiguous): into the caches (a load) or out of them (a save)."""
+        lay = self._layout
+        if self.strided:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            for views, layer in zip(self._views, kv, strict=True):
+                for view, x in zip(views, layer, strict=True):
+                    blocks = x.view(len(block_ids), lay.block_size, *x.shape[1:])
+                    if into_cache:
+                        view.index_copy_(0, ids, blocks)
+                    else:
+                        torch.index_select(view, 0, ids, out=blocks)
+            return
+        idx = self._index(block_ids)
+        for flat, layer in zip(self._flat, kv, strict=True):
+            if into_cache:
+                flat.index_copy_(0, idx, layer.reshape(-1))
+            else:
+                torch.index_select(flat, 0, idx, out=layer.view(-1))
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        """Element offsets, in canonical `[2, n*B, H, D]` order, of `block_ids` in a layer."""
+        lay = self._layout
+        blocks = torch.tensor(block_ids, dtype=torch.int64) * self._block_stride
+        per_block = self._map.view(2, 1, lay.block_size * lay.num_kv_heads * lay.head_dim)
+        idx = per_block + blocks.view(1, -1, 1)  # [2, n, B*H*D]
+        return idx.reshape(-1)

@@ -56,6 +56,7 @@ _STAT_KEYS = (
     "save_bytes",
     "save_us",  # microseconds in saves (gather and put, on the save thread)
     "save_errors",
+    "lookup_errors",  # scheduler half: lookups the store could not answer (misses)
 )
 
 
@@ -332,7 +333,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker_half is None:
-            return None
+            errors = self._scheduler().take_lookup_errors()
+            return KVStoreConnectorStats(data={"lookup_errors": errors}) if errors else None
         data = self._worker_half.take_stats()
         return KVStoreConnectorStats(data=data) if any(data.values()) else None
 
@@ -367,7 +369,7 @@ class _SchedulerHalf:
         # req_id -> (vLLM's local hit, the store's hit), from the last lookup
         self._hits: dict[str, tuple[int, int]] = {}
         self._recomputed: set[str] = set()  # see KVStoreConnectorMetadata.recomputed
-        self.lookup_errors = 0
+        self._lookup_errors = 0
 
     def matched(self, request: Request, num_computed_tokens: int) -> int:
         if not keyed_by_tokens(request):
@@ -381,7 +383,7 @@ class _SchedulerHalf:
             extra = request_extra(request)
             stored = self._store.lookup(tokens[:upto], extra=extra, count=False)
         except Exception as e:  # a store that cannot answer is a miss; vLLM goes on
-            self.lookup_errors += 1
+            self._lookup_errors += 1
             log.warning("kvstore connector: lookup of %s failed: %s", request.request_id, e)
             stored = 0
         self._hits[request.request_id] = (num_computed_tokens, stored)
@@ -470,6 +472,10 @@ class _SchedulerHalf:
                 t.saved_upto = full
                 t.any_save = True
         return meta
+
+    def take_lookup_errors(self) -> int:
+        errors, self._lookup_errors = self._lookup_errors, 0
+        return errors
 
     def finished(self, req_id: str) -> bool:
         """Whether the request's blocks stay allocated until the worker has saved them."""
@@ -644,6 +650,7 @@ class _WorkerHalf:
             self._idle.wait_for(lambda: not req_ids & self._pending.keys())
 
     def finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        self._tainted -= finished_req_ids
         with self._lock:
             self._finished |= finished_req_ids & self._saving
             done = {r for r in self._finished if r not in self._pending}

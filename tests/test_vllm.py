@@ -418,3 +418,60 @@ def test_two_processes_then_sigkill_then_fresh(world, reference):
 def test_import_kvstore_does_not_import_vllm():
     code = "import sys, kvstore, kvstore.hf, kvstore.vllm; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+STORE_ERRORS = r"""
+import json, sys, threading
+from types import SimpleNamespace
+import torch
+from kvstore.errors import KVStoreError
+from kvstore.layout import Layout
+from kvstore.vllm import connector as c
+from kvstore.vllm.paged import PagedKV
+
+lay = Layout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", block_size=8)
+
+class Failing:  # a store whose every call fails, as a broken disk or remote would
+    layout = lay
+    path = "failing"
+    def fail(self, *a, **k):
+        raise KVStoreError("injected")
+    lookup = get = put = fail
+
+sched = c._SchedulerHalf(Failing(), True, True)
+req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(40)), cache_salt=None,
+                      lora_request=None, mm_features=[], prompt_embeds=None)
+matched = sched.matched(req, 0)
+w = c._WorkerHalf(Failing(), ["l0", "l1"], None, 4)
+caches = [torch.zeros(6, 2, 8, 2, 4, dtype=torch.bfloat16) for _ in range(2)]
+offsets = torch.arange(2 * 8 * 2 * 4).view(2, 8, 2, 4)
+w._paged = PagedKV(caches, offsets.reshape(-1), lay)
+w.load([c._Transfer("r", list(range(24)), 0, [3, 1, 4], None)], set())
+w.save([c._Transfer("s", list(range(16)), 0, [2, 5], None)])
+w.drain({"s"})
+out = {"matched": matched, "lookup_errors": sched.take_lookup_errors(),
+       "load_errors": sorted(w.take_load_errors()), "stats": w.take_stats(),
+       "finished": sorted(w.finished({"s"}) or ())}
+w.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_store_errors_never_reach_vllm():
+    """A store that raises on every call, behind the connector's halves (in vLLM's
+    python): a lookup is a miss, a load reports every block of its transfer for
+    recompute, a save is skipped and counted; none raises into vLLM."""
+    p = subprocess.run(
+        [PY, "-c", STORE_ERRORS], capture_output=True, text=True, env=vllm_run.env(), timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][0]
+    r = json.loads(line.removeprefix("RESULT "))
+    assert r["matched"] == 0
+    assert r["lookup_errors"] == 1
+    assert r["load_errors"] == [1, 3, 4]
+    assert r["stats"]["hit_tokens"] == 0
+    assert r["stats"]["load_error_blocks"] == 3
+    assert r["stats"]["save_errors"] == 1
+    assert r["stats"]["save_tokens"] == 0
+    assert r["finished"] == ["s"]  # its blocks are freed although the save failed

@@ -448,10 +448,17 @@ offsets = torch.arange(2 * 8 * 2 * 4).view(2, 8, 2, 4)
 w._paged = PagedKV(caches, offsets.reshape(-1), lay)
 w.load([c._Transfer("r", list(range(24)), 0, [3, 1, 4], None)], set())
 w.save([c._Transfer("s", list(range(16)), 0, [2, 5], None)])
-w.drain({"s"})
+# Computed against a block whose load failed: not saved until vLLM recomputed it.
+after = c._Transfer("t", list(range(32)), 24, [0], None, [3, 1, 4])
+w.save([after])
+w.drain({"s", "t"})
 out = {"matched": matched, "lookup_errors": sched.take_lookup_errors(),
        "load_errors": sorted(w.take_load_errors()), "stats": w.take_stats(),
-       "finished": sorted(w.finished({"s"}) or ())}
+       "finished": sorted(w.finished({"s", "t"}) or ())}
+w.load([], {1, 3, 4})
+w.save([after])
+w.drain({"t"})
+out["after_recompute"] = w.take_stats()
 w.close()
 print("RESULT " + json.dumps(out))
 """
@@ -460,7 +467,8 @@ print("RESULT " + json.dumps(out))
 def test_store_errors_never_reach_vllm():
     """A store that raises on every call, behind the connector's halves (in vLLM's
     python): a lookup is a miss, a load reports every block of its transfer for
-    recompute, a save is skipped and counted; none raises into vLLM."""
+    recompute, a save is skipped and counted; none raises into vLLM. A save computed
+    against a block whose load failed waits until vLLM has recomputed that block."""
     p = subprocess.run(
         [PY, "-c", STORE_ERRORS], capture_output=True, text=True, env=vllm_run.env(), timeout=300
     )
@@ -472,6 +480,7 @@ def test_store_errors_never_reach_vllm():
     assert r["load_errors"] == [1, 3, 4]
     assert r["stats"]["hit_tokens"] == 0
     assert r["stats"]["load_error_blocks"] == 3
-    assert r["stats"]["save_errors"] == 1
+    assert r["stats"]["save_errors"] == 1  # s failed; t, after a failed block, skipped
     assert r["stats"]["save_tokens"] == 0
     assert r["finished"] == ["s"]  # its blocks are freed although the save failed
+    assert r["after_recompute"]["save_errors"] == 1  # t tried once the block was recomputed

@@ -152,6 +152,8 @@ class _Transfer:
     start: int  # first token of the range (a block boundary)
     block_ids: list[int]  # vLLM's blocks of tokens[start:], in order
     extra: bytes | None  # the request's cache_salt and adapter (see request_extra)
+    # Saves: vLLM's blocks of tokens[:start], whose KV the range was computed against.
+    context: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -159,8 +161,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[_Transfer] = field(default_factory=list)
     saves: list[_Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
-    # Requests whose failed load vLLM has since recomputed: their saves are good again.
-    recomputed: set[str] = field(default_factory=set)
+    # Blocks whose failed load vLLM has since recomputed: saves using them are good again.
+    recomputed: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -368,7 +370,7 @@ class _SchedulerHalf:
         self._reqs: dict[str, _Tracked] = {}
         # req_id -> (vLLM's local hit, the store's hit), from the last lookup
         self._hits: dict[str, tuple[int, int]] = {}
-        self._recomputed: set[str] = set()  # see KVStoreConnectorMetadata.recomputed
+        self._recomputed: set[int] = set()  # see KVStoreConnectorMetadata.recomputed
         self._lookup_errors = 0
 
     def matched(self, request: Request, num_computed_tokens: int) -> int:
@@ -421,11 +423,11 @@ class _SchedulerHalf:
         """vLLM recomputes the blocks `block_ids` (their load failed): each request
         holding one saves again from its first such block, once recomputed."""
         b = self._block
-        for rid, t in self._reqs.items():
+        self._recomputed |= block_ids
+        for t in self._reqs.values():
             bad = [i for i, blk in enumerate(t.block_ids) if blk in block_ids]
             if bad:
                 t.saved_upto = min(t.saved_upto, bad[0] * b)
-                self._recomputed.add(rid)
 
     def build(self, so: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(
@@ -467,6 +469,7 @@ class _SchedulerHalf:
                         t.saved_upto,
                         t.block_ids[t.saved_upto // b : full // b],
                         t.extra,
+                        t.block_ids[: t.saved_upto // b],
                     )
                 )
                 t.saved_upto = full
@@ -497,7 +500,9 @@ class _WorkerHalf:
         lay = self._layout
         self._chunk = max(_STAGING_BYTES // lay.block_bytes, 1) * lay.block_size
         self._buffers: dict[str, torch.Tensor] = {}
-        self._tainted: set[str] = set()  # requests whose load failed, not yet recomputed
+        # Blocks whose load failed, until vLLM has recomputed them: what was computed
+        # against them (by any request sharing them) is not saved meanwhile.
+        self._failed: set[int] = set()
         self._paged: PagedKV | None = None  # vLLM's caches, once registered
         self._dtype = getattr(torch, self._layout.dtype)
         self._lock = threading.Lock()
@@ -567,8 +572,8 @@ class _WorkerHalf:
 
     # -- loads ----------------------------------------------------------------------------
 
-    def load(self, loads: list[_Transfer], recomputed: set[str]) -> None:
-        self._tainted -= recomputed
+    def load(self, loads: list[_Transfer], recomputed: set[int]) -> None:
+        self._failed -= recomputed
         b = self._layout.block_size
         for tr in loads:
             t0 = time.perf_counter()
@@ -587,8 +592,7 @@ class _WorkerHalf:
                 log.warning("kvstore connector: load of %s failed: %s", tr.req_id, e)
                 got = 0
             failed = tr.block_ids[got // b :]
-            if failed:  # what this step computes after them is wrong: not saved
-                self._tainted.add(tr.req_id)
+            self._failed.update(failed)
             with self._lock:
                 self._load_errors.update(failed)
                 self._stats["hit_tokens"] += got
@@ -605,7 +609,7 @@ class _WorkerHalf:
 
     def save(self, saves: list[_Transfer]) -> None:
         for tr in saves:
-            if tr.req_id in self._tainted:
+            if not self._failed.isdisjoint(tr.context) or not self._failed.isdisjoint(tr.block_ids):
                 continue  # saved once recomputed (the scheduler plans it again)
             with self._lock:
                 self._pending[tr.req_id] = self._pending.get(tr.req_id, 0) + 1
@@ -650,7 +654,6 @@ class _WorkerHalf:
             self._idle.wait_for(lambda: not req_ids & self._pending.keys())
 
     def finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        self._tainted -= finished_req_ids
         with self._lock:
             self._finished |= finished_req_ids & self._saving
             done = {r for r in self._finished if r not in self._pending}

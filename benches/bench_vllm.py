@@ -8,7 +8,7 @@ connector's load and save throughput against memcpy of the same bytes.
 vLLM 0.32's CPU build runs in its own virtualenv (scripts/vllm_env.sh,
 $KVSTORE_VLLM_PYTHON), three processes one after another, on a Llama-architecture
 model with seeded random weights (bfloat16; hidden 1024, 8 layers, 16 heads,
-4 KV heads: 32 KiB of KV per token, 64 MiB for the 2K prefix):
+4 KV heads of 64: 8 KiB of KV per token, 16 MiB for the 2K prefix):
 
 1. a writer (hot tier on) serves the prompt once: the prefix lands in the segments
    and in the shared-memory arena;
@@ -63,10 +63,10 @@ def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
     in this process, a different pair each time (4 pairs: more than a CPU cache holds,
     as a load's source and vLLM's cache are)."""
     n = max(nbytes // 2, 1)
-    pairs = [(torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))]
-    pairs += [(torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))]
-    pairs += [(torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))]
-    pairs += [(torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))]
+    pairs = [
+        (torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))
+        for _ in range(4)
+    ]
     best = float("inf")
     for i in range(repeat * len(pairs)):
         src, dst = pairs[i % len(pairs)]

@@ -12,6 +12,7 @@ scripts/test.sh) that is a failure instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -25,13 +26,8 @@ from typing import Any
 import pytest
 from support import vllm_run
 
-import kvstore
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from kvstore import hf  # noqa: E402
-
+# Checked before anything can skip this file: CI (KVSTORE_REQUIRE_VLLM=1) fails
+# instead of skipping.
 PY = vllm_run.vllm_python()
 if PY is None:
     reason = "no vLLM virtualenv (run scripts/vllm_env.sh, or set KVSTORE_VLLM_PYTHON)"
@@ -39,6 +35,17 @@ if PY is None:
         raise RuntimeError(f"KVSTORE_REQUIRE_VLLM=1 but {reason}")
     pytest.skip(reason, allow_module_level=True)
 assert PY is not None
+
+import kvstore  # noqa: E402
+
+if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+from kvstore import hf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +74,8 @@ class Prompts:
         self.y = [self.x[0][:96] + _tokens(rng, 150), _tokens(rng, 260)]
         self.kill = [_tokens(rng, 400) for _ in range(20)]
         self.preempt = [_tokens(rng, 220) for _ in range(3)]
+        self.busy = [_tokens(rng, 300) for _ in range(6)]
+        self.damage = _tokens(rng, 200)  # 6 blocks stored by transformers, the last damaged
 
 
 P = Prompts()
@@ -85,10 +94,13 @@ LATER = [
 ]
 CONCURRENT_X = [phase("x", P.x)]
 CONCURRENT_Y = [phase("y", P.y)]
+# Run at once (a barrier in the drivers), once x's saves of P.x are in the store.
+AT_ONCE = ("x-busy", "y")
 KILL = [phase("kill-warm", P.kill[:1]), phase("kill", P.kill[1:])]
 # 3 prompts of 7 blocks growing to 8 in 23 usable blocks: vLLM preempts one. Its
 # reference runs in as little memory (a run that preempts nothing batches otherwise).
 PREEMPT = [phase("preempt", P.preempt, max_tokens=12)]
+DAMAGE = [phase("damage", [P.damage]), phase("salted-again", [P.a], cache_salt="tenant-2")]
 SMALL = 24 * 4 * B * 2 * 2 * 64 * 2  # bytes of 24 blocks (one is vLLM's null block)
 
 
@@ -146,7 +158,7 @@ def run(world: dict[str, Any], name: str, s: dict[str, Any]) -> list[dict[str, A
 @pytest.fixture(scope="module")
 def reference(world: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Greedy tokens of every prompt from vLLM without the connector."""
-    phases = SHARED + PARTIAL + LATER + CONCURRENT_X + CONCURRENT_Y + KILL
+    phases = SHARED + PARTIAL + LATER + CONCURRENT_X + CONCURRENT_Y + KILL + DAMAGE[:1]
     results = run(world, "reference", spec(world, None, phases))
     results += run(world, "reference-small", spec(world, None, PREEMPT, kv_bytes=SMALL))
     return by_name(results)
@@ -190,29 +202,33 @@ def test_process_a_stores_each_block_once(world, reference, stored):
             assert s.lookup(seq, count=False) == (len(seq) - 1) // B * B
 
 
-def test_stored_kv_equals_transformers(world, stored):
-    """vLLM's stored KV against transformers' on the same weights and tokens: layer 0's
-    V is the same math (bit-exact); elsewhere vLLM is as close to a float32 reference
-    as transformers' own bfloat16 run is."""
-    n = (len(P.a) - 1) // B * B
-    ids = torch.tensor([P.a[:n]])
-    with hf.open(
-        stored["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
-    ) as s:
-        kv = s.get(P.a[:n], like=torch.empty(0))
-    assert kv.shape[2] == n
+def assert_kv_like_transformers(world: dict[str, Any], tokens: list[int], kv, at: slice) -> None:
+    """`kv` (tokens `at` of `tokens`' KV, stored by vLLM) against transformers' on the
+    same weights and tokens: layer 0's V is the same math (bit-exact); elsewhere vLLM
+    is as close to a float32 reference as transformers' own bfloat16 run is."""
+    ids = torch.tensor([tokens])
     with torch.inference_mode():
-        bf16 = hf.cache_to_kv(world["model"](ids, use_cache=True).past_key_values)
+        bf16 = hf.cache_to_kv(world["model"](ids, use_cache=True).past_key_values)[:, :, at]
         m32 = transformers.AutoModelForCausalLM.from_pretrained(
             world["model_dir"], dtype=torch.float32
         ).eval()
-        f32 = hf.cache_to_kv(m32(ids, use_cache=True).past_key_values)
+        f32 = hf.cache_to_kv(m32(ids, use_cache=True).past_key_values)[:, :, at]
     assert torch.equal(kv[0, 1], bf16[0, 1])
     for layer in range(kv.shape[0]):
         for j in range(2):
             ours = (kv[layer, j].float() - f32[layer, j]).abs().max().item()
             theirs = (bf16[layer, j].float() - f32[layer, j]).abs().max().item()
             assert ours <= 1.5 * theirs + 0.02, (layer, j, ours, theirs)
+
+
+def test_stored_kv_equals_transformers(world, stored):
+    n = (len(P.a) - 1) // B * B
+    with hf.open(
+        stored["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
+    ) as s:
+        kv = s.get(P.a[:n], like=torch.empty(0))
+    assert kv.shape[2] == n
+    assert_kv_like_transformers(world, P.a[:n], kv, slice(0, n))
 
 
 @pytest.fixture(scope="module")
@@ -279,47 +295,100 @@ def test_transformers_session_is_a_hit(fresh_b, reference):
 
 @pytest.fixture(scope="module")
 def damaged_run(world, stored, fresh_b):
-    """A copy of the store with a byte flipped every ~1 KiB of its segments, served by a
+    """A copy of B's store where transformers stored the KV of P.damage (3 blocks, then
+    3 more from start): the last record written, its 6th block, is damaged. Served by a
     vLLM with little KV memory (24 blocks) that also runs the preemption phase, and no
-    prefix cache of its own (else a resumed request finds its blocks there)."""
+    prefix cache of its own (else a resumed request finds its blocks there, and a
+    salted prompt B served is a local hit)."""
     damaged = world["root"] / "damaged"
     shutil.copytree(stored["path"], damaged)
-    for seg in sorted((damaged / "segments").iterdir()):
-        data = bytearray(seg.read_bytes())
-        for i in range(64, len(data), 997):
-            data[i] ^= 0x5A
-        seg.write_bytes(bytes(data))
-    s = spec(world, damaged, SHARED + PREEMPT, kv_bytes=SMALL, prefix_caching=False)
-    return run(world, "damaged", s)
+    n = len(P.damage) // B * B
+    ids = torch.tensor([P.damage[:n]])
+    with torch.inference_mode():
+        kv = hf.cache_to_kv(world["model"](ids, use_cache=True).past_key_values)
+    with hf.open(damaged, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
+        assert s.put(P.damage[: 3 * B], kv[:, :, : 3 * B].contiguous()) == 3 * B
+        assert s.put(P.damage[:n], kv[:, :, 3 * B :].contiguous(), start=3 * B) == n
+        s.flush()
+        last = max(s.segments(), key=lambda r: r["segment"])
+        block_ids = s.block_ids(P.damage[:n])
+    seg = damaged / "segments" / f"{last['segment']:016x}.kvseg"
+    data = bytearray(seg.read_bytes())
+    data[last["committed_bytes"] - 100] ^= 0x5A  # inside the last record
+    seg.write_bytes(bytes(data))
+    # The reference split, by kvstore's own check of a copy: exactly the last block.
+    probe = world["root"] / "damaged-probe"
+    shutil.copytree(damaged, probe)
+    with hf.open(probe, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
+        bad = {bytes.fromhex(d["block_id"]) for d in s.verify()["damaged"]}
+    assert bad == {block_ids[-1]}
+    s = spec(world, damaged, DAMAGE + PREEMPT, kv_bytes=SMALL, prefix_caching=False)
+    return {"results": run(world, "damaged", s), "path": damaged, "n": n}
 
 
-def test_damaged_store_misses_and_recomputes(damaged_run, reference):
-    """The scheduler plans loads from the index; every block's read fails its check, is
-    reported to vLLM, which recomputes: the tokens of a run without the store."""
-    d = delta(damaged_run, "shared")
-    assert d["load_error_blocks"] > 0
-    assert d["hit_tokens"] == 0
-    assert by_name(damaged_run)["shared"]["tokens"] == reference["shared"]["tokens"]
+def test_damaged_block_misses_and_is_recomputed_and_stored_again(world, damaged_run, reference):
+    """The scheduler plans the load of 6 blocks from the index; 5 land, the damaged one
+    is reported to vLLM, which recomputes it: the tokens of a run without the store.
+    The recomputed block is saved again, so the store heals."""
+    results = damaged_run["results"]
+    d = delta(results, "damage")
+    assert d["hit_tokens"] == 5 * B
+    assert d["load_error_blocks"] == 1
+    assert by_name(results)["damage"]["tokens"] == reference["damage"]["tokens"]
+    n = damaged_run["n"]
+    with hf.open(
+        damaged_run["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
+    ) as s:
+        assert s.lookup(P.damage[:n], count=False) == n
+        healed = s.get(P.damage[:n], like=torch.empty(0))
+    # The block stored again is vLLM's recomputed KV, not the damaged record.
+    at = slice(n - B, n)
+    assert_kv_like_transformers(world, P.damage[:n], healed[:, :, at], at)
+
+
+def test_same_cache_salt_hits(damaged_run, reference):
+    """B served P.a under cache_salt tenant-2 (a miss, then stored under that salt): the
+    same salt is a hit in another process (SPEC 5.6)."""
+    d = delta(damaged_run["results"], "salted-again")
+    assert d["hit_tokens"] == (len(P.a) - 1) // B * B
+    assert d["load_error_blocks"] == 0
+    tokens = by_name(damaged_run["results"])["salted-again"]["tokens"]
+    assert tokens == reference["salted"]["tokens"]
 
 
 def test_preempted_request_resumes_from_the_store(damaged_run, reference):
     """A preempted request's blocks are freed once its saves have read them; resumed,
     it loads its prompt's stored blocks (new ones: the damage predates them)."""
-    d = delta(damaged_run, "preempt")
+    d = delta(damaged_run["results"], "preempt")
     assert d["vllm_preemptions"] >= 1
     assert d["hit_tokens"] > 0
     assert d["load_error_blocks"] == 0
-    assert by_name(damaged_run)["preempt"]["tokens"] == reference["preempt"]["tokens"]
+    assert by_name(damaged_run["results"])["preempt"]["tokens"] == reference["preempt"]["tokens"]
 
 
 def test_two_processes_then_sigkill_then_fresh(world, reference):
+    """x serves its prompts, then x and y serve at once (their phases' wall-clock spans
+    overlap); y loads the blocks its first prompt shares with x's. Then a process is
+    killed mid-save, and a fresh one serves every prompt from the store correctly."""
     path = world["root"] / "shared-store"
     world["logs"].mkdir(exist_ok=True)
-    x = vllm_run.VLLM(PY, spec(world, path, CONCURRENT_X), world["logs"] / "X.log")
-    y = vllm_run.VLLM(PY, spec(world, path, CONCURRENT_Y), world["logs"] / "Y.log")
-    rx, ry = x.wait(), y.wait()
-    assert rx[0]["tokens"] == reference["x"]["tokens"]
-    assert ry[0]["tokens"] == reference["y"]["tokens"]
+    with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
+        layout = dataclasses.asdict(s.layout)
+    at_once = {"dir": str(world["root"] / "barrier"), "all": list(AT_ONCE)}
+    x_phases = CONCURRENT_X + [phase("x-busy", P.busy, barrier=at_once)]
+    stored_x = {"layout": layout, "model": world["fingerprint"], "tokens": P.x[0]}
+    y_phases = [{**CONCURRENT_Y[0], "stored": stored_x, "barrier": at_once}]
+    x = vllm_run.VLLM(PY, spec(world, path, x_phases), world["logs"] / "X.log")
+    y = vllm_run.VLLM(PY, spec(world, path, y_phases), world["logs"] / "Y.log")
+    rx, ry = by_name(x.wait()), by_name(y.wait())
+    assert rx["x"]["tokens"] == reference["x"]["tokens"]
+    assert ry["y"]["tokens"] == reference["y"]["tokens"]
+    busy, yy = rx["x-busy"], ry["y"]
+    assert max(busy["start"], yy["start"]) < min(busy["end"], yy["end"]), (busy, yy)
+    shared = 96  # y's first prompt shares 3 blocks with x's first
+    assert P.y[0][:shared] == P.x[0][:shared]
+    assert yy["counters"]["hit_tokens"] == shared
+    assert yy["counters"]["load_error_blocks"] == 0
 
     k = vllm_run.VLLM(PY, spec(world, path, KILL), world["logs"] / "kill.log")
     assert k.next_phase() is not None  # warm: the engine is up and saving
@@ -347,5 +416,71 @@ def test_two_processes_then_sigkill_then_fresh(world, reference):
 
 
 def test_import_kvstore_does_not_import_vllm():
-    code = "import sys, kvstore, kvstore.hf; assert 'vllm' not in sys.modules"
+    code = "import sys, kvstore, kvstore.hf, kvstore.vllm; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+STORE_ERRORS = r"""
+import json, sys, threading
+from types import SimpleNamespace
+import torch
+from kvstore.errors import KVStoreError
+from kvstore.layout import Layout
+from kvstore.vllm import connector as c
+from kvstore.vllm.paged import PagedKV
+
+lay = Layout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", block_size=8)
+
+class Failing:  # a store whose every call fails, as a broken disk or remote would
+    layout = lay
+    path = "failing"
+    def fail(self, *a, **k):
+        raise KVStoreError("injected")
+    lookup = get = put = fail
+
+sched = c._SchedulerHalf(Failing(), True, True)
+req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(40)), cache_salt=None,
+                      lora_request=None, mm_features=[], prompt_embeds=None)
+matched = sched.matched(req, 0)
+w = c._WorkerHalf(Failing(), ["l0", "l1"], None, 4)
+caches = [torch.zeros(6, 2, 8, 2, 4, dtype=torch.bfloat16) for _ in range(2)]
+offsets = torch.arange(2 * 8 * 2 * 4).view(2, 8, 2, 4)
+w._paged = PagedKV(caches, offsets.reshape(-1), lay)
+w.load([c._Transfer("r", list(range(24)), 0, [3, 1, 4], None)], set())
+w.save([c._Transfer("s", list(range(16)), 0, [2, 5], None)])
+# Computed against a block whose load failed: not saved until vLLM recomputed it.
+after = c._Transfer("t", list(range(32)), 24, [0], None, [3, 1, 4])
+w.save([after])
+w.drain({"s", "t"})
+out = {"matched": matched, "lookup_errors": sched.take_lookup_errors(),
+       "load_errors": sorted(w.take_load_errors()), "stats": w.take_stats(),
+       "finished": sorted(w.finished({"s", "t"}) or ())}
+w.load([], {1, 3, 4})
+w.save([after])
+w.drain({"t"})
+out["after_recompute"] = w.take_stats()
+w.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_store_errors_never_reach_vllm():
+    """A store that raises on every call, behind the connector's halves (in vLLM's
+    python): a lookup is a miss, a load reports every block of its transfer for
+    recompute, a save is skipped and counted; none raises into vLLM. A save computed
+    against a block whose load failed waits until vLLM has recomputed that block."""
+    p = subprocess.run(
+        [PY, "-c", STORE_ERRORS], capture_output=True, text=True, env=vllm_run.env(), timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][0]
+    r = json.loads(line.removeprefix("RESULT "))
+    assert r["matched"] == 0
+    assert r["lookup_errors"] == 1
+    assert r["load_errors"] == [1, 3, 4]
+    assert r["stats"]["hit_tokens"] == 0
+    assert r["stats"]["load_error_blocks"] == 3
+    assert r["stats"]["save_errors"] == 1  # s failed; t, after a failed block, skipped
+    assert r["stats"]["save_tokens"] == 0
+    assert r["finished"] == ["s"]  # its blocks are freed although the save failed
+    assert r["after_recompute"]["save_errors"] == 1  # t tried once the block was recomputed

@@ -6,13 +6,19 @@ Run by the vLLM python (scripts/vllm_env.sh) with a JSON spec as its argument:
      kv_connector_extra_config), "prefix_caching": bool, "batched_tokens": int,
      "max_model_len": int, "kv_bytes": int,
      "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int,
-                 "cache_salt": str or null, "evict": path or null, "sleep": s}]}
+                 "cache_salt": str or null, "evict": path or null, "sleep": s,
+                 "stored": {"layout": {...}, "model": str, "tokens": [ids]} or null,
+                 "barrier": {"dir": path, "all": [names]} or null}]}
 
 One LLM instance serves the phases in order; after each phase it prints a line
-`PHASE <json>` with the greedy tokens of each prompt, the seconds it took and the
-connector's counters as vLLM's Prometheus metrics show them (cumulative, summed
-over engines). Last comes `DONE`. A phase with `evict` first drops the files under
-that path from the page cache (fsync + posix_fadvise DONTNEED), for cold reads.
+`PHASE <json>` with the greedy tokens of each prompt, the wall-clock `start` and
+`end` (time.time()) and seconds of its generate call, and the connector's counters
+as vLLM's Prometheus metrics show them (cumulative, summed over engines). Last
+comes `DONE`. Before its generate call a phase may: with `evict`, drop the files
+under that path from the page cache (fsync + posix_fadvise DONTNEED), for cold
+reads; with `stored`, wait until the store holds the whole computable prefix of
+`tokens` (saves are asynchronous); with `barrier`, mark itself ready in `dir` and
+wait until every phase named in `all` (in any process) is, so they run at once.
 """
 
 from __future__ import annotations
@@ -31,6 +37,34 @@ def evict(root: str) -> None:
     from bench_store import drop_page_cache
 
     drop_page_cache([p for p in Path(root).rglob("*") if p.is_file()], "fadvise")
+
+
+def wait_until(ready: Any, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.01)
+
+
+def wait_stored(path: str, want: dict[str, Any]) -> None:
+    """Until the store at `path` holds every full block of `want["tokens"]` but the
+    last token's (what a request with that prompt saves)."""
+    import kvstore
+    from kvstore.layout import Layout
+
+    layout = Layout(**want["layout"])
+    tokens = want["tokens"]
+    upto = (len(tokens) - 1) // layout.block_size * layout.block_size
+    with kvstore.open(path, layout=layout, model=want["model"]) as s:
+        wait_until(lambda: s.lookup(tokens[:upto], count=False) == upto, "the saves")
+
+
+def barrier(name: str, spec: dict[str, Any]) -> None:
+    d = Path(spec["dir"])
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).touch()
+    wait_until(lambda: all((d / n).exists() for n in spec["all"]), f"phases {spec['all']}")
 
 
 def connector_counters(llm: Any) -> dict[str, float]:
@@ -91,12 +125,19 @@ def main() -> None:
         time.sleep(phase.get("sleep", 0))  # e.g. for background saves to finish
         if phase.get("evict"):
             evict(phase["evict"])
+        if phase.get("stored"):
+            wait_stored(spec["store"], phase["stored"])
+        if phase.get("barrier"):
+            barrier(phase["name"], phase["barrier"])
+        start = time.time()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         result = {
             "name": phase["name"],
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "start": start,
+            "end": time.time(),
             "seconds": seconds,
             "counters": connector_counters(llm),
         }

@@ -55,7 +55,8 @@ def save_model(path: Path, **kwargs: Any) -> Path:
 
 
 class VLLM:
-    """One driver process: `phases()` waits for its results (or kills it)."""
+    """One driver process: `next_phase()` reads its next result, `wait()` all of them
+    (it is killed past `timeout` seconds, or by `kill()`)."""
 
     def __init__(self, python: str, spec: dict[str, Any], log: Path, timeout: float = 420) -> None:
         self.log = log

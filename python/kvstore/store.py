@@ -202,7 +202,7 @@ class Store:
 
     def _result_buffer(self, tokens: int, family: str) -> Any:
         """An uninitialized `[L, 2, tokens, H, D]` array of `family` ("torch" or
-        "numpy") in memory this handle reuses (see kvstore._pool): already faulted in,
+        "numpy") in memory the process reuses (see kvstore._pool): already faulted in,
         and never handed out again while anything made from it is alive."""
         shape = self.layout.kv_shape(tokens)
         if family == "torch":

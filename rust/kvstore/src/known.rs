@@ -76,14 +76,7 @@ impl Known {
 
     /// Remembers a location read from an index snapshot at `generation`.
     pub fn insert(&self, generation: u64, id: &BlockId, loc: Location) {
-        let mut w = self.inner.write().expect("known lock");
-        if w.generation != generation {
-            return;
-        }
-        if w.map.len() >= CAPACITY {
-            w.map.clear();
-        }
-        w.map.insert(*id, loc);
+        self.insert_many(generation, &[(*id, loc)]);
     }
 
     /// `insert` of many locations under one lock.

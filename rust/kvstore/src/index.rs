@@ -557,13 +557,14 @@ impl Index {
     fn set_closed_below(&self, txn: &mut RwTxn<'_>, top: &BlockId, closed: bool) -> Result<()> {
         let mut stack = vec![*top];
         while let Some(p) = stack.pop() {
-            let kids: Vec<BlockId> = match self.children.get_duplicates(txn, &p)? {
-                Some(iter) => iter
-                    .map(|r| r.map(|(_, c)| <[u8; 32]>::try_from(c).ok()))
-                    .filter_map(|r| r.transpose())
-                    .collect::<std::result::Result<_, _>>()?,
-                None => continue,
-            };
+            let mut kids = Vec::new();
+            if let Some(iter) = self.children.get_duplicates(txn, &p)? {
+                for item in iter {
+                    if let Ok(kid) = <BlockId>::try_from(item?.1) {
+                        kids.push(kid);
+                    }
+                }
+            }
             for kid in kids {
                 if self.link(txn, &kid)?.is_some_and(|(_, c)| c != closed) {
                     self.put_link(txn, &kid, &p, closed)?;

@@ -48,6 +48,20 @@ fn main() {
         st.close().expect("close");
     }
     let runs = 30;
+    // What the closed marks cost a put: the whole 8192-block put into a new
+    // store (tiny blocks, so the index work is most of it), median of 5.
+    let put = median(
+        (0..5)
+            .map(|_| {
+                let d = tempfile::tempdir().expect("tempdir");
+                let st = Store::open(d.path(), opts()).expect("open");
+                let kv = vec![7u8; layout.kv_bytes(n_tokens).expect("kv bytes")];
+                let t = Instant::now();
+                assert_eq!(st.put(&tokens, &kv, n_tokens, b"").expect("put"), n_tokens);
+                t.elapsed()
+            })
+            .collect(),
+    );
     let keyer = Keyer::new("bench@1", &layout, None);
     let chain = time(runs, || keyer.chain(&tokens, 16, b""));
     // The same number of keyed hashes of one block's input size (32-byte
@@ -124,4 +138,5 @@ fn main() {
         ms(warm),
         ratio(warm)
     );
+    println!("  put of the {} blocks   {:8.3} ms", n_tokens / 16, ms(put));
 }

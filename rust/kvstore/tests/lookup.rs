@@ -506,3 +506,35 @@ fn blocks_removed_by_an_older_binary_do_not_leave_a_stale_prefix() {
     // block by block, exactly.
     assert_eq!(closed(dir.path(), &ids), vec![false; blocks]);
 }
+
+/// A store written before the marks existed has blocks and no `parents`
+/// entries (emptied here, as such a store has them): lookups probe every
+/// block and stay exact, holes included; chains stored from now on are
+/// closed as they are put.
+#[test]
+fn a_store_without_marks_is_walked_block_by_block() {
+    let l = layout();
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 1500;
+    let (s, tokens, ids) = stored_chain(dir.path(), 53, blocks);
+    {
+        let index = index_of(dir.path());
+        let mut txn = index.write().unwrap();
+        for name in ["parents", "children"] {
+            let table: heed::Database<heed::types::Bytes, heed::types::Bytes> =
+                index.env.open_database(&txn, Some(name)).unwrap().unwrap();
+            table.clear(&mut txn).unwrap();
+        }
+        index.commit(txn, false).unwrap();
+    }
+    assert_eq!(closed(dir.path(), &ids), vec![false; blocks]);
+    check(dir.path(), &s, &tokens, blocks * 4);
+    remove(dir.path(), &ids[1200]);
+    check(dir.path(), &s, &tokens, 1200 * 4);
+    let other = seq(54, 300 * 4);
+    s.put(&other, &kv_for(&l, &other), other.len(), b"")
+        .unwrap();
+    let other_ids = Keyer::new("lookup-model@1", &l, None).chain(&other, 4, b"");
+    assert_marks_follow_the_index(dir.path(), &other_ids);
+    check(dir.path(), &s, &other, other.len());
+}

@@ -28,6 +28,27 @@ fn time<R>(runs: usize, mut f: impl FnMut() -> R) -> Duration {
     )
 }
 
+/// What the closed marks cost a put: the whole put of `tokens` into a new
+/// store (tiny blocks, so the index work is most of it), median of 5.
+fn time_put(tokens: &[u32], opts: &dyn Fn() -> Options) -> Duration {
+    median(
+        (0..5)
+            .map(|_| {
+                let d = tempfile::tempdir().expect("tempdir");
+                let st = Store::open(d.path(), opts()).expect("open");
+                let layout = st.layout().expect("layout");
+                let kv = vec![7u8; layout.kv_bytes(tokens.len()).expect("kv bytes")];
+                let t = Instant::now();
+                assert_eq!(
+                    st.put(tokens, &kv, tokens.len(), b"").expect("put"),
+                    tokens.len()
+                );
+                t.elapsed()
+            })
+            .collect(),
+    )
+}
+
 fn main() {
     let layout = Layout::new(1, 1, 8, DType::BFloat16, 16).expect("layout");
     let n_tokens = 131_072usize;
@@ -48,20 +69,7 @@ fn main() {
         st.close().expect("close");
     }
     let runs = 30;
-    // What the closed marks cost a put: the whole 8192-block put into a new
-    // store (tiny blocks, so the index work is most of it), median of 5.
-    let put = median(
-        (0..5)
-            .map(|_| {
-                let d = tempfile::tempdir().expect("tempdir");
-                let st = Store::open(d.path(), opts()).expect("open");
-                let kv = vec![7u8; layout.kv_bytes(n_tokens).expect("kv bytes")];
-                let t = Instant::now();
-                assert_eq!(st.put(&tokens, &kv, n_tokens, b"").expect("put"), n_tokens);
-                t.elapsed()
-            })
-            .collect(),
-    );
+    let put = time_put(&tokens, &opts);
     let keyer = Keyer::new("bench@1", &layout, None);
     let chain = time(runs, || keyer.chain(&tokens, 16, b""));
     // The same number of keyed hashes of one block's input size (32-byte

@@ -458,7 +458,8 @@ impl Index {
 
     /// Removes block `id`'s entry if it still names the record at `at` (a
     /// writer may have moved or replaced it since `at` was read), and counts
-    /// the record dead. Bumps the generation: cached locations are stale.
+    /// the record dead; its descendants are no longer closed. Bumps the
+    /// generation: cached locations are stale.
     pub fn delete_block_if_at(
         &self,
         txn: &mut RwTxn<'_>,
@@ -550,10 +551,10 @@ impl Index {
         Ok(())
     }
 
-    /// Sets the mark of every descendant of `top` reachable through
-    /// descendants whose mark differs from `closed` (by (2), a block marked
-    /// as wanted has its subtree marked as wanted already, or unmarked below
-    /// an unmarked block, where marking must stop anyway when closing).
+    /// Marks the descendants of `top` closed or not, as `closed` says,
+    /// descending only through children whose mark changes. By (2) nothing
+    /// is lost: when unmarking, below a child that is not closed nothing is;
+    /// when marking, `top` was not closed, so none of its children was.
     fn set_closed_below(&self, txn: &mut RwTxn<'_>, top: &BlockId, closed: bool) -> Result<()> {
         let mut stack = vec![*top];
         while let Some(p) = stack.pop() {

@@ -88,11 +88,7 @@ impl Inner {
         let mut scratch = Probe::default();
         while n < blocks {
             let end = (n + CHUNK).min(blocks);
-            if ids.len() < end {
-                let parent = ids.last().copied().unwrap_or(ROOT);
-                let rest = &tokens[ids.len() * b..end * b];
-                ids.extend(self.keyer.chain_from(&parent, rest, b, extra));
-            }
+            self.hash_to(&mut ids, tokens, end, extra);
             let run = self.stored_run(snap, &ids[n..end], &mut scratch)?;
             n += run;
             if n < end {
@@ -120,11 +116,7 @@ impl Inner {
         let b = self.layout.block_size as usize;
         let blocks = tokens.len() / b;
         let closed = |ids: &mut Vec<BlockId>, k: usize| -> Result<bool> {
-            if ids.len() <= k {
-                let parent = ids.last().copied().unwrap_or(ROOT);
-                let rest = &tokens[ids.len() * b..(k + 1) * b];
-                ids.extend(self.keyer.chain_from(&parent, rest, b, extra));
-            }
+            self.hash_to(ids, tokens, k + 1, extra);
             let parent = if k == 0 { &ROOT } else { &ids[k - 1] };
             self.index.is_closed(&snap.txn, &ids[k], parent)
         };
@@ -149,6 +141,17 @@ impl Inner {
             }
         }
         Ok(lo)
+    }
+
+    /// Extends `ids`, the chain of `tokens` hashed so far, to its first `end`
+    /// blocks.
+    fn hash_to(&self, ids: &mut Vec<BlockId>, tokens: &[u32], end: usize, extra: &[u8]) {
+        if ids.len() < end {
+            let b = self.layout.block_size as usize;
+            let parent = ids.last().copied().unwrap_or(ROOT);
+            let rest = &tokens[ids.len() * b..end * b];
+            ids.extend(self.keyer.chain_from(&parent, rest, b, extra));
+        }
     }
 
     /// How many leading ids of `chunk` are stored; probes the index in key

@@ -54,6 +54,27 @@ fn remove(dir: &Path, id: &[u8; 32]) {
     index.commit(txn, false).unwrap();
 }
 
+/// Flips the last payload byte of block `id`'s record.
+fn damage_payload(dir: &Path, id: &[u8; 32]) {
+    let loc = {
+        let index = Index::open(&dir.join("index"), true, kvstore::DEFAULT_INDEX_BYTES).unwrap();
+        let txn = index.read().unwrap();
+        index.get_block(&txn, id).unwrap().expect("block indexed")
+    };
+    let seg = dir
+        .join("segments")
+        .join(format!("{:016x}.kvseg", loc.segment));
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&seg)
+        .unwrap_or_else(|e| panic!("{}: {e}", seg.display()));
+    let at = loc.offset + loc.record_len - 1;
+    let mut byte = [0u8];
+    f.read_exact_at(&mut byte, at).unwrap();
+    f.write_all_at(&[byte[0] ^ 0xff], at).unwrap();
+}
+
 /// Both the handle that has the chain's locations cached and a fresh one
 /// agree with the model.
 fn check(dir: &Path, s: &Store, tokens: &[u32], want: usize) {
@@ -130,32 +151,7 @@ fn a_damaged_block_found_by_a_read_ends_the_prefix() {
     let blocks = 1300;
     let (s, tokens, ids) = stored_chain(dir.path(), 77, blocks);
     let bad = 700;
-    let loc = {
-        let index = Index::open(
-            &dir.path().join("index"),
-            true,
-            kvstore::DEFAULT_INDEX_BYTES,
-        )
-        .unwrap();
-        let txn = index.read().unwrap();
-        index.get_block(&txn, &ids[bad]).unwrap().unwrap()
-    };
-    // The payload's last byte, flipped.
-    let seg = dir
-        .path()
-        .join("segments")
-        .join(format!("{:016x}.kvseg", loc.segment));
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&seg)
-        .unwrap_or_else(|e| {
-            panic!("{}: {e}", seg.display());
-        });
-    let at = loc.offset + loc.record_len - 1;
-    let mut byte = [0u8];
-    f.read_exact_at(&mut byte, at).unwrap();
-    f.write_all_at(&[byte[0] ^ 0xff], at).unwrap();
+    damage_payload(dir.path(), &ids[bad]);
     // Not yet read: the index still lists it.
     check(dir.path(), &s, &tokens, blocks * 4);
     let mut out = vec![0u8; l.kv_bytes(tokens.len()).unwrap()];
@@ -208,6 +204,16 @@ const ROOT: [u8; 32] = [0; 32];
 
 fn index_of(dir: &Path) -> std::sync::Arc<Index> {
     Index::open(&dir.join("index"), true, kvstore::DEFAULT_INDEX_BYTES).unwrap()
+}
+
+/// One of the index's tables, as a binary that does not know its meaning
+/// (an older one) reaches it.
+fn raw_table(
+    index: &Index,
+    txn: &heed::RoTxn<'_, heed::WithoutTls>,
+    name: &str,
+) -> heed::Database<heed::types::Bytes, heed::types::Bytes> {
+    index.env.open_database(txn, Some(name)).unwrap().unwrap()
 }
 
 /// Per block, independently of the marks: is it in the index.
@@ -310,24 +316,7 @@ fn a_record_quarantined_by_repair_ends_the_prefix() {
     let blocks = 900;
     let (s, tokens, ids) = stored_chain(dir.path(), 41, blocks);
     let bad = 333;
-    let loc = {
-        let index = index_of(dir.path());
-        let txn = index.read().unwrap();
-        index.get_block(&txn, &ids[bad]).unwrap().unwrap()
-    };
-    let seg = dir
-        .path()
-        .join("segments")
-        .join(format!("{:016x}.kvseg", loc.segment));
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&seg)
-        .unwrap();
-    let at = loc.offset + loc.record_len - 1;
-    let mut byte = [0u8];
-    f.read_exact_at(&mut byte, at).unwrap();
-    f.write_all_at(&[byte[0] ^ 0x55], at).unwrap();
+    damage_payload(dir.path(), &ids[bad]);
     let report = s.repair(NO_PROGRESS).unwrap();
     assert_eq!(report.damaged.len(), 1);
     assert_marks_follow_the_index(dir.path(), &ids);
@@ -460,11 +449,7 @@ fn blocks_removed_by_an_older_binary_do_not_leave_a_stale_prefix() {
     {
         let index = index_of(dir.path());
         let mut txn = index.write().unwrap();
-        let table: heed::Database<heed::types::Bytes, heed::types::Bytes> = index
-            .env
-            .open_database(&txn, Some("blocks"))
-            .unwrap()
-            .unwrap();
+        let table = raw_table(&index, &txn, "blocks");
         assert!(table.delete(&mut txn, &ids[hole]).unwrap());
         let g = index.generation(&txn).unwrap();
         index.set_meta_u64(&mut txn, "generation", g + 1).unwrap();
@@ -521,9 +506,7 @@ fn a_store_without_marks_is_walked_block_by_block() {
         let index = index_of(dir.path());
         let mut txn = index.write().unwrap();
         for name in ["parents", "children"] {
-            let table: heed::Database<heed::types::Bytes, heed::types::Bytes> =
-                index.env.open_database(&txn, Some(name)).unwrap().unwrap();
-            table.clear(&mut txn).unwrap();
+            raw_table(&index, &txn, name).clear(&mut txn).unwrap();
         }
         index.commit(txn, false).unwrap();
     }

@@ -63,11 +63,19 @@ from bench_store import _mincore_resident, drop_page_cache  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, vocab: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    config = LlamaConfig(
+    torch.manual_seed(0)
+    return LlamaForCausalLM(build_config(hidden, layers, vocab)).eval()
+
+
+def build_config(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> Any:
+    """The model's config (its KV layout: hidden // 256 KV heads of 64, float32)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
         num_hidden_layers=layers,
@@ -79,8 +87,17 @@ def build_model(hidden: int, layers: int, vocab: int) -> Any:
         eos_token_id=None,
         pad_token_id=0,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+
+
+def config_layout(config: Any, block_size: int = 16) -> kvstore.Layout:
+    """The store layout of `config`'s model (float32 weights, so float32 KV)."""
+    return kvstore.Layout(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        dtype="float32",
+        block_size=block_size,
+    )
 
 
 # ------------------------------------------------------------------------------ page cache
@@ -181,11 +198,11 @@ def cache_equals(cache: Any, kv: torch.Tensor, n: int) -> bool:
 
 
 def restore_sweep(
-    model: Any, lengths: Sequence[int], repeat: int, base: Path, cold_method: str, console: Any
+    config: Any, lengths: Sequence[int], repeat: int, base: Path, cold_method: str
 ) -> tuple[dict[str, dict[int, list[float]]], list[str]]:
-    """Restore times ({method: {prefix length: samples}}) and notes; see the docstring."""
-    config = model.config
-    layout = hf.layout_of(model)
+    """Restore times ({method: {prefix length: samples}}) and notes; see the docstring.
+    Shared with bench_store.py's restore rows."""
+    layout = config_layout(config)
     fp = "bench/ttft-sweep@0"
     n_max = max(lengths)
     g = torch.Generator().manual_seed(2)
@@ -208,7 +225,7 @@ def restore_sweep(
             with open(torch_files[n], "rb") as f:
                 os.fsync(f.fileno())
         store_files = files_under(store_dir)
-        hot = kvstore.open(store_dir, layout=layout, model=fp, hot_bytes=kv_max + (64 << 20))
+        hot = kvstore.open(store_dir, layout=layout, model=fp, hot_bytes=2 * kv_max + (64 << 20))
         warm = kvstore.open(store_dir, layout=layout, model=fp)  # segments only
         try:
             for s in (hot, warm):  # into the hot tier, and the page cache
@@ -344,21 +361,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args.hidden, args.layers, args.vocab)
+    config = build_config(args.hidden, args.layers, args.vocab)
     lengths = [int(x) for x in args.sweep.split(",") if x.strip()]
     data: dict[str, Any] = {}
     ok = True
     if not args.sweep_only:
-        ok = ttft(args, model, console, data)
+        ok = ttft(args, build_model(args.hidden, args.layers, args.vocab), console, data)
     if lengths:
-        layout = hf.layout_of(model)
+        layout = config_layout(config)
         console.print(
             f"[bold]restore sweep[/bold]: {', '.join(map(str, lengths))} tokens, "
             f"{layout.block_bytes // 1024} KiB blocks, best of {args.repeat}; "
             f"load average {os.getloadavg()[0]:.1f} at the start"
         )
         base = Path(args.dir or tempfile.gettempdir())
-        times, notes = restore_sweep(model, lengths, args.repeat, base, args.cold_method, console)
+        times, notes = restore_sweep(config, lengths, args.repeat, base, args.cold_method)
         print_sweep(times, console)
         title = (
             f"hf.load vs torch.load of a DynamicCache, L={layout.num_layers} "

@@ -44,6 +44,8 @@ SMALL = [
     "8192",
     "--lookup-runs",
     "3",
+    "--restore-tokens",
+    "256",
     "--cold-method",
     "fadvise",
     "--quiet",
@@ -55,7 +57,7 @@ def test_full_script_tiny(benchmark, tmp_path: Path) -> None:
     argv = [*SMALL, "--dir", str(tmp_path), "--json", str(out)]
     res = benchmark.pedantic(bs.main, args=(argv,), rounds=1, iterations=1)
     sections = {r.section for r in res.rows}
-    assert {"limits", "put", "get", "lookup", "zstd"} <= sections
+    assert {"limits", "put", "get", "restore", "lookup", "zstd"} <= sections
     for r in res.rows:
         assert math.isfinite(r.value) and r.value > 0, r
         if r.limit is not None:

@@ -47,7 +47,8 @@ const BYTES_PER_READER: usize = 1 << 20;
 /// per core, at most [`MAX_READERS`], each with [`BYTES_PER_READER`] or more.
 fn reader_threads(blocks: usize, block_bytes: usize) -> usize {
     static CORES: OnceLock<usize> = OnceLock::new();
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let cores = *CORES
+        .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
     let by_size = blocks.saturating_mul(block_bytes) / BYTES_PER_READER;
     cores.min(MAX_READERS).min(by_size).min(blocks).max(1)
 }

@@ -1,6 +1,7 @@
 //! The read path: where a block is (location cache, index snapshot, this
-//! handle's pending writes), reading and checking its record, quarantining
-//! damage, and the last-use times reads leave behind for eviction.
+//! handle's pending writes), a get's blocks split among reader threads,
+//! reading and checking each record, quarantining damage, and the last-use
+//! times reads leave behind for eviction.
 
 use super::{Durability, Inner};
 use crate::clock::{now_ms, now_us};

@@ -1175,8 +1175,10 @@ def _restore_rows(b: _Bench, tokens: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_ttft
 
+    from kvstore import hf
+
     config = bench_ttft.build_config()
-    layout = bench_ttft.config_layout(config)
+    layout = hf.layout_of(config)
     with stage(f"restores of {tokens} tokens: hf.load vs torch.load", b.quiet):
         times, notes = bench_ttft.restore_sweep(config, [tokens], b.repeat, b.tmp, b.cold_method)
     b.notes.extend(f"restore: {n}" for n in notes)

@@ -89,17 +89,6 @@ def build_config(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> Any
     )
 
 
-def config_layout(config: Any, block_size: int = 16) -> kvstore.Layout:
-    """The store layout of `config`'s model (float32 weights, so float32 KV)."""
-    return kvstore.Layout(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.hidden_size // config.num_attention_heads,
-        dtype="float32",
-        block_size=block_size,
-    )
-
-
 # ------------------------------------------------------------------------------ page cache
 
 
@@ -202,7 +191,7 @@ def restore_sweep(
 ) -> tuple[dict[str, dict[int, list[float]]], list[str]]:
     """Restore times ({method: {prefix length: samples}}) and notes; see the docstring.
     Shared with bench_store.py's restore rows."""
-    layout = config_layout(config)
+    layout = hf.layout_of(config)
     fp = "bench/ttft-sweep@0"
     n_max = max(lengths)
     g = torch.Generator().manual_seed(2)
@@ -241,6 +230,9 @@ def restore_sweep(
             def load(s: kvstore.Store, n: int) -> Callable[[], Any]:
                 return lambda: hf.load(s, ids[:n], config=config)[0]
 
+            def load_torch(path: Path) -> Callable[[], Any]:
+                return lambda: torch.load(path, weights_only=False)
+
             for r in range(repeat):
                 for n in lengths:
                     check = r == 0
@@ -253,9 +245,9 @@ def restore_sweep(
                         notes.append(f"cold: {used}, {left / 2**20:.1f} MiB of the store resident")
                     path = torch_files[n]
                     torch.load(path, weights_only=False)  # into the page cache
-                    timed("torch-warm", n, lambda p=path: torch.load(p, weights_only=False), check)
+                    timed("torch-warm", n, load_torch(path), check)
                     evict([path], cold_method)
-                    timed("torch-cold", n, lambda p=path: torch.load(p, weights_only=False), check)
+                    timed("torch-cold", n, load_torch(path), check)
             if hot.stats()["disk_hit_blocks"] > n_max // layout.block_size:
                 notes.append("the hot tier did not hold every block: some came from segments")
         finally:
@@ -368,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.sweep_only:
         ok = ttft(args, build_model(args.hidden, args.layers, args.vocab), console, data)
     if lengths:
-        layout = config_layout(config)
+        layout = hf.layout_of(config)
         console.print(
             f"[bold]restore sweep[/bold]: {', '.join(map(str, lengths))} tokens, "
             f"{layout.block_bytes // 1024} KiB blocks, best of {args.repeat}; "
@@ -572,13 +564,13 @@ def ttft(args: argparse.Namespace, model: Any, console: Any, data: dict[str, Any
             all(recompute / timings[k].best >= 20 for k in timings if k.startswith("kvstore")),
         ),
     ]
-    for key, ref in (
+    for ours, peer in (
         ("kvstore-hot", "torch-warm"),
         ("kvstore-warm", "torch-warm"),
         ("kvstore-cold", "torch-cold"),
     ):
         targets.append(
-            (f"restore: {names[key]} faster than {names[ref]}", restore(key) < restore(ref))
+            (f"restore: {names[ours]} faster than {names[peer]}", restore(ours) < restore(peer))
         )
     result = Table(title="checks and targets", title_justify="left")
     result.add_column("")

@@ -237,6 +237,7 @@ def restore_sweep(
                 for n in lengths:
                     check = r == 0
                     timed("kvstore-hot", n, load(hot, n), check)
+                    load(warm, n)()  # in the page cache again (the last cold read evicted it)
                     timed("kvstore-warm", n, load(warm, n), check)
                     used, left = evict(store_files, cold_method)
                     with kvstore.open(store_dir, layout=layout, model=fp) as cold:

@@ -74,7 +74,7 @@ def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: i
         done = [0] * threads
 
         def reader(t: int) -> None:
-            buf = np.empty(max(n for _, n in spans), dtype=np.uint8)
+            buf = bytearray(max(n for _, n in spans))
             for off, n in spans[t * per : (t + 1) * per]:
                 done[t] += os.preadv(fd, [memoryview(buf)[:n]], off)
 

@@ -31,6 +31,12 @@ per sequence) is timed with
   bytes of bf16 per token. Its KV/stream counts its own (fp8) bytes, and
   bf16/fp8 is the speed-up of the fastest fp8 call over the fastest paged 4k one.
 
+Bytes or instructions: each case's step (bf16 and fp8) also runs over a table whose
+entries all point at 4 blocks, which stay in each core's L2 ("hot": the kernel's own
+speed, same threads); a second table gives both over the read stream and what binds the
+step: instructions where hot is below the stream, bytes where the step reaches 0.8 of
+it, else latency (misses not overlapped).
+
 The limit of a decode step is the machine's read bandwidth: every KV byte is
 read once. It is measured in the same run, with the same threads, as a torch
 sum over a float32 buffer of --stream-gib (larger than the caches), before the

@@ -8,7 +8,8 @@
 //! segment header (32 B)            record (80 B header + 4·n tokens + payload)
 //!  0 magic      b"KVSTSEG\0"        0 magic        b"KVRC"
 //!  8 version    u32 = 1             4 version      u16 = 1
-//! 12 hdr len    u32 = 32            6 flags        u16 (bit 0 zstd, bit 1 byte-plane shuffle)
+//! 12 hdr len    u32 = 32            6 flags        u16 (bit 0 zstd, bit 1 byte-plane shuffle,
+//!                                                      bit 2 exponent plane; see below)
 //! 16 segment no u64                 8 n tokens     u32
 //! 24 crc32c     u32 of bytes 0..24 12 reserved     u32 = 0
 //! 28 reserved   u32 = 0            16 stored len   u64 (payload bytes on disk)
@@ -26,6 +27,15 @@
 //! one zstd frame (any decoder reads it); with the shuffle flag the decoded
 //! bytes are byte planes (all first bytes of each element, then all second
 //! bytes, …) that `unshuffle` turns back into elements.
+//!
+//! With the exponent flag (bit 2, only ever alone, only for 16-bit dtypes)
+//! the payload is two planes of the `n = raw len / 2` elements: first one
+//! zstd frame holding the high byte of each element (sign and exponent bits),
+//! in element order, then the `n` low bytes, raw, in element order. The frame
+//! is the first `stored len - n` bytes (at least one). Records with bits 0-1
+//! read as before: the flag was added without a version change because a
+//! reader that predates it refuses the record (unknown flags: a miss), never
+//! misreads it.
 
 use crate::error::{Error, Result};
 use crate::layout::{DType, Layout};

@@ -65,6 +65,7 @@ pub use id::{hex as block_id_hex, BlockId, Keyer};
 pub use index::DEFAULT_MAP_SIZE as DEFAULT_INDEX_BYTES;
 pub use layout::{DType, Layout};
 pub use pages::PageKind;
+pub use record::Codec;
 pub use progress::Progress;
 pub use remote::{NodeReport, PushReport, RemoteOptions, RemoteStats, WriteMode};
 pub use repair::{rebuild_index, RebuildReport};

@@ -130,7 +130,7 @@ impl Inner {
                     let chunks: Vec<&[u8]> = copier.buf.chunks(self.layout.chunk_bytes()).collect();
                     let rec = record::encode(
                         &self.layout,
-                        self.opts.compression_level,
+                        self.opts.codec,
                         id,
                         &tokens,
                         &chunks,

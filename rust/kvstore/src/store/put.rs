@@ -14,6 +14,10 @@ use crate::record;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
+/// Blocks encoded at once by a put: enough to keep every core busy, few
+/// enough that their encoded bytes stay small next to the put's own KV.
+const ENCODE_WINDOW: usize = 16;
+
 impl Inner {
     /// Checks a put's arguments; returns the tokens of its full blocks.
     fn check_kv(&self, tokens: &[u32], start: usize, kv: &[u8], kv_tokens: usize) -> Result<usize> {
@@ -144,37 +148,42 @@ impl Inner {
         let t0 = now_us();
         // Making room must not evict this put's own blocks.
         let keep: HashSet<BlockId> = ids.iter().copied().collect();
+        let todo: Vec<usize> = (0..present.len())
+            .filter(|&i| !present[i] && !w.pending_ids.contains_key(block(i).0))
+            .collect();
         let mut fresh = Vec::new();
-        for (i, &here) in present.iter().enumerate() {
-            let (id, block_tokens) = block(i);
-            if here || w.pending_ids.contains_key(id) {
-                continue;
-            }
-            let chunks = runs(i);
-            let res = record::encode(
-                &self.layout,
-                self.opts.compression_level,
-                id,
-                block_tokens,
-                &chunks,
-            )
-            .and_then(|rec| {
-                self.ensure_disk_room(w, rec.record_len(), &keep)?;
-                self.append(w, &rec)
-            });
-            match res {
-                Ok(loc) => {
-                    let loc = Location {
-                        used_us: t0.saturating_sub(i as u64),
-                        ..loc
-                    };
-                    w.add_pending(id, loc);
-                    fresh.push(i);
-                }
-                Err(e) => {
-                    let mine: HashSet<&BlockId> = fresh.iter().map(|&j| &ids[j]).collect();
-                    w.drop_pending(&mine);
-                    return Err(e);
+        // Encoded a window at a time (in parallel where the codec has work),
+        // appended in order: memory stays bounded by the window.
+        for window in todo.chunks(ENCODE_WINDOW) {
+            let runs: Vec<Vec<&[u8]>> = window.iter().map(|&i| runs(i)).collect();
+            let jobs: Vec<_> = window
+                .iter()
+                .zip(&runs)
+                .map(|(&i, r)| {
+                    let (id, block_tokens) = block(i);
+                    (id, block_tokens, &r[..])
+                })
+                .collect();
+            let encoded = record::encode_many(&self.layout, self.opts.codec, &jobs);
+            for (&i, rec) in window.iter().zip(encoded) {
+                let res = rec.and_then(|rec| {
+                    self.ensure_disk_room(w, rec.record_len(), &keep)?;
+                    self.append(w, &rec)
+                });
+                match res {
+                    Ok(loc) => {
+                        let loc = Location {
+                            used_us: t0.saturating_sub(i as u64),
+                            ..loc
+                        };
+                        w.add_pending(&ids[i], loc);
+                        fresh.push(i);
+                    }
+                    Err(e) => {
+                        let mine: HashSet<&BlockId> = fresh.iter().map(|&j| &ids[j]).collect();
+                        w.drop_pending(&mine);
+                        return Err(e);
+                    }
                 }
             }
         }

@@ -2,7 +2,7 @@
 //! `_lib.pyi`). Keys left out take the engine's defaults.
 
 use crate::error::{invalid, PyResultExt};
-use kvstore::{Codec, DType, Durability, Layout, Options, RemoteOptions, WriteMode};
+use kvstore::{Codec, DType, Durability, Layout, Options, RemoteOptions, Storage, WriteMode};
 use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -15,6 +15,7 @@ pub struct LayoutArg {
     head_dim: u32,
     dtype: String,
     block_size: u32,
+    storage: String,
 }
 
 impl LayoutArg {
@@ -27,6 +28,7 @@ impl LayoutArg {
             dtype,
             self.block_size,
         )
+        .and_then(|l| l.with_storage(Storage::parse(&self.storage)?))
         .py()
     }
 }

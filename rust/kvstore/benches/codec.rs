@@ -58,9 +58,15 @@ fn encode_decode(c: &mut Criterion) {
         b.iter(|| dst.copy_from_slice(black_box(&kv)));
     });
     for level in [Codec::Raw, Codec::Zstd(1), Codec::Zstd(3), Codec::Exponent] {
-        g.bench_with_input(BenchmarkId::new("encode", format!("{level:?}")), &level, |b, &level| {
-            b.iter(|| record::encode(&l, level, &id, &tokens, black_box(&chunks)).expect("encode"));
-        });
+        g.bench_with_input(
+            BenchmarkId::new("encode", format!("{level:?}")),
+            &level,
+            |b, &level| {
+                b.iter(|| {
+                    record::encode(&l, level, &id, &tokens, black_box(&chunks)).expect("encode")
+                });
+            },
+        );
         let rec = record::encode(&l, level, &id, &tokens, &chunks).expect("encode");
         eprintln!(
             "{level:?}: {:.3}x smaller",
@@ -71,26 +77,31 @@ fn encode_decode(c: &mut Criterion) {
         let (meta, stored) = bytes.split_at(meta_len);
         let mut out = vec![0u8; l.block_bytes()];
         let mut scratch = Vec::new();
-        g.bench_with_input(BenchmarkId::new("check+decode", format!("{level:?}")), &level, |b, _| {
-            b.iter(|| {
-                let h = match record::check_read(&l, meta, &id, stored.len() as u64, Some(&tokens))
-                {
-                    Ok(h) => h,
-                    Err(Mismatch::Damaged(r)) => panic!("{r}"),
-                    Err(Mismatch::OtherTokens) => panic!("other tokens"),
-                };
-                let mut runs: Vec<&mut [u8]> = out.chunks_mut(l.chunk_bytes()).collect();
-                if stored.len() == l.block_bytes() {
-                    for (dst, src) in runs.iter_mut().zip(stored.chunks(l.chunk_bytes())) {
-                        dst.copy_from_slice(src);
+        g.bench_with_input(
+            BenchmarkId::new("check+decode", format!("{level:?}")),
+            &level,
+            |b, _| {
+                b.iter(|| {
+                    let h =
+                        match record::check_read(&l, meta, &id, stored.len() as u64, Some(&tokens))
+                        {
+                            Ok(h) => h,
+                            Err(Mismatch::Damaged(r)) => panic!("{r}"),
+                            Err(Mismatch::OtherTokens) => panic!("other tokens"),
+                        };
+                    let mut runs: Vec<&mut [u8]> = out.chunks_mut(l.chunk_bytes()).collect();
+                    if stored.len() == l.block_bytes() {
+                        for (dst, src) in runs.iter_mut().zip(stored.chunks(l.chunk_bytes())) {
+                            dst.copy_from_slice(src);
+                        }
+                        record::check_raw(&h, &runs).expect("raw");
+                    } else {
+                        record::decode_compressed(&l, &h, stored, &mut runs, &mut scratch)
+                            .expect("decode");
                     }
-                    record::check_raw(&h, &runs).expect("raw");
-                } else {
-                    record::decode_compressed(&l, &h, stored, &mut runs, &mut scratch)
-                        .expect("decode");
-                }
-            });
-        });
+                });
+            },
+        );
     }
     g.finish();
 }

@@ -38,7 +38,7 @@
 //! misreads it.
 
 use crate::error::{Error, Result};
-use crate::layout::{DType, Layout};
+use crate::layout::{DType, Layout, Storage};
 use serde::{Deserialize, Serialize};
 
 pub const SEGMENT_MAGIC: [u8; 8] = *b"KVSTSEG\0";
@@ -126,18 +126,27 @@ pub struct Manifest {
     pub created_unix: u64,
     /// Random id of the store (32 hex digits); names its hot-tier arena.
     pub store_id: String,
+    /// How blocks are stored ([`Storage::name`]); absent means exact, so
+    /// MANIFESTs of exact stores are the bytes they always were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<String>,
 }
 
 impl Manifest {
     /// The layout the MANIFEST describes.
     pub fn layout(&self) -> Result<Layout> {
+        let storage = match &self.storage {
+            None => Storage::Exact,
+            Some(s) => Storage::parse(s)?,
+        };
         Layout::new(
             self.num_layers,
             self.num_kv_heads,
             self.head_dim,
             DType::parse(&self.dtype)?,
             self.block_size,
-        )
+        )?
+        .with_storage(storage)
     }
 
     /// The bytes of the MANIFEST file.
@@ -194,8 +203,12 @@ pub fn check_identity(m: &Manifest, fingerprint: &str, layout: &Layout) -> Resul
 }
 
 pub fn describe(l: &Layout) -> String {
+    let storage = match l.storage {
+        Storage::Exact => String::new(),
+        s => format!(", storage={}", s.name()),
+    };
     format!(
-        "(num_layers={}, num_kv_heads={}, head_dim={}, dtype={}, block_size={})",
+        "(num_layers={}, num_kv_heads={}, head_dim={}, dtype={}, block_size={}{storage})",
         l.num_layers,
         l.num_kv_heads,
         l.head_dim,
@@ -220,6 +233,7 @@ mod tests {
             block_size: 16,
             created_unix: 1,
             store_id: "00".into(),
+            storage: None,
         };
         let b = m.encode();
         assert_eq!(Manifest::decode(&b).unwrap(), m);

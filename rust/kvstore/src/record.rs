@@ -214,7 +214,7 @@ pub fn check_shape(h: &RecordHeader, layout: &Layout) -> Result<(), String> {
     let compressed = h.flags & (FLAG_ZSTD | FLAG_EXPONENT) != 0;
     if h.flags & FLAG_EXPONENT != 0
         && (h.flags != FLAG_EXPONENT
-            || layout.dtype.size() != 2
+            || layout.elem_size() != 2
             || h.stored_len <= h.raw_len / 2)
     {
         // The low plane is raw_len / 2 bytes and the high plane's frame is
@@ -289,7 +289,7 @@ pub fn encode<'a>(
 ) -> Result<Encoded<'a>> {
     let raw_len = layout.block_bytes() as u64;
     let raw_crc = crc_of(chunks);
-    let elem = layout.dtype.size();
+    let elem = layout.elem_size();
     let (flags, compressed) = match codec {
         Codec::Raw => (0, None),
         Codec::Zstd(level) => {
@@ -508,7 +508,7 @@ pub fn decode_compressed(
     }
     let plain: &[u8] = if h.flags & FLAG_SHUFFLE != 0 {
         scratch.resize(decoded.len(), 0);
-        unshuffle(&decoded, layout.dtype.size(), scratch);
+        unshuffle(&decoded, layout.elem_size(), scratch);
         scratch
     } else {
         &decoded

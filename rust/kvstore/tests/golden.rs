@@ -158,7 +158,10 @@ fn exponent_block() -> Vec<u8> {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            [x as u8, 0x3c + (x >> 8) as u8 % 4 + ((x >> 16) as u8 & 0x80)]
+            [
+                x as u8,
+                0x3c + (x >> 8) as u8 % 4 + ((x >> 16) as u8 & 0x80),
+            ]
         })
         .collect()
 }

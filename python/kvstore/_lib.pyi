@@ -107,6 +107,7 @@ class Manifest(TypedDict):
     block_size: int
     created_unix: int
     store_id: str
+    storage: str | None
 
 @type_check_only
 class Stats(TypedDict):

@@ -205,7 +205,7 @@ pub fn check_identity(m: &Manifest, fingerprint: &str, layout: &Layout) -> Resul
 pub fn describe(l: &Layout) -> String {
     let storage = match l.storage {
         Storage::Exact => String::new(),
-        s => format!(", storage={}", s.name()),
+        Storage::Fp8 => format!(", storage={}", Storage::Fp8.name()),
     };
     format!(
         "(num_layers={}, num_kv_heads={}, head_dim={}, dtype={}, block_size={}{storage})",

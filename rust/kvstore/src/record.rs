@@ -291,7 +291,6 @@ pub fn encode<'a>(
     let raw_crc = crc_of(chunks);
     let elem = layout.elem_size();
     let (flags, compressed) = match codec {
-        Codec::Raw => (0, None),
         Codec::Zstd(level) => {
             let plain = chunks.concat();
             let mut shuffled = Vec::new();
@@ -305,7 +304,8 @@ pub fn encode<'a>(
             (flags, Some(z))
         }
         Codec::Exponent if elem == 2 => (FLAG_EXPONENT, Some(encode_exponent(chunks)?)),
-        Codec::Exponent => (0, None),
+        // No exponent plane to code (fp8, float32): stored raw.
+        Codec::Raw | Codec::Exponent => (0, None),
     };
     let (flags, compressed) = match compressed {
         Some(z) if (z.len() as u64) < raw_len => (flags, Some(z)),
@@ -323,17 +323,18 @@ pub fn encode<'a>(
     })
 }
 
+/// One block to encode: its id, token ids and `2L` runs.
+pub type Job<'a> = (&'a BlockId, &'a [u32], &'a [&'a [u8]]);
+
 /// [`encode`] of several blocks (`(id, tokens, runs)` each), in order; spread
 /// over the machine's cores when there is compression work to share.
 pub fn encode_many<'a>(
     layout: &Layout,
     codec: Codec,
-    blocks: &[(&BlockId, &[u32], &'a [&'a [u8]])],
+    blocks: &[Job<'a>],
 ) -> Vec<Result<Encoded<'a>>> {
-    let one = |&(id, tokens, chunks): &(&BlockId, &[u32], &'a [&'a [u8]])| {
-        encode(layout, codec, id, tokens, chunks)
-    };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let one = |&(id, tokens, chunks): &Job<'a>| encode(layout, codec, id, tokens, chunks);
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     if codec == Codec::Raw || blocks.len() < 2 || threads < 2 {
         return blocks.iter().map(one).collect();
     }

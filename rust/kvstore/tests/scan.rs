@@ -153,6 +153,7 @@ fn fuzz_seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         block_size: l.block_size,
         created_unix: 1,
         store_id: "00".into(),
+        storage: None,
     };
     let location = Location {
         segment: 1,

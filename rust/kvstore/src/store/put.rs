@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::format;
 use crate::id::BlockId;
 use crate::index::Location;
-use crate::record;
+use crate::record::{self, Codec};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
@@ -151,42 +151,64 @@ impl Inner {
         let todo: Vec<usize> = (0..present.len())
             .filter(|&i| !present[i] && !w.pending_ids.contains_key(block(i).0))
             .collect();
+        let all_runs: Vec<Vec<&[u8]>> = todo.iter().map(|&i| runs(i)).collect();
+        let jobs: Vec<record::Job<'_>> = todo
+            .iter()
+            .zip(&all_runs)
+            .map(|(&i, r)| {
+                let (id, block_tokens) = block(i);
+                (id, block_tokens, &r[..])
+            })
+            .collect();
+        let (layout, codec) = (self.layout, self.opts.codec);
         let mut fresh = Vec::new();
-        // Encoded a window at a time (in parallel where the codec has work),
-        // appended in order: memory stays bounded by the window.
-        for window in todo.chunks(ENCODE_WINDOW) {
-            let runs: Vec<Vec<&[u8]>> = window.iter().map(|&i| runs(i)).collect();
-            let jobs: Vec<_> = window
-                .iter()
-                .zip(&runs)
-                .map(|(&i, r)| {
-                    let (id, block_tokens) = block(i);
-                    (id, block_tokens, &r[..])
-                })
-                .collect();
-            let encoded = record::encode_many(&self.layout, self.opts.codec, &jobs);
-            for (&i, rec) in window.iter().zip(encoded) {
-                let res = rec.and_then(|rec| {
-                    self.ensure_disk_room(w, rec.record_len(), &keep)?;
-                    self.append(w, &rec)
+        // A window of blocks is encoded (across the cores, in the background)
+        // while the one before it is appended, in order: the put costs about
+        // the larger of the two, not their sum, and at most two windows of
+        // encoded records are held at once.
+        std::thread::scope(|scope| -> Result<()> {
+            let mut windows = jobs.chunks(ENCODE_WINDOW).zip(todo.chunks(ENCODE_WINDOW));
+            let Some((first_jobs, mut window)) = windows.next() else {
+                return Ok(());
+            };
+            let mut encoded = record::encode_many(&layout, codec, first_jobs);
+            loop {
+                let next = windows.next().map(|(j, ix)| {
+                    let bg = (codec != Codec::Raw)
+                        .then(|| scope.spawn(move || record::encode_many(&layout, codec, j)));
+                    (bg, j, ix)
                 });
-                match res {
-                    Ok(loc) => {
-                        let loc = Location {
-                            used_us: t0.saturating_sub(i as u64),
-                            ..loc
-                        };
-                        w.add_pending(&ids[i], loc);
-                        fresh.push(i);
-                    }
-                    Err(e) => {
-                        let mine: HashSet<&BlockId> = fresh.iter().map(|&j| &ids[j]).collect();
-                        w.drop_pending(&mine);
-                        return Err(e);
+                for (&i, rec) in window.iter().zip(encoded) {
+                    let res = rec.and_then(|rec| {
+                        self.ensure_disk_room(w, rec.record_len(), &keep)?;
+                        self.append(w, &rec)
+                    });
+                    match res {
+                        Ok(loc) => {
+                            let loc = Location {
+                                used_us: t0.saturating_sub(i as u64),
+                                ..loc
+                            };
+                            w.add_pending(&ids[i], loc);
+                            fresh.push(i);
+                        }
+                        Err(e) => {
+                            let mine: HashSet<&BlockId> = fresh.iter().map(|&j| &ids[j]).collect();
+                            w.drop_pending(&mine);
+                            return Err(e);
+                        }
                     }
                 }
+                let Some((bg, j, ix)) = next else {
+                    return Ok(());
+                };
+                encoded = match bg {
+                    Some(h) => h.join().expect("encoder thread panicked"),
+                    None => record::encode_many(&layout, codec, j),
+                };
+                window = ix;
             }
-        }
+        })?;
         Ok(fresh)
     }
 

@@ -474,18 +474,9 @@ class BlockPool:
             == (mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.block_size)
         )
 
-    def _read_fp8_blocks(
-        self,
-        store: Store,
-        toks: np.ndarray,
-        keys: list[BlockKey],
-        first: int,
-        stop: int,
-        extra: bytes | str | None,
-    ) -> list[int]:
-        """`_read_blocks` from a store with fp8 storage: e4m3 bytes and scales copied."""
-        B = self.layout.block_size
-        values, scales = store.get_fp8(toks[: stop * B], extra=extra)
+    def _take_fp8(self, values: Any, scales: Any, keys: list[BlockKey], first: int) -> list[int]:
+        """Copies blocks `first ..` of a store's fp8 values `[L, 2, n, B, H, D]` and
+        scales `[L, 2, n, H]` (`store.get_fp8`) into new blocks, bytes as they are."""
         got = values.shape[2]
         if got <= first:  # a block went missing (damaged, gc'd) since lookup
             return []
@@ -511,7 +502,8 @@ class BlockPool:
     ) -> list[int]:
         """Reads blocks `first .. stop - 1` of `toks` from the store into new blocks."""
         if store.layout.storage == "fp8":
-            return self._read_fp8_blocks(store, toks, keys, first, stop, extra)
+            values, scales = store.get_fp8(toks[: stop * self.layout.block_size], extra=extra)
+            return self._take_fp8(values, scales, keys, first)
         lay = self.layout
         L, H, D, B = lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size
         # The store returns whole prefixes: read all `stop` blocks, copy the new ones.

@@ -221,7 +221,7 @@ impl Inner {
         let (b, chunk) = (self.layout.block_size as usize, self.layout.chunk_bytes());
         // Each range's part of every `[out_tokens, H, D]` run, in range order.
         let mut runs: Vec<Vec<&mut [u8]>> = (0..n.div_ceil(per)).map(|_| Vec::new()).collect();
-        let run_len = out_tokens * self.layout.token_bytes();
+        let run_len = self.layout.run_stride(out_tokens);
         for run in out.chunks_mut(run_len) {
             let mut rest = &mut run[..n * chunk];
             for r in &mut runs {

@@ -602,7 +602,9 @@ impl Index {
             };
             entries += 1;
             let name = crate::id::hex(&id);
-            if v[32] != CLOSED && v[32] != OPEN {
+            // 1 is what the version before the tag wrote for closed: not
+            // closed now, and not damage.
+            if ![CLOSED, OPEN, 1].contains(&v[32]) {
                 out.push(format!("parents: block {name} has mark byte {:#04x}", v[32]));
             }
             if self.get_block(txn, &id)?.is_none() {

@@ -431,8 +431,15 @@ fn lookup_follows_a_model_through_random_puts_evictions_and_quarantines() {
                     "step {step}: fresh handle"
                 );
             }
+            // The invariants verify checks hold (shared prefixes, holes).
+            let index = index_of(dir.path());
+            let txn = index.read().unwrap();
+            assert!(index.chains_trusted(&txn).unwrap());
+            assert_eq!(index.check_chains(&txn, 10).unwrap(), Vec::<String>::new());
         }
     }
+    let report = s.verify(NO_PROGRESS).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
 }
 
 /// A binary older than the closed marks removes blocks without unmarking
@@ -586,9 +593,10 @@ fn edit_link(dir: &Path, id: &[u8; 32], edit: impl FnOnce(&mut Vec<u8>)) {
     index.commit(txn, false).unwrap();
 }
 
-/// One flipped mark byte (to the value an earlier version wrote for
-/// "closed") does not close a block past a hole; a forged mark is found by
-/// `verify`, which stops trusting the marks.
+/// A damaged mark byte (the value an earlier version wrote for "closed",
+/// or the closed tag with one bit flipped) does not close a block past a
+/// hole; `verify` lists the damaged one and a forged closed mark, and stops
+/// trusting the marks.
 #[test]
 fn a_damaged_mark_does_not_count_past_a_hole() {
     let dir = tempfile::tempdir().unwrap();
@@ -599,9 +607,14 @@ fn a_damaged_mark_does_not_count_past_a_hole() {
     // The gallop probes block 63 after block 31.
     edit_link(dir.path(), &ids[63], |v| v[32] = 1);
     check(dir.path(), &s, &tokens, 50 * 4);
+    // One bit off the closed tag.
+    edit_link(dir.path(), &ids[127], |v| {
+        v[32] = kvstore::index::CLOSED ^ 0x80
+    });
+    check(dir.path(), &s, &tokens, 50 * 4);
     let report = s.verify(NO_PROGRESS).unwrap();
     assert!(
-        report.problems.iter().any(|p| p.contains("mark byte 0x01")),
+        report.problems.iter().any(|p| p.contains("mark byte 0x45")),
         "{:?}",
         report.problems
     );

@@ -609,7 +609,7 @@ fn a_damaged_mark_does_not_count_past_a_hole() {
     check(dir.path(), &s, &tokens, 50 * 4);
     // One bit off the closed tag.
     edit_link(dir.path(), &ids[127], |v| {
-        v[32] = kvstore::index::CLOSED ^ 0x80
+        v[32] = kvstore::index::CLOSED ^ 0x80;
     });
     check(dir.path(), &s, &tokens, 50 * 4);
     let report = s.verify(NO_PROGRESS).unwrap();

@@ -131,8 +131,8 @@ impl Inner {
     /// are not marked closed while their parent is, or will be once this
     /// put's blocks are published (see "Prefix-closed chains" in
     /// `index.rs`): blocks stored before a realign emptied the marks, or
-    /// left unmarked by a capped marking walk. One `parents` probe per
-    /// present block; a write only when one is due.
+    /// left unmarked by a capped marking walk. At most one `parents` probe
+    /// per present block; a write only when one is due.
     fn link_present(&self, ids: &[BlockId], present: &[bool]) -> Result<()> {
         let due = {
             let snap = self.snapshot()?;
@@ -140,11 +140,20 @@ impl Inner {
             if !self.index.chains_trusted(txn)? {
                 return Ok(());
             }
+            let parent_of = |i: usize| if i == 0 { &ROOT } else { &ids[i - 1] };
+            // Closed marks form a prefix: when the last of the leading
+            // present blocks is closed, so are those before it (a re-put,
+            // or a put continuing a stored conversation, probes once).
+            let lead = present.iter().take_while(|&&p| p).count();
+            let skip = lead > 0
+                && self
+                    .index
+                    .is_closed(txn, &ids[lead - 1], parent_of(lead - 1))?;
             let mut due = Vec::new();
             // Whether the previous block is or will be closed.
             let mut parent_closes = true;
-            for (i, id) in ids.iter().enumerate() {
-                let parent = if i == 0 { &ROOT } else { &ids[i - 1] };
+            for (i, id) in ids.iter().enumerate().skip(if skip { lead } else { 0 }) {
+                let parent = parent_of(i);
                 parent_closes = if !present[i] {
                     parent_closes // published by this put: closed if its parent is
                 } else if self.index.is_closed(txn, id, parent)? {

@@ -309,9 +309,9 @@ def open_index(path: Path | str, readonly: bool = True):
 
     if readonly:
         return lmdb.open(
-            str(Path(path) / "index"), readonly=True, lock=False, max_dbs=8, subdir=True
+            str(Path(path) / "index"), readonly=True, lock=False, max_dbs=16, subdir=True
         )
-    return lmdb.open(str(Path(path) / "index"), max_dbs=8, subdir=True, map_size=64 << 30)
+    return lmdb.open(str(Path(path) / "index"), max_dbs=16, subdir=True, map_size=64 << 30)
 
 
 def index_blocks(path: Path | str) -> dict[bytes, Location]:

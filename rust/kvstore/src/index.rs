@@ -9,8 +9,9 @@
 //! - `pins`:     block id → priority (u64 LE) ‖ expiry in ms since the epoch (u64 LE, 0 = never)
 //! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`,
 //!   `chains_generation`, hit/miss totals)
-//! - `parents`:  block id → parent id (32 B) ‖ closed (1 B: 1 or 0): the block's
-//!   parent when it was published by a put that knew it
+//! - `parents`:  block id → parent id (32 B) ‖ mark (1 B: [`CLOSED`] for
+//!   closed, anything else not): the block's parent when it was published
+//!   by a put that knew it
 //! - `children`: parent id → child id (32 B), sorted duplicates: the inverse of
 //!   `parents`, one pair per `parents` entry
 //!
@@ -27,21 +28,36 @@
 //!
 //! By (1) and (2), a closed block's ancestors, back to the root, are all in
 //! `blocks`; along one chain the closed blocks form a prefix. What keeps it:
-//! [`Index::insert_child`] (a put's publish) records the parent and marks the
-//! block closed when its parent is, then marks the descendants that waited
-//! for it (a hole filled again); [`Index::delete_block_if_at`], the only
-//! removal from `blocks` (eviction, quarantine, `verify --repair`,
-//! compaction's drops), drops the block's entry and unmarks its closed
-//! descendants in the same transaction. Moves keep both (the block stays).
-//! Blocks without an entry or a mark (stores older than these tables, a
-//! rebuild from segments, which does not know parents) are simply not
-//! closed: `lookup` finds them one probe at a time, as before.
+//! [`Index::insert_child`] and [`Index::link_child`] (a put's publish, and a
+//! put meeting a block already stored without a closed mark) record the
+//! parent and mark the block closed when its parent is, then mark the
+//! descendants that waited for it (a hole filled again);
+//! [`Index::delete_block_if_at`], the only removal from `blocks` (eviction,
+//! quarantine, `verify --repair`, compaction's drops), drops the block's
+//! entry and unmarks its closed descendants in the same transaction. Moves
+//! keep both (the block stays). Blocks without an entry or a mark (stores
+//! older than these tables, a rebuild from segments, which does not know
+//! parents) are not closed until a put of their chain meets them: `lookup`
+//! finds them one probe at a time meanwhile.
+//!
+//! Both walks stop after [`MARK_WALK_MAX`] blocks, so that removing a prefix
+//! shared by a million chains (a system prompt's first block) does not hold
+//! the write lock for a million rewrites. Marking stops short safely (fewer
+//! blocks closed: `lookup` probes them); unmarking stopped short would
+//! leave closed marks over a hole, so it stops trusting the marks instead,
+//! in the same transaction.
 //!
 //! Trust: binaries older than these tables remove blocks without unmarking
 //! anything. Every bump of `generation` by this code advances
 //! `chains_generation` with it while the two are equal; an older binary's
 //! bump leaves them apart. The marks count only while they are equal, and
-//! [`Index::open`] empties both tables and realigns the two when they are not.
+//! [`Index::open`] empties both tables and realigns the two when they are
+//! not (also after a capped unmarking walk, or a `verify` that found the
+//! invariants broken). This relies on every older binary bumping
+//! `generation` when it removes a block: true from commit 00f4b27 on.
+//! Binaries from 39b437d to 9890d5e delete blocks without a bump; one of
+//! them writing to a store that has marks can leave a stale closed mark
+//! (`verify` finds it and stops trusting the marks).
 
 use crate::error::{Error, Result};
 use crate::fault;
@@ -262,12 +278,33 @@ fn check_lmdb_file(path: &Path) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// A `parents` value: the parent, and whether the mark is [`CLOSED`];
+/// None if it is not 33 bytes.
+fn decode_link(v: &[u8]) -> Option<(BlockId, bool)> {
+    let v: &[u8; 33] = v.try_into().ok()?;
+    Some((v[..32].try_into().expect("32 bytes"), v[32] == CLOSED))
+}
+
 /// Index bytes kept back from puts, at the least (see `nearly_full`).
 pub const INDEX_RESERVE: u64 = 1 << 20;
 
 /// Default virtual size reserved for the index map. LMDB grows the file only
-/// as needed; 64 GiB covers ~500M blocks.
+/// as needed; 64 GiB covers ~200M blocks (~130 B each in `blocks`, as much
+/// again in `parents` and `children`, pages part full; a quarter of the map
+/// is kept back, see `nearly_full`).
 pub const DEFAULT_MAP_SIZE: u64 = 64 << 30;
+
+/// The mark byte of a closed block. Any other value is not closed, so one
+/// flipped bit cannot close a block over a hole (0 and 1 included: stores
+/// written before this tag read as unmarked, and are marked again by puts).
+pub const CLOSED: u8 = 0xC5;
+
+/// The mark byte of a block recorded but not closed.
+const OPEN: u8 = 0x00;
+
+/// Most blocks one marking or unmarking walk rewrites (see "Prefix-closed
+/// chains").
+pub const MARK_WALK_MAX: usize = 4096;
 
 fn registry() -> &'static Mutex<HashMap<PathBuf, Weak<Index>>> {
     static R: OnceLock<Mutex<HashMap<PathBuf, Weak<Index>>>> = OnceLock::new();
@@ -477,9 +514,7 @@ impl Index {
     }
 
     /// [`Index::insert_block`] for a block whose parent is known (a put's
-    /// publish): records the parent and marks the block closed if its parent
-    /// is (see "Prefix-closed chains"), then closes the descendants that were
-    /// waiting for it. Also for a block already indexed without an entry.
+    /// publish), then [`Index::link_child`].
     pub fn insert_child(
         &self,
         txn: &mut RwTxn<'_>,
@@ -488,16 +523,36 @@ impl Index {
         parent: &BlockId,
     ) -> Result<bool> {
         let inserted = self.insert_block(txn, id, loc)?;
-        if self.parents.get(txn, id)?.is_some() {
-            return Ok(inserted);
+        self.link_child(txn, id, parent)?;
+        Ok(inserted)
+    }
+
+    /// Records `parent` as the parent of block `id`, if it is indexed, and
+    /// marks it closed if its parent is (see "Prefix-closed chains"), then
+    /// marks the descendants that were waiting for it. For a block
+    /// published now, and for one already stored without an entry (an older
+    /// store, a realign) or unclosed while its parent is now closed.
+    pub fn link_child(&self, txn: &mut RwTxn<'_>, id: &BlockId, parent: &BlockId) -> Result<()> {
+        if self.get_block_rw(txn, id)?.is_none() {
+            return Ok(()); // (1)
         }
         let closed = *parent == ROOT || self.link(txn, parent)?.is_some_and(|(_, c)| c);
+        match self.link(txn, id)? {
+            // An entry for another parent: ids collide (only with test-short-ids).
+            Some((p, _)) if p != *parent => return Ok(()),
+            Some((_, was)) if was || !closed => return Ok(()),
+            Some(_) => {}
+            None => {
+                // A malformed entry is replaced; its pair, if any, stays
+                // behind and names no entry (harmless, `verify` lists it).
+                self.children.put(txn, parent, id)?;
+            }
+        }
         self.put_link(txn, id, parent, closed)?;
-        self.children.put(txn, parent, id)?;
         if closed {
             self.set_closed_below(txn, id, true)?;
         }
-        Ok(inserted)
+        Ok(())
     }
 
     /// Whether block `id` is closed with `parent` as its parent: it and its
@@ -515,12 +570,80 @@ impl Index {
         Ok(self.meta_u64(txn, "generation")? == self.meta_u64(txn, "chains_generation")?)
     }
 
-    /// Block `id`'s parent and closed mark, if it has an entry.
+    /// Stops trusting the closed marks until the next [`Index::open`]
+    /// empties them: `generation` only grows, so it never meets
+    /// `chains_generation` again.
+    pub fn distrust_chains(&self, txn: &mut RwTxn<'_>) -> Result<()> {
+        let g = self.meta_u64(txn, "generation")?;
+        self.set_meta_u64(txn, "chains_generation", g.wrapping_sub(1))
+    }
+
+    /// Checks invariants (1)-(3) of "Prefix-closed chains" and that every
+    /// entry is well formed, while the marks are trusted; returns what is
+    /// wrong (the first `limit` findings). One pass over each table.
+    pub fn check_chains(&self, txn: &RoTxn<'_>, limit: usize) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        if !self.chains_trusted(txn)? {
+            return Ok(out);
+        }
+        let mut entries = 0u64;
+        for item in self.parents.iter(txn)? {
+            if out.len() >= limit {
+                return Ok(out);
+            }
+            let (k, v) = item?;
+            let (Ok(id), Some((parent, closed))) = (BlockId::try_from(k), decode_link(v)) else {
+                out.push(format!(
+                    "parents: a malformed entry ({} B key, {} B value)",
+                    k.len(),
+                    v.len()
+                ));
+                continue;
+            };
+            entries += 1;
+            let name = crate::id::hex(&id);
+            // 1 is what the version before the tag wrote for closed: not
+            // closed now, and not damage.
+            if ![CLOSED, OPEN, 1].contains(&v[32]) {
+                out.push(format!("parents: block {name} has mark byte {:#04x}", v[32]));
+            }
+            if self.get_block(txn, &id)?.is_none() {
+                out.push(format!("parents: block {name} has an entry but is not indexed"));
+            }
+            if closed && parent != ROOT && !self.link(txn, &parent)?.is_some_and(|(_, c)| c) {
+                out.push(format!("parents: block {name} is closed, its parent is not"));
+            }
+        }
+        let mut pairs = 0u64;
+        for item in self.children.iter(txn)? {
+            if out.len() >= limit {
+                return Ok(out);
+            }
+            let (p, c) = item?;
+            pairs += 1;
+            let named = BlockId::try_from(c)
+                .ok()
+                .map(|c| self.link(txn, &c))
+                .transpose()?
+                .flatten()
+                .is_some_and(|(cp, _)| cp[..] == *p);
+            if !named {
+                out.push("children: a pair whose child's entry names another parent".into());
+            }
+        }
+        // Every pair names an entry and no two pairs name the same one (an
+        // entry names one parent): equal counts make the two tables inverse.
+        if pairs != entries && out.len() < limit {
+            out.push(format!(
+                "children: {pairs} pairs for {entries} parents entries"
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Block `id`'s parent and closed mark, if it has a well-formed entry.
     fn link(&self, txn: &RoTxn<'_>, id: &BlockId) -> Result<Option<(BlockId, bool)>> {
-        Ok(self.parents.get(txn, id)?.and_then(|v| {
-            let (p, c) = (v.get(..32)?, v.get(32)?);
-            Some((p.try_into().ok()?, *c == 1))
-        }))
+        Ok(self.parents.get(txn, id)?.and_then(decode_link))
     }
 
     fn put_link(
@@ -532,31 +655,40 @@ impl Index {
     ) -> Result<()> {
         let mut v = [0u8; 33];
         v[..32].copy_from_slice(parent);
-        v[32] = u8::from(closed);
+        v[32] = if closed { CLOSED } else { OPEN };
         Ok(self.parents.put(txn, id, &v)?)
     }
 
     /// Drops a removed block's entry and pair, and unmarks its closed
     /// descendants: their ancestry is no longer whole. The pairs to its
-    /// children stay, so a put that stores it again closes them again.
+    /// children stay, so a put that stores it again closes them again. A
+    /// malformed entry is dropped too, and its descendants unmarked all the
+    /// same (its mark cannot be read).
     fn unlink(&self, txn: &mut RwTxn<'_>, id: &BlockId) -> Result<()> {
-        let Some((parent, closed)) = self.link(txn, id)? else {
-            return Ok(());
+        let link = match self.parents.get(txn, id)? {
+            None => return Ok(()),
+            Some(v) => decode_link(v),
         };
         self.parents.delete(txn, id)?;
-        self.children.delete_one_duplicate(txn, &parent, id)?;
-        if closed {
+        if let Some((parent, _)) = link {
+            self.children.delete_one_duplicate(txn, &parent, id)?;
+        }
+        if link.is_none_or(|(_, closed)| closed) {
             self.set_closed_below(txn, id, false)?;
         }
         Ok(())
     }
 
     /// Marks the descendants of `top` closed or not, as `closed` says,
-    /// descending only through children whose mark changes. By (2) nothing
-    /// is lost: when unmarking, below a child that is not closed nothing is;
-    /// when marking, `top` was not closed, so none of its children was.
+    /// descending only through children whose mark changes (when unmarking,
+    /// also through malformed entries). By (2) nothing is lost: when
+    /// unmarking, below a child that is not closed nothing is; when marking,
+    /// `top` was not closed, so none of its children was. Stops after
+    /// [`MARK_WALK_MAX`] rewrites: marking just stops (fewer blocks closed),
+    /// unmarking stops trusting the marks.
     fn set_closed_below(&self, txn: &mut RwTxn<'_>, top: &BlockId, closed: bool) -> Result<()> {
         let mut stack = vec![*top];
+        let mut rewrites = 0;
         while let Some(p) = stack.pop() {
             let mut kids = Vec::new();
             if let Some(iter) = self.children.get_duplicates(txn, &p)? {
@@ -567,10 +699,24 @@ impl Index {
                 }
             }
             for kid in kids {
-                if self.link(txn, &kid)?.is_some_and(|(_, c)| c != closed) {
-                    self.put_link(txn, &kid, &p, closed)?;
-                    stack.push(kid);
+                let change = match self.parents.get(txn, &kid)?.map(decode_link) {
+                    None => false,
+                    Some(Some((kp, c))) => kp == p && c != closed,
+                    Some(None) => !closed,
+                };
+                if !change {
+                    continue;
                 }
+                if rewrites == MARK_WALK_MAX {
+                    return if closed {
+                        Ok(())
+                    } else {
+                        self.distrust_chains(txn)
+                    };
+                }
+                rewrites += 1;
+                self.put_link(txn, &kid, &p, closed)?;
+                stack.push(kid);
             }
         }
         Ok(())

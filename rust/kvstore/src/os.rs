@@ -17,7 +17,7 @@ pub(crate) fn open_lmdb(
     nosync: bool,
 ) -> heed::Result<Env<WithoutTls>> {
     let mut opts = EnvOpenOptions::new().read_txn_without_tls();
-    opts.map_size(map_size).max_dbs(8).max_readers(1022);
+    opts.map_size(map_size).max_dbs(16).max_readers(1022);
     let flags = if nosync {
         EnvFlags::NO_SYNC
     } else {

@@ -91,3 +91,69 @@ fn colliding_ids_are_misses_on_disk() {
 fn colliding_ids_are_misses_through_the_hot_tier() {
     check(true);
 }
+
+/// Chains long enough for `lookup`'s chunked walk (64 blocks and more):
+/// with colliding ids, it counts exactly the leading blocks whose ids are
+/// indexed (probed one by one here), and `get` serves exactly the leading
+/// blocks this chain owns.
+#[test]
+fn long_chains_with_colliding_ids_are_counted_block_by_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let opts = Options {
+        fingerprint: Some("collide@1".into()),
+        layout: Some(l),
+        durability: Durability::None,
+        ..Options::default()
+    };
+    let store = Store::open(dir.path(), opts).unwrap();
+    let keyer = Keyer::new("collide@1", &l, None);
+    let blocks = 80;
+    let seqs: Vec<Vec<u32>> = (0..60u32)
+        .map(|i| (0..blocks * 4).map(|j| i * 1000 + j).collect())
+        .collect();
+    let mut owner: HashMap<[u8; 32], (usize, usize)> = HashMap::new();
+    let mut owned_prefix = Vec::new();
+    for (s, tokens) in seqs.iter().enumerate() {
+        let n = tokens.len();
+        store.put(tokens, &kv_for(&l, tokens), n, b"").unwrap();
+        let ids = keyer.chain(tokens, 4, b"");
+        owned_prefix.push(
+            ids.iter()
+                .enumerate()
+                .take_while(|&(b, id)| *owner.entry(*id).or_insert((s, b)) == (s, b))
+                .count(),
+        );
+        // Blocks past the first not owned still take their ids if free.
+        for (b, id) in ids.iter().enumerate() {
+            owner.entry(*id).or_insert((s, b));
+        }
+    }
+    assert!(
+        owned_prefix.iter().any(|&n| n < blocks as usize),
+        "16-bit ids over 4800 blocks should collide"
+    );
+    let index = kvstore::index::Index::open(
+        &dir.path().join("index"),
+        true,
+        kvstore::DEFAULT_INDEX_BYTES,
+    )
+    .unwrap();
+    let txn = index.read().unwrap();
+    for (s, tokens) in seqs.iter().enumerate() {
+        let ids = keyer.chain(tokens, 4, b"");
+        let indexed = ids
+            .iter()
+            .take_while(|id| index.get_block(&txn, id).unwrap().is_some())
+            .count();
+        assert_eq!(
+            store.lookup(tokens, b"").unwrap(),
+            indexed * 4,
+            "sequence {s}"
+        );
+        let mut out = vec![0u8; l.kv_bytes(tokens.len()).unwrap()];
+        let m = store.get_into(tokens, b"", &mut out, tokens.len()).unwrap();
+        assert_eq!(m, owned_prefix[s] * 4, "sequence {s}");
+        assert!(prefix_matches(&l, &out, tokens.len(), tokens, m));
+    }
+}

@@ -431,8 +431,15 @@ fn lookup_follows_a_model_through_random_puts_evictions_and_quarantines() {
                     "step {step}: fresh handle"
                 );
             }
+            // The invariants verify checks hold (shared prefixes, holes).
+            let index = index_of(dir.path());
+            let txn = index.read().unwrap();
+            assert!(index.chains_trusted(&txn).unwrap());
+            assert_eq!(index.check_chains(&txn, 10).unwrap(), Vec::<String>::new());
         }
     }
+    let report = s.verify(NO_PROGRESS).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
 }
 
 /// A binary older than the closed marks removes blocks without unmarking
@@ -486,10 +493,10 @@ fn blocks_removed_by_an_older_binary_do_not_leave_a_stale_prefix() {
     s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
         .unwrap();
     check(dir.path(), &s, &tokens, blocks * 4);
-    // Blocks 250 and 600 were stored again, but their parents have no entry
-    // since the marks were emptied: nothing is closed, and lookup probes
-    // block by block, exactly.
-    assert_eq!(closed(dir.path(), &ids), vec![false; blocks]);
+    // The put met the blocks stored before the marks were emptied and
+    // closed them along with blocks 250 and 600, stored again.
+    assert_marks_follow_the_index(dir.path(), &ids);
+    assert!(closed(dir.path(), &ids)[blocks - 1]);
 }
 
 /// A store written before the marks existed has blocks and no `parents`
@@ -519,5 +526,149 @@ fn a_store_without_marks_is_walked_block_by_block() {
         .unwrap();
     let other_ids = Keyer::new("lookup-model@1", &l, None).chain(&other, 4, b"");
     assert_marks_follow_the_index(dir.path(), &other_ids);
-    check(dir.path(), &s, &other, other.len());
+    check(dir.path(), &s, &other, other.len()); // A new chain extending the old one (hole at 1200 filled by the put):
+                                                // every block of it closed, the old ones included.
+    let mut longer = tokens.clone();
+    longer.extend(seq(55, 100 * 4));
+    s.put(&longer, &kv_for(&l, &longer), longer.len(), b"")
+        .unwrap();
+    let longer_ids = Keyer::new("lookup-model@1", &l, None).chain(&longer, 4, b"");
+    assert_marks_follow_the_index(dir.path(), &longer_ids);
+    assert!(closed(dir.path(), &longer_ids)[longer_ids.len() - 1]);
+    check(dir.path(), &s, &longer, longer.len());
+}
+
+/// Removing a block with more closed descendants than one walk rewrites
+/// stops trusting the marks in the same transaction (a bounded write, and
+/// no stale mark trusted); lookups stay exact, and the next open empties
+/// the marks, which puts then set again.
+#[test]
+fn removing_a_block_above_a_long_subtree_stops_trusting_the_marks() {
+    let l = layout();
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = kvstore::index::MARK_WALK_MAX + 300;
+    let (s, tokens, ids) = stored_chain(dir.path(), 61, blocks);
+    assert!(closed(dir.path(), &ids)[blocks - 1]);
+    // Under the bound: unmarked, still trusted.
+    remove(dir.path(), &ids[blocks - 200]);
+    assert!(index_of(dir.path())
+        .chains_trusted(&index_of(dir.path()).read().unwrap())
+        .unwrap());
+    assert_marks_follow_the_index(dir.path(), &ids);
+    check(dir.path(), &s, &tokens, (blocks - 200) * 4);
+    // Above it: the walk stops, and so does the trust.
+    remove(dir.path(), &ids[3]);
+    {
+        let index = index_of(dir.path());
+        let txn = index.read().unwrap();
+        assert!(!index.chains_trusted(&txn).unwrap());
+        // Some marks below the hole are stale, and not relied on.
+        assert!(index
+            .is_closed(&txn, &ids[blocks - 201], &ids[blocks - 202])
+            .unwrap());
+    }
+    check(dir.path(), &s, &tokens, 3 * 4);
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    check(dir.path(), &s, &tokens, blocks * 4);
+    s.close().unwrap();
+    drop(s);
+    let s = Store::open(dir.path(), opts()).unwrap();
+    assert_eq!(closed(dir.path(), &ids), vec![false; blocks]);
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    assert_marks_follow_the_index(dir.path(), &ids);
+    assert!(closed(dir.path(), &ids)[blocks - 1]);
+    check(dir.path(), &s, &tokens, blocks * 4);
+}
+
+/// Rewrites block `id`'s raw `parents` value with `edit`.
+fn edit_link(dir: &Path, id: &[u8; 32], edit: impl FnOnce(&mut Vec<u8>)) {
+    let index = index_of(dir);
+    let mut txn = index.write().unwrap();
+    let table = raw_table(&index, &txn, "parents");
+    let mut v = table.get(&txn, id).unwrap().expect("an entry").to_vec();
+    edit(&mut v);
+    table.put(&mut txn, id, &v).unwrap();
+    index.commit(txn, false).unwrap();
+}
+
+/// A damaged mark byte (the value an earlier version wrote for "closed",
+/// or the closed tag with one bit flipped) does not close a block past a
+/// hole; `verify` lists the damaged one and a forged closed mark, and stops
+/// trusting the marks.
+#[test]
+fn a_damaged_mark_does_not_count_past_a_hole() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 200;
+    let (s, tokens, ids) = stored_chain(dir.path(), 71, blocks);
+    remove(dir.path(), &ids[50]);
+    check(dir.path(), &s, &tokens, 50 * 4);
+    // The gallop probes block 63 after block 31.
+    edit_link(dir.path(), &ids[63], |v| v[32] = 1);
+    check(dir.path(), &s, &tokens, 50 * 4);
+    // One bit off the closed tag.
+    edit_link(dir.path(), &ids[127], |v| {
+        v[32] = kvstore::index::CLOSED ^ 0x80;
+    });
+    check(dir.path(), &s, &tokens, 50 * 4);
+    let report = s.verify(NO_PROGRESS).unwrap();
+    assert!(
+        report.problems.iter().any(|p| p.contains("mark byte 0x45")),
+        "{:?}",
+        report.problems
+    );
+    assert!(!index_of(dir.path())
+        .chains_trusted(&index_of(dir.path()).read().unwrap())
+        .unwrap());
+    check(dir.path(), &s, &tokens, 50 * 4);
+    // After a reopen (marks emptied) and a put, a forged closed mark:
+    // lookups would count past the hole until verify finds it.
+    s.close().unwrap();
+    drop(s);
+    let s = Store::open(dir.path(), opts()).unwrap();
+    let l = layout();
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    assert_marks_follow_the_index(dir.path(), &ids);
+    remove(dir.path(), &ids[50]);
+    edit_link(dir.path(), &ids[63], |v| v[32] = kvstore::index::CLOSED);
+    // The gallop trusts block 63, and the walk from block 64 finds the rest.
+    assert_eq!(
+        s.lookup(&tokens, b"").unwrap(),
+        blocks * 4,
+        "the forged mark counts"
+    );
+    let report = s.verify(NO_PROGRESS).unwrap();
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.contains("its parent is not")),
+        "{:?}",
+        report.problems
+    );
+    check(dir.path(), &s, &tokens, 50 * 4);
+}
+
+/// A removed block whose `parents` entry is malformed still loses its
+/// entry, and its descendants their marks.
+#[test]
+fn removing_a_block_with_a_malformed_entry_unmarks_its_descendants() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 200;
+    let (s, tokens, ids) = stored_chain(dir.path(), 73, blocks);
+    edit_link(dir.path(), &ids[50], |v| v.truncate(20));
+    remove(dir.path(), &ids[50]);
+    {
+        let index = index_of(dir.path());
+        let txn = index.read().unwrap();
+        assert!(raw_table(&index, &txn, "parents")
+            .get(&txn, &ids[50])
+            .unwrap()
+            .is_none());
+        assert!(index.chains_trusted(&txn).unwrap());
+    }
+    assert_marks_follow_the_index(dir.path(), &ids);
+    check(dir.path(), &s, &tokens, 50 * 4);
 }

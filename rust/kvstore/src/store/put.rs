@@ -117,6 +117,7 @@ impl Inner {
         if self.opts.durability != Durability::Batch || w.pending_bytes >= self.opts.batch_bytes {
             self.commit_pending(w)?;
         }
+        self.link_present(ids, &present)?;
         // Into the hot tier only once written (a failed put publishes nothing)
         // and, unless a batch commit is still due, committed: other processes
         // must not see a block a crash could take back. A batch put shows its
@@ -128,6 +129,61 @@ impl Inner {
             }
         }
         Ok(fresh.len())
+    }
+
+    /// Closes the blocks of the chain `ids` that were already stored but
+    /// are not marked closed while their parent is, or will be once this
+    /// put's blocks are published (see "Prefix-closed chains" in
+    /// `index.rs`): blocks stored before a realign emptied the marks, or
+    /// left unmarked by a capped marking walk. At most one `parents` probe
+    /// per present block; a write only when one is due.
+    fn link_present(&self, ids: &[BlockId], present: &[bool]) -> Result<()> {
+        let due = {
+            let snap = self.snapshot()?;
+            let txn = &snap.txn;
+            if !self.index.chains_trusted(txn)? {
+                return Ok(());
+            }
+            let parent_of = |i: usize| if i == 0 { &ROOT } else { &ids[i - 1] };
+            // Closed marks form a prefix: when the last of the leading
+            // present blocks is closed, so are those before it (a re-put,
+            // or a put continuing a stored conversation, probes once).
+            let lead = present.iter().take_while(|&&p| p).count();
+            let skip = lead > 0
+                && self
+                    .index
+                    .is_closed(txn, &ids[lead - 1], parent_of(lead - 1))?;
+            let mut due = Vec::new();
+            // Whether the previous block is or will be closed.
+            let mut parent_closes = true;
+            for (i, id) in ids.iter().enumerate().skip(if skip { lead } else { 0 }) {
+                let parent = parent_of(i);
+                parent_closes = if !present[i] {
+                    parent_closes // published by this put: closed if its parent is
+                } else if self.index.is_closed(txn, id, parent)? {
+                    true
+                } else if self.index.get_block(txn, id)?.is_some() {
+                    if parent_closes {
+                        due.push(i);
+                    }
+                    parent_closes
+                } else {
+                    false // before `first`, and not stored
+                };
+            }
+            due
+        };
+        if due.is_empty() || self.index.nearly_full()? {
+            return Ok(());
+        }
+        let mut txn = self.index.write()?;
+        for i in due {
+            let parent = if i == 0 { &ROOT } else { &ids[i - 1] };
+            self.index.link_child(&mut txn, &ids[i], parent)?;
+        }
+        // The marks only speed lookups up: a commit lost in a crash costs
+        // probes, not KV.
+        self.index.commit(txn, false)
     }
 
     /// Encodes and appends the blocks that are neither `present` nor

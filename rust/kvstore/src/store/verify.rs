@@ -1,5 +1,8 @@
 //! `verify`: re-reads every indexed record and lists what is damaged;
-//! with `repair`, damaged records are taken out of the index.
+//! with `repair`, damaged records are taken out of the index. It also
+//! checks the index's closed marks (see "Prefix-closed chains" in
+//! `index.rs`) and, on any mismatch, stops trusting them, repair or not:
+//! a wrong mark could make `lookup` count past a hole.
 
 use super::{Inner, Progress};
 use crate::error::Result;
@@ -7,6 +10,10 @@ use crate::format;
 use crate::fs;
 use crate::id;
 use std::io::IoSliceMut;
+
+/// Findings about the closed marks listed at most (one is enough to stop
+/// trusting them).
+const CHAIN_FINDINGS: usize = 10;
 
 /// One damaged record found by `verify` (or by a read before it).
 #[derive(Clone, Debug)]
@@ -39,14 +46,26 @@ impl Inner {
     /// Read-only unless `repair`: then damaged records are quarantined.
     pub(super) fn verify(&self, progress: Progress<'_>, repair: bool) -> Result<VerifyReport> {
         let mut report = VerifyReport::default();
-        let (blocks, segments, damaged) = {
+        let (blocks, segments, damaged, chains) = {
             let txn = self.index.read()?;
             (
                 self.index.all_blocks(&txn)?,
                 self.index.all_segments(&txn)?,
                 self.index.all_damaged(&txn)?,
+                self.index.check_chains(&txn, CHAIN_FINDINGS)?,
             )
         };
+        if !chains.is_empty() {
+            let mut txn = self.index.write()?;
+            self.index.distrust_chains(&mut txn)?;
+            self.index.commit(txn, self.durable())?;
+            report.problems.extend(chains);
+            report.problems.push(
+                "the index's closed marks are inconsistent: lookups no longer rely on them \
+                 (the next open of the store empties them; puts mark chains again)"
+                    .into(),
+            );
+        }
         for (id, loc, reason) in damaged {
             report.damaged.push(Damage {
                 block_id: id::hex(&id),

@@ -242,6 +242,26 @@ class Store:
         out_tokens: int,
         start: int = 0,
     ) -> int: ...
+    def get_paged(
+        self,
+        tokens: npt.NDArray[np.uint32],
+        extra: bytes,
+        start: int,
+        layers: list[npt.NDArray[np.uint8]],
+        blocks: list[int],
+        block_stride: int,
+        parts: tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]],
+    ) -> int: ...
+    def put_paged(
+        self,
+        tokens: npt.NDArray[np.uint32],
+        extra: bytes,
+        start: int,
+        layers: list[npt.NDArray[np.uint8]],
+        blocks: list[int],
+        block_stride: int,
+        parts: tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]],
+    ) -> int: ...
     def pin(
         self,
         tokens: npt.NDArray[np.uint32],

@@ -579,15 +579,7 @@ class _WorkerHalf:
             t0 = time.perf_counter()
             got = 0  # tokens landed in vLLM's cache from tr.start
             try:
-                for s, e, blocks in self._chunks(tr):
-                    buf = self._staging("load", e - s)
-                    m = self._store.get(tr.tokens[:e], start=s, out=buf, extra=tr.extra)
-                    n = max(m - s, 0) // b * b
-                    if n:
-                        self._caches().move(blocks[: n // b], buf[:, :, :n], True)
-                    got += n
-                    if s + n < e:
-                        break
+                got = self._load_one(tr)
             except Exception as e:  # a load that fails is a miss: vLLM recomputes it
                 log.warning("kvstore connector: load of %s failed: %s", tr.req_id, e)
                 got = 0
@@ -599,6 +591,26 @@ class _WorkerHalf:
                 self._stats["load_bytes"] += got // b * self._layout.block_bytes
                 self._stats["load_error_blocks"] += len(failed)
                 self._stats["load_us"] += round((time.perf_counter() - t0) * 1e6)
+
+    def _load_one(self, tr: _Transfer) -> int:
+        """Lands what is stored of `tr` in vLLM's cache: the tokens landed from tr.start."""
+        b = self._layout.block_size
+        paged = self._caches()
+        end = tr.start + len(tr.block_ids) * b
+        if paged.strided:  # the engine checks and lands each block in place
+            m = paged.load(self._store, tr.tokens[:end], tr.start, tr.extra, tr.block_ids)
+            return max(m - tr.start, 0) // b * b
+        got = 0
+        for s, e, blocks in self._chunks(tr):
+            buf = self._staging("load", e - s)
+            m = self._store.get(tr.tokens[:e], start=s, out=buf, extra=tr.extra)
+            n = max(m - s, 0) // b * b
+            if n:
+                paged.move(blocks[: n // b], buf[:, :, :n], True)
+            got += n
+            if s + n < e:
+                break
+        return got
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
@@ -624,10 +636,7 @@ class _WorkerHalf:
             t0 = time.perf_counter()
             n = len(tr.tokens) - tr.start
             try:
-                for s, e, blocks in self._chunks(tr):
-                    kv = self._staging("save", e - s)  # only this thread uses it
-                    self._caches().move(blocks, kv, False)
-                    self._store.put(tr.tokens[:e], kv, start=s, extra=tr.extra)
+                self._save_one(tr)
                 ok = True
             except Exception as e:  # a failed save is a future miss; vLLM goes on
                 log.warning("kvstore connector: save of %s failed: %s", tr.req_id, e)
@@ -645,6 +654,18 @@ class _WorkerHalf:
                 if not self._pending[tr.req_id]:
                     del self._pending[tr.req_id]
                 self._idle.notify_all()
+
+    def _save_one(self, tr: _Transfer) -> None:
+        """Stores `tr`'s blocks out of vLLM's cache."""
+        paged = self._caches()
+        end = tr.start + len(tr.block_ids) * self._layout.block_size
+        if paged.strided:  # the engine gathers each block itself
+            paged.save(self._store, tr.tokens[:end], tr.start, tr.extra, tr.block_ids)
+            return
+        for s, e, blocks in self._chunks(tr):
+            kv = self._staging("save", e - s)  # only this thread uses it
+            paged.move(blocks, kv, False)
+            self._store.put(tr.tokens[:e], kv, start=s, extra=tr.extra)
 
     def drain(self, req_ids: set[str]) -> None:
         """Waits until no save of `req_ids` is pending."""

@@ -8,8 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._convert import extra_bytes, tokens_array
 from ..errors import KVStoreError
 from ..layout import Layout
+from ..store import Store
 
 
 def paged_block_map(write: Any, cache: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -85,10 +87,13 @@ def affine_strides(block_map: torch.Tensor, layout: Layout) -> list[tuple[int, t
 
 class PagedKV:
     """Moves whole blocks between every layer's paged cache (`caches`, in layer order,
-    of one shape and strides; `block_map` from `paged_block_map`) and canonical
-    `[L, 2, n*B, H, D]` KV: one strided copy per layer and K/V where the map is
-    affine, else an element gather through offsets computed per call (bounded by
-    the caller's chunk of blocks)."""
+    of one shape and strides; `block_map` from `paged_block_map`) and the store.
+
+    Where the map is affine (`strided`), `load` and `save` hand the caches to the
+    engine (`Store.get_paged`/`put_paged`: each block checked in a one-block scratch,
+    then permuted into place, one pass over memory). Else `move` copies between the
+    caches and canonical `[L, 2, n*B, H, D]` KV by an element gather through offsets
+    computed per call (bounded by the caller's chunk of blocks)."""
 
     def __init__(self, caches: list[torch.Tensor], block_map: torch.Tensor, layout: Layout):
         self._layout = layout
@@ -114,6 +119,43 @@ class PagedKV:
             for c in caches
         ]
         self.strided = bool(fits)
+        self._parts = tuple((base, tuple(strides)) for base, strides in fits)
+
+    def _spans(self) -> list[Any]:
+        """Each layer's span as a byte array on vLLM's memory, new for each call: the
+        binding's borrow check then keeps a load and a background save, which touch
+        different blocks, from refusing each other."""
+        return [f.as_strided(f.shape, (1,)).view(torch.uint8).numpy() for f in self._flat]
+
+    def load(
+        self, store: Store, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+    ) -> int:
+        """Lands the stored blocks of `tokens` from `start` on in cache blocks `blocks`
+        (one per token block): the stored prefix in tokens from 0, as `Store.get`."""
+        return store._raw.get_paged(
+            tokens_array(tokens),
+            extra_bytes(extra),
+            start,
+            self._spans(),
+            blocks,
+            self._block_stride,
+            self._parts,
+        )
+
+    def save(
+        self, store: Store, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+    ) -> int:
+        """Stores the full blocks of `tokens` from `start` on out of cache blocks
+        `blocks`: the tokens covered, as `Store.put`."""
+        return store._raw.put_paged(
+            tokens_array(tokens),
+            extra_bytes(extra),
+            start,
+            self._spans(),
+            blocks,
+            self._block_stride,
+            self._parts,
+        )
 
     def move(self, block_ids: list[int], kv: torch.Tensor, into_cache: bool) -> None:
         """Between the blocks `block_ids` and `kv` (`[L, 2, n*B, H, D]`, each `[n*B, H,

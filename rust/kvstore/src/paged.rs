@@ -141,6 +141,29 @@ fn copy_sized<const E: usize>(
     let dims = dims(layout);
     let cs = canonical_strides(layout);
     let ps = part.strides;
+    // A transpose where the paged side's contiguous axis is not the
+    // canonical one (K on vLLM's CPU backend: tokens contiguous): in tiles.
+    let unit = (0..3).find(|&a| ps[a] == 1 && dims[a] > 1);
+    if let Some(pa) = unit.filter(|&pa| pa != 2 && dims[2] > 1) {
+        let o = 3 - pa - 2; // the third axis
+        for x in 0..dims[o] {
+            match &mut paged {
+                Move::Into(dst, at) => transpose::<E>(
+                    (dst, *at + x * ps[o], ps[2]),
+                    (canon, x * cs[o], cs[pa]),
+                    dims[2],
+                    dims[pa],
+                ),
+                Move::OutOf(src, at) => transpose::<E>(
+                    (canon, x * cs[o], cs[pa]),
+                    (src, *at + x * ps[o], ps[2]),
+                    dims[pa],
+                    dims[2],
+                ),
+            }
+        }
+        return;
+    }
     let mut order = [0, 1, 2];
     order.sort_by_key(|&a| std::cmp::Reverse(ps[a]));
     let [o0, o1, a] = order;
@@ -156,9 +179,53 @@ fn copy_sized<const E: usize>(
     }
 }
 
+/// Rows of `transpose`'s strips (columns of the source read at once).
+const TILE: usize = 8;
+/// Columns of `transpose`'s strips: a dst row of 64 two-byte elements is two
+/// whole cache lines, written at once.
+const STRIP: usize = 64;
+
+/// Copies an `n × m` matrix of `E`-byte elements whose rows are contiguous
+/// in `dst` and whose columns are contiguous in `src`: element `(i, j)` from
+/// `src` element `s + j * ss + i` to `dst` element `d + i * ds + j`. In
+/// strips of `TILE` rows: `TILE` elements of each column read at once, then
+/// each row of the strip written whole, so that `dst` (the paged cache, in
+/// main memory, on a load) is written in whole cache lines, in order.
+fn transpose<const E: usize>(
+    (dst, d, ds): (&mut [u8], usize, usize),
+    (src, s, ss): (&[u8], usize, usize),
+    n: usize,
+    m: usize,
+) {
+    let tn = n / TILE * TILE;
+    let mut cols = [[[0u8; E]; TILE]; STRIP];
+    for i0 in (0..tn).step_by(TILE) {
+        for j0 in (0..m).step_by(STRIP) {
+            let w = STRIP.min(m - j0);
+            for (jj, col) in cols[..w].iter_mut().enumerate() {
+                let at = (s + (j0 + jj) * ss + i0) * E;
+                let (elems, _) = src[at..at + TILE * E].as_chunks::<E>();
+                *col = elems.try_into().expect("a strip's column");
+            }
+            for ii in 0..TILE {
+                let at = (d + (i0 + ii) * ds + j0) * E;
+                let (out, _) = dst[at..at + w * E].as_chunks_mut::<E>();
+                for (o, col) in out.iter_mut().zip(&cols) {
+                    *o = col[ii];
+                }
+            }
+        }
+    }
+    // The rows past the last whole strip.
+    for i in tn..n {
+        row::<E>(dst, d + i * ds, 1, src, s + i, ss, m);
+    }
+}
+
 /// Copies `n` elements of `E` bytes, element `k` from `src`'s element
 /// `s + k * ss` to `dst`'s `d + k * ds`; a slice copy where both are
-/// contiguous, else element by element, iterating the contiguous side.
+/// contiguous, else element by element as `[u8; E]` moves (not a `memcpy`
+/// call each), iterating the contiguous side.
 fn row<const E: usize>(
     dst: &mut [u8],
     d: usize,
@@ -168,24 +235,32 @@ fn row<const E: usize>(
     ss: usize,
     n: usize,
 ) {
+    let elem = |bytes: &[u8], at: usize| -> [u8; E] {
+        bytes[at * E..at * E + E].try_into().expect("E bytes")
+    };
+    let put = |bytes: &mut [u8], at: usize, v: [u8; E]| {
+        let o: &mut [u8; E] = (&mut bytes[at * E..at * E + E])
+            .try_into()
+            .expect("E bytes");
+        *o = v;
+    };
     match (ds, ss) {
         (1, 1) => dst[d * E..(d + n) * E].copy_from_slice(&src[s * E..(s + n) * E]),
         (1, _) => {
-            for (k, out) in dst[d * E..(d + n) * E].chunks_exact_mut(E).enumerate() {
-                let at = (s + k * ss) * E;
-                out.copy_from_slice(&src[at..at + E]);
+            let (out, _) = dst[d * E..(d + n) * E].as_chunks_mut::<E>();
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = elem(src, s + k * ss);
             }
         }
         (_, 1) => {
-            for (k, v) in src[s * E..(s + n) * E].chunks_exact(E).enumerate() {
-                let at = (d + k * ds) * E;
-                dst[at..at + E].copy_from_slice(v);
+            let (vals, _) = src[s * E..(s + n) * E].as_chunks::<E>();
+            for (k, v) in vals.iter().enumerate() {
+                put(dst, d + k * ds, *v);
             }
         }
         _ => {
             for k in 0..n {
-                let (to, from) = ((d + k * ds) * E, (s + k * ss) * E);
-                dst[to..to + E].copy_from_slice(&src[from..from + E]);
+                put(dst, d + k * ds, elem(src, s + k * ss));
             }
         }
     }

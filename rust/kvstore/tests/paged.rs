@@ -1,6 +1,7 @@
 //! Gets and puts straight between the store and a paged cache laid out as
 //! vLLM's CPU backend lays it (per block: K `[H][D][B]`, then V `[H][B][D]`,
-//! then padding), checked against an element-by-element model of that
+//! then padding; B and D span a whole 8x8 tile of the engine's transpose and
+//! an edge), checked against an element-by-element model of that
 //! layout written here, not the engine's copy.
 
 use kvstore::{DType, Durability, Error, Layout, Options, PagedLayout, PagedPart, Store};
@@ -9,9 +10,9 @@ use std::os::unix::fs::FileExt;
 mod support;
 use support::{kv_for, seq};
 
-const B: usize = 4;
+const B: usize = 12;
 const H: usize = 2;
-const D: usize = 3;
+const D: usize = 10;
 const L: usize = 2;
 /// Elements per cache block: K and V, and 5 of padding.
 const STRIDE: usize = 2 * B * H * D + 5;
@@ -56,7 +57,7 @@ fn open(dir: &std::path::Path, hot: Option<&std::path::Path>) -> Store {
             layout: Some(layout()),
             durability: Durability::Sync,
             hot_bytes: hot.map(|_| 16 << 20),
-            hot_dir: hot.map(|p| p.to_path_buf()),
+            hot_dir: hot.map(std::path::Path::to_path_buf),
             ..Options::default()
         },
     )
@@ -106,15 +107,17 @@ fn get_paged(s: &Store, tokens: &[u32], start: usize, blocks: &[usize]) -> (usiz
 #[test]
 fn gets_land_where_the_layout_says_from_disk_and_hot_tier() {
     let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let tokens = seq(1, 22); // 5 full blocks and 2 tokens
+    let tokens = seq(1, 5 * B + 2); // 5 full blocks and 2 tokens
     let kv = kv_for(&layout(), &tokens);
-    open(dir.path(), None).put(&tokens, &kv, 22, b"").unwrap();
+    open(dir.path(), None)
+        .put(&tokens, &kv, 5 * B + 2, b"")
+        .unwrap();
     let blocks = [6, 0, 3, 7];
     for hot_dir in [None, Some(hot.path()), Some(hot.path())] {
         // Without a hot tier; then with one (disk, promoted); then from it.
         let s = open(dir.path(), hot_dir);
-        let (m, got) = get_paged(&s, &tokens, 4, &blocks);
-        assert_eq!(m, 20);
+        let (m, got) = get_paged(&s, &tokens, B, &blocks);
+        assert_eq!(m, 5 * B);
         assert!(got == model(&tokens, 1, 5, &blocks), "hot tier {hot_dir:?}");
         if hot_dir.is_some() {
             let st = s.stats().unwrap();
@@ -124,7 +127,7 @@ fn gets_land_where_the_layout_says_from_disk_and_hot_tier() {
     // Fewer cache blocks than stored ones: only those land.
     let s = open(dir.path(), None);
     let (m, got) = get_paged(&s, &tokens, 0, &[2, 5]);
-    assert_eq!(m, 8);
+    assert_eq!(m, 2 * B);
     assert!(got == model(&tokens, 0, 2, &[2, 5]));
 }
 
@@ -132,28 +135,29 @@ fn gets_land_where_the_layout_says_from_disk_and_hot_tier() {
 fn puts_store_what_a_canonical_put_stores() {
     let l = layout();
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let tokens = seq(2, 23);
+    let tokens = seq(2, 5 * B + 3);
     let blocks = [4, 1, 7, 0, 2];
     let cache = model(&tokens, 0, 5, &blocks);
     let spans: Vec<&[u8]> = cache.iter().map(|v| &v[..]).collect();
     let s = open(a.path(), None);
     // A chunked save: the first two blocks, then the rest.
     assert_eq!(
-        s.put_paged(&tokens[..8], 0, b"", &paged(), &spans, &blocks[..2])
+        s.put_paged(&tokens[..2 * B], 0, b"", &paged(), &spans, &blocks[..2])
             .unwrap(),
-        8
+        2 * B
     );
     assert_eq!(
-        s.put_paged(&tokens, 8, b"", &paged(), &spans, &blocks[2..])
+        s.put_paged(&tokens, 2 * B, b"", &paged(), &spans, &blocks[2..])
             .unwrap(),
-        20
+        5 * B
     );
-    let mut out = vec![0u8; l.kv_bytes(20).unwrap()];
-    assert_eq!(s.get_into(&tokens, b"", &mut out, 20).unwrap(), 20);
-    assert!(out == kv_for(&l, &tokens[..20]));
+    let mut out = vec![0u8; l.kv_bytes(5 * B).unwrap()];
+    assert_eq!(s.get_into(&tokens, b"", &mut out, 5 * B).unwrap(), 5 * B);
+    assert!(out == kv_for(&l, &tokens[..5 * B]));
     // The same ids as a put of the canonical KV.
     let r = open(b.path(), None);
-    r.put(&tokens, &kv_for(&l, &tokens), 23, b"").unwrap();
+    r.put(&tokens, &kv_for(&l, &tokens), 5 * B + 3, b"")
+        .unwrap();
     assert_eq!(
         s.block_ids(&tokens, b"").unwrap(),
         r.block_ids(&tokens, b"").unwrap()
@@ -165,9 +169,9 @@ fn puts_store_what_a_canonical_put_stores() {
 fn a_damaged_block_is_not_landed_and_ends_the_hit() {
     let dir = tempfile::tempdir().unwrap();
     let l = layout();
-    let tokens = seq(3, 12); // 3 blocks
+    let tokens = seq(3, 3 * B); // 3 blocks
     open(dir.path(), None)
-        .put(&tokens, &kv_for(&l, &tokens), 12, b"")
+        .put(&tokens, &kv_for(&l, &tokens), 3 * B, b"")
         .unwrap();
     let seg = std::fs::read_dir(dir.path().join("segments"))
         .unwrap()
@@ -177,20 +181,21 @@ fn a_damaged_block_is_not_landed_and_ends_the_hit() {
         .path();
     // Records are back to back after the 32-byte header: the second block's
     // payload gets one byte flipped (see tests/store.rs).
-    let record = 80 + 4 * 4 + l.block_bytes() as u64;
+    let meta = 80 + 4 * B as u64; // header and token ids
+    let record = meta + l.block_bytes() as u64;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(seg)
         .unwrap();
-    let at = 32 + record + 80 + 16 + 5;
+    let at = 32 + record + meta + 5;
     let mut byte = [0u8];
     f.read_exact_at(&mut byte, at).unwrap();
     f.write_all_at(&[!byte[0]], at).unwrap();
     drop(f);
     let s = open(dir.path(), None);
     let (m, got) = get_paged(&s, &tokens, 0, &[3, 5, 6]);
-    assert_eq!(m, 4);
+    assert_eq!(m, B);
     // Block 5 (the damaged one) and 6 keep their sentinel bytes.
     assert!(got == model(&tokens, 0, 1, &[3]));
 }
@@ -198,9 +203,10 @@ fn a_damaged_block_is_not_landed_and_ends_the_hit() {
 #[test]
 fn cache_blocks_outside_the_spans_are_refused_before_any_copy() {
     let dir = tempfile::tempdir().unwrap();
-    let tokens = seq(4, 8);
+    let tokens = seq(4, 2 * B);
     let s = open(dir.path(), None);
-    s.put(&tokens, &kv_for(&layout(), &tokens), 8, b"").unwrap();
+    s.put(&tokens, &kv_for(&layout(), &tokens), 2 * B, b"")
+        .unwrap();
     let mut c = caches();
     let mut spans: Vec<&mut [u8]> = c.iter_mut().map(|v| &mut v[..]).collect();
     let e = s

@@ -115,15 +115,20 @@ def delta(results: list[dict[str, Any]], name: str) -> dict[str, float]:
     return vllm_run.counters_delta(before, results[i]["counters"])
 
 
-def store_hits(path: Path) -> int:
-    """Blocks served by the store to every process, as `kvstore stats` reports it."""
+def store_stats(path: Path) -> dict[str, Any]:
+    """The store's figures for every process, as `kvstore stats --json` reports them."""
     out = subprocess.run(
         [sys.executable, "-m", "kvstore.cli", "stats", "--json", str(path)],
         check=True,
         capture_output=True,
         text=True,
     )
-    return int(json.loads(out.stdout)["store"]["total_hit_blocks"])
+    return dict(json.loads(out.stdout)["store"])
+
+
+def store_hits(path: Path) -> int:
+    """Blocks served by the store to every process, as `kvstore stats` reports it."""
+    return int(store_stats(path)["total_hit_blocks"])
 
 
 @pytest.fixture(scope="module")
@@ -245,9 +250,14 @@ def fresh_b(world, stored):
         with torch.inference_mode():
             cache = world["model"](ids, use_cache=True).past_key_values
         hf.save_session(s, "transformers", ids, cache)
-    hits_before = store_hits(path)
+    before = store_stats(path)
     results = run(world, "B", spec(world, path, PARTIAL + SHARED + LATER))
-    return {"results": results, "hits": store_hits(path) - hits_before}
+    after = store_stats(path)
+    return {
+        "results": results,
+        "hits": after["total_hit_blocks"] - before["total_hit_blocks"],
+        "counters": {k: v - before["counters"].get(k, 0) for k, v in after["counters"].items()},
+    }
 
 
 def test_fresh_process_loads_and_matches(world, reference, stored, fresh_b):
@@ -265,6 +275,12 @@ def test_fresh_process_loads_and_matches(world, reference, stored, fresh_b):
     # each loaded prompt's stored prefix. B loaded partial, a, b, planted and session.
     # partial: 3 blocks, a: 7, b: 7, planted: 4, session: 5.
     assert fresh_b["hits"] == 3 + 7 + 7 + 4 + 5
+    # The connector's own figures reached `kvstore stats` too (its named counters),
+    # equal to what vLLM's metrics read from it over B's run.
+    final = fresh_b["results"][-1]["counters"]
+    for k in ("hit_tokens", "load_bytes", "load_error_blocks"):
+        assert fresh_b["counters"].get(f"vllm.{k}", 0) == final[k], k
+    assert final["hit_tokens"] > 0
 
 
 def test_partial_hit(fresh_b, reference):

@@ -306,6 +306,12 @@ impl Store {
         py.detach(|| self.engine.close()).py()
     }
 
+    /// Adds to clients' named counters, shown by `stats()["counters"]`.
+    fn add_counters(&self, counts: Vec<(String, u64)>) -> PyResult<()> {
+        let c: Vec<(&str, u64)> = counts.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        self.engine.add_counters(&c).py()
+    }
+
     fn stats(&self, py: Python<'_>) -> PyResult<Stats> {
         Ok(py.detach(|| self.engine.stats()).py()?.into())
     }

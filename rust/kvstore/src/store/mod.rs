@@ -258,6 +258,14 @@ impl Store {
             .put_paged(tokens, start, extra, paged, layers, blocks)
     }
 
+    /// Adds `counts` to clients' named counters (a connector's figures),
+    /// saved with the store's hit and miss totals at flush and close and
+    /// shown by `stats` (`Stats::counters`). Names: 1 to 64 characters of
+    /// `a-z 0-9 _ . -`.
+    pub fn add_counters(&self, counts: &[(&str, u64)]) -> Result<()> {
+        self.live()?.add_counters(counts)
+    }
+
     /// Keeps the longest stored prefix of `tokens` warm: held in the hot tier
     /// ahead of blocks pinned lower or not at all, and kept by `gc`, until
     /// `ttl` passes (`None`: until unpinned). Returns the tokens pinned.

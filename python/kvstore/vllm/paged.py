@@ -85,6 +85,9 @@ def affine_strides(block_map: torch.Tensor, layout: Layout) -> list[tuple[int, t
     return fits
 
 
+_Part = tuple[int, tuple[int, int, int]]
+
+
 class PagedKV:
     """Moves whole blocks between every layer's paged cache (`caches`, in layer order,
     of one shape and strides; `block_map` from `paged_block_map`) and the store.
@@ -119,7 +122,11 @@ class PagedKV:
             for c in caches
         ]
         self.strided = bool(fits)
-        self._parts = tuple((base, tuple(strides)) for base, strides in fits)
+        # K's and V's (offset, (token, head, dim) strides), as the engine takes them.
+        self._parts: tuple[_Part, _Part] | None = None
+        if fits:
+            (kb, (kt, kh, kd)), (vb, (vt, vh, vd)) = fits
+            self._parts = ((kb, (kt, kh, kd)), (vb, (vt, vh, vd)))
 
     def _spans(self) -> list[Any]:
         """Each layer's span as a byte array on vLLM's memory, new for each call: the
@@ -132,6 +139,7 @@ class PagedKV:
     ) -> int:
         """Lands the stored blocks of `tokens` from `start` on in cache blocks `blocks`
         (one per token block): the stored prefix in tokens from 0, as `Store.get`."""
+        assert self._parts is not None, "the engine's path needs strided K and V"
         return store._raw.get_paged(
             tokens_array(tokens),
             extra_bytes(extra),
@@ -147,6 +155,7 @@ class PagedKV:
     ) -> int:
         """Stores the full blocks of `tokens` from `start` on out of cache blocks
         `blocks`: the tokens covered, as `Store.put`."""
+        assert self._parts is not None, "the engine's path needs strided K and V"
         return store._raw.put_paged(
             tokens_array(tokens),
             extra_bytes(extra),

@@ -76,6 +76,8 @@ class Prompts:
         self.preempt = [_tokens(rng, 220) for _ in range(3)]
         self.busy = [_tokens(rng, 300) for _ in range(6)]
         self.damage = _tokens(rng, 200)  # 6 blocks stored by transformers, the last damaged
+        # Its 6 blocks (the damaged one too) and more: served in one batch with it.
+        self.damage2 = self.damage[: 6 * B] + _tokens(rng, 40)
 
 
 P = Prompts()
@@ -100,7 +102,10 @@ KILL = [phase("kill-warm", P.kill[:1]), phase("kill", P.kill[1:])]
 # 3 prompts of 7 blocks growing to 8 in 23 usable blocks: vLLM preempts one. Its
 # reference runs in as little memory (a run that preempts nothing batches otherwise).
 PREEMPT = [phase("preempt", P.preempt, max_tokens=12)]
-DAMAGE = [phase("damage", [P.damage]), phase("salted-again", [P.a], cache_salt="tenant-2")]
+DAMAGE = [
+    phase("damage", [P.damage, P.damage2]),
+    phase("salted-again", [P.a], cache_salt="tenant-2"),
+]
 SMALL = 24 * 4 * B * 2 * 2 * 64 * 2  # bytes of 24 blocks (one is vLLM's null block)
 
 
@@ -343,13 +348,18 @@ def damaged_run(world, stored, fresh_b):
 
 
 def test_damaged_block_misses_and_is_recomputed_and_stored_again(world, damaged_run, reference):
-    """The scheduler plans the load of 6 blocks from the index; 5 land, the damaged one
-    is reported to vLLM, which recomputes it: the tokens of a run without the store.
-    The recomputed block is saved again, so the store heals."""
+    """The scheduler plans the load of 6 blocks from the index for each of two requests
+    in one batch that share them (P.damage, P.damage2); 5 land, the damaged one is
+    reported to vLLM, which recomputes it for each request that loaded it: both get the
+    tokens of a run without the store. The recomputed block is saved again, so the
+    store heals."""
     results = damaged_run["results"]
     d = delta(results, "damage")
-    assert d["hit_tokens"] == 5 * B
-    assert d["load_error_blocks"] == 1
+    # Every planned block either landed or was reported; the damaged one failed at
+    # least once (both requests' loads, unless the second was planned after the first
+    # had already stored it again: then its 6 blocks landed).
+    assert d["hit_tokens"] + d["load_error_blocks"] * B == 12 * B
+    assert 1 <= d["load_error_blocks"] <= 2
     assert by_name(results)["damage"]["tokens"] == reference["damage"]["tokens"]
     n = damaged_run["n"]
     with hf.open(

@@ -107,6 +107,9 @@ class Manifest(TypedDict):
     created_unix: int
     store_id: str
 
+# K's and V's (element offset in a block, (token, head, dim) element strides).
+_PagedParts = tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]]
+
 @type_check_only
 class Stats(TypedDict):
     blocks: int
@@ -251,7 +254,7 @@ class Store:
         layers: list[npt.NDArray[np.uint8]],
         blocks: list[int],
         block_stride: int,
-        parts: tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]],
+        parts: _PagedParts,
     ) -> int: ...
     def put_paged(
         self,
@@ -261,7 +264,7 @@ class Store:
         layers: list[npt.NDArray[np.uint8]],
         blocks: list[int],
         block_stride: int,
-        parts: tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]],
+        parts: _PagedParts,
     ) -> int: ...
     def pin(
         self,

@@ -139,31 +139,32 @@ class PagedKV:
     ) -> int:
         """Lands the stored blocks of `tokens` from `start` on in cache blocks `blocks`
         (one per token block): the stored prefix in tokens from 0, as `Store.get`."""
-        assert self._parts is not None, "the engine's path needs strided K and V"
-        return store._raw.get_paged(
-            tokens_array(tokens),
-            extra_bytes(extra),
-            start,
-            self._spans(),
-            blocks,
-            self._block_stride,
-            self._parts,
-        )
+        return self._engine(store._raw.get_paged, tokens, start, extra, blocks)
 
     def save(
         self, store: Store, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
     ) -> int:
         """Stores the full blocks of `tokens` from `start` on out of cache blocks
         `blocks`: the tokens covered, as `Store.put`."""
+        return self._engine(store._raw.put_paged, tokens, start, extra, blocks)
+
+    def _engine(
+        self, call: Any, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+    ) -> int:
+        """`call` (the binding's get_paged or put_paged) on these caches."""
         assert self._parts is not None, "the engine's path needs strided K and V"
-        return store._raw.put_paged(
-            tokens_array(tokens),
-            extra_bytes(extra),
-            start,
-            self._spans(),
-            blocks,
-            self._block_stride,
-            self._parts,
+        spans = self._spans()
+        parts = self._parts
+        return int(
+            call(
+                tokens_array(tokens),
+                extra_bytes(extra),
+                start,
+                spans,
+                blocks,
+                self._block_stride,
+                parts,
+            )
         )
 
     def move(self, block_ids: list[int], kv: torch.Tensor, into_cache: bool) -> None:

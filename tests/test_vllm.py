@@ -348,18 +348,19 @@ def damaged_run(world, stored, fresh_b):
 
 
 def test_damaged_block_misses_and_is_recomputed_and_stored_again(world, damaged_run, reference):
-    """The scheduler plans the load of 6 blocks from the index for each of two requests
-    in one batch that share them (P.damage, P.damage2); 5 land, the damaged one is
-    reported to vLLM, which recomputes it for each request that loaded it: both get the
-    tokens of a run without the store. The recomputed block is saved again, so the
+    """Two requests served together share 6 stored blocks, the last damaged (P.damage,
+    P.damage2); the scheduler plans loads from the index; 5 land, the damaged one is
+    reported to vLLM, which recomputes it for each request whose load failed: both get
+    the tokens of a run without the store. The recomputed block is saved again, so the
     store heals."""
     results = damaged_run["results"]
     d = delta(results, "damage")
-    # Every planned block either landed or was reported; the damaged one failed at
-    # least once (both requests' loads, unless the second was planned after the first
-    # had already stored it again: then its 6 blocks landed).
-    assert d["hit_tokens"] + d["load_error_blocks"] * B == 12 * B
-    assert 1 <= d["load_error_blocks"] <= 2
+    # The first request's load: 5 blocks land, the damaged one is reported (and leaves
+    # the index). The second's, by when vLLM plans it: in the same step, the same
+    # (5 and 1); after the first read quarantined the block, 5 planned and landed; after
+    # the first stored it again, 6 landed. Never a damaged block served.
+    outcomes = {(10 * B, 2), (10 * B, 1), (11 * B, 1)}
+    assert (d["hit_tokens"], d["load_error_blocks"]) in outcomes, d
     assert by_name(results)["damage"]["tokens"] == reference["damage"]["tokens"]
     n = damaged_run["n"]
     with hf.open(

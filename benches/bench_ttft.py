@@ -2,6 +2,7 @@
 """Time to first token with a 4K-token prefix: recompute vs restore, same model, same run.
 
     python benches/bench_ttft.py [--prefix 4096] [--suffix 16] [--repeat 3] [--json OUT]
+        [--sweep 256,512,...,32768] [--sweep-only] [--plot restore.png]
 
 A Llama-architecture model with seeded random weights (float32 on the CPU;
 default hidden 1024, 8 layers, 16 heads, 4 KV heads, 89M non-embedding
@@ -24,7 +25,17 @@ the time from "here is the prompt" to the argmax of the first new token's logits
 Every restored path must produce the recompute's first token (and kvstore and
 torch.load bitwise the same logits). Timings are the best of `--repeat` runs
 (the median is printed too). Targets: kvstore >= 20x faster than recompute,
-and faster than torch.save/torch.load.
+and its restore faster than torch.load's in every page-cache state (hot tier and
+warm segments vs torch.load warm, cold segments vs torch.load cold).
+
+Then the restore sweep (`--sweep`; `--sweep-only` skips the TTFT part): restore
+time against prefix length, 256 to 32K tokens, for the hot tier, warm and cold
+segments and torch.load warm and cold, with KV of the model's layout (random
+values: restore time does not depend on them) put once as one 32K-token
+sequence and torch.save'd per length as the DynamicCache a model would return.
+Every restored cache is checked bitwise against the KV put. The plot (PNG,
+`--plot`) is drawn when matplotlib is installed (`pip install kvstore[bench]`);
+without it the table is printed and the bench says so.
 """
 
 from __future__ import annotations
@@ -52,11 +63,19 @@ from bench_store import _mincore_resident, drop_page_cache  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, vocab: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    config = LlamaConfig(
+    torch.manual_seed(0)
+    return LlamaForCausalLM(build_config(hidden, layers, vocab)).eval()
+
+
+def build_config(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> Any:
+    """The model's config (its KV layout: hidden // 256 KV heads of 64, float32)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
         num_hidden_layers=layers,
@@ -68,8 +87,6 @@ def build_model(hidden: int, layers: int, vocab: int) -> Any:
         eos_token_id=None,
         pad_token_id=0,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 # ------------------------------------------------------------------------------ page cache
@@ -135,7 +152,176 @@ def timed_restore(
     return token, logits
 
 
-def main() -> int:
+# ------------------------------------------------------------------------- restore sweep
+
+SWEEP = "256,512,1024,2048,4096,8192,16384,32768"
+SWEEP_METHODS = {
+    "kvstore-hot": "kvstore, hot tier",
+    "kvstore-warm": "kvstore, segments warm",
+    "kvstore-cold": "kvstore, segments cold",
+    "torch-warm": "torch.load, warm",
+    "torch-cold": "torch.load, cold",
+}
+
+
+def torch_cache(kv: torch.Tensor, n: int, config: Any) -> Any:
+    """The DynamicCache a model returns after `n` tokens, from `kv` ([L, 2, T, H, D]):
+    contiguous [1, H, n, D] keys and values of their own per layer."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for i in range(kv.shape[0]):
+        k, v = (kv[i, j, :n].transpose(0, 1)[None].contiguous() for j in (0, 1))
+        cache.update(k, v, i)
+    return cache
+
+
+def cache_equals(cache: Any, kv: torch.Tensor, n: int) -> bool:
+    """Whether every layer of `cache` holds exactly `kv`'s first `n` tokens."""
+    layers = list(cache.layers)
+    return len(layers) == kv.shape[0] and all(
+        torch.equal(layer.keys[0].transpose(0, 1), kv[i, 0, :n])
+        and torch.equal(layer.values[0].transpose(0, 1), kv[i, 1, :n])
+        for i, layer in enumerate(layers)
+    )
+
+
+def restore_sweep(
+    config: Any, lengths: Sequence[int], repeat: int, base: Path, cold_method: str
+) -> tuple[dict[str, dict[int, list[float]]], list[str]]:
+    """Restore times ({method: {prefix length: samples}}) and notes; see the docstring.
+    Shared with bench_store.py's restore rows."""
+    layout = hf.layout_of(config)
+    fp = "bench/ttft-sweep@0"
+    n_max = max(lengths)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, config.vocab_size, (n_max,), generator=g)
+    kv = (torch.randn(layout.kv_shape(n_max), generator=g) * 0.05).to(getattr(torch, layout.dtype))
+    kv_max = layout.block_bytes * (n_max // layout.block_size)
+    times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in lengths} for k in SWEEP_METHODS}
+    notes: list[str] = []
+    wrong: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-sweep-", dir=base) as tmp:
+        root = Path(tmp)
+        store_dir = root / "store"
+        with kvstore.open(store_dir, layout=layout, model=fp, durability="batch") as st:
+            assert st.put(ids, kv) == n_max
+            st.flush()
+        torch_files = {}
+        for n in lengths:
+            torch_files[n] = root / f"cache-{n}.pt"
+            torch.save(torch_cache(kv, n, config), torch_files[n])
+            with open(torch_files[n], "rb") as f:
+                os.fsync(f.fileno())
+        store_files = files_under(store_dir)
+        hot = kvstore.open(store_dir, layout=layout, model=fp, hot_bytes=2 * kv_max + (64 << 20))
+        warm = kvstore.open(store_dir, layout=layout, model=fp)  # segments only
+        try:
+            for s in (hot, warm):  # into the hot tier, and the page cache
+                hf.load(s, ids, config=config)
+
+            def timed(key: str, n: int, restore: Callable[[], Any], check: bool) -> None:
+                t0 = time.perf_counter()
+                cache = restore()
+                times[key][n].append(time.perf_counter() - t0)
+                if check and not cache_equals(cache, kv, n):
+                    wrong.append(f"{key} at {n} tokens")
+
+            def load(s: kvstore.Store, n: int) -> Callable[[], Any]:
+                return lambda: hf.load(s, ids[:n], config=config)[0]
+
+            def load_torch(path: Path) -> Callable[[], Any]:
+                return lambda: torch.load(path, weights_only=False)
+
+            for r in range(repeat):
+                for n in lengths:
+                    check = r == 0
+                    timed("kvstore-hot", n, load(hot, n), check)
+                    load(warm, n)()  # in the page cache again (the last cold read evicted it)
+                    timed("kvstore-warm", n, load(warm, n), check)
+                    used, left = evict(store_files, cold_method)
+                    with kvstore.open(store_dir, layout=layout, model=fp) as cold:
+                        timed("kvstore-cold", n, load(cold, n), check)
+                    if r == 0 and n == n_max:
+                        notes.append(f"cold: {used}, {left / 2**20:.1f} MiB of the store resident")
+                    path = torch_files[n]
+                    torch.load(path, weights_only=False)  # into the page cache
+                    timed("torch-warm", n, load_torch(path), check)
+                    evict([path], cold_method)
+                    timed("torch-cold", n, load_torch(path), check)
+            # Blocks the hot handle read from segments after its first, filling load.
+            missed = hot.stats()["disk_hit_blocks"] - n_max // layout.block_size
+            if missed:
+                notes.append(f"hot tier: {missed} block reads came from segments (evicted)")
+        finally:
+            hot.close()
+            warm.close()
+            kvstore.remove_arena(store_dir)
+    if wrong:
+        notes.append("WRONG KV restored: " + ", ".join(wrong))
+    return times, notes
+
+
+def print_sweep(times: dict[str, dict[int, list[float]]], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="restore time against prefix length (best)", title_justify="left")
+    lengths = sorted(next(iter(times.values())))
+    table.add_column("method")
+    for n in lengths:
+        table.add_column(f"{n}", justify="right")
+    for key, name in SWEEP_METHODS.items():
+        table.add_row(name, *(f"{min(times[key][n]) * 1e3:.2f} ms" for n in lengths))
+    for key, ref in (
+        ("kvstore-hot", "torch-warm"),
+        ("kvstore-warm", "torch-warm"),
+        ("kvstore-cold", "torch-cold"),
+    ):
+        table.add_row(
+            f"{SWEEP_METHODS[key]} vs {SWEEP_METHODS[ref]}",
+            *(f"{min(times[ref][n]) / min(times[key][n]):.2f}x" for n in lengths),
+        )
+    console.print(table)
+
+
+def plot_sweep(times: dict[str, dict[int, list[float]]], path: Path, title: str) -> str:
+    """Draws the sweep to `path` (PNG); what was done, for the report."""
+    try:
+        import matplotlib
+    except ImportError:
+        return (
+            f"no plot: matplotlib is not installed (pip install kvstore[bench]); not written {path}"
+        )
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    styles = {
+        "kvstore-hot": ("tab:green", "-", "o"),
+        "kvstore-warm": ("tab:blue", "-", "s"),
+        "kvstore-cold": ("tab:purple", "-", "^"),
+        "torch-warm": ("tab:orange", "--", "s"),
+        "torch-cold": ("tab:red", "--", "^"),
+    }
+    for key, name in SWEEP_METHODS.items():
+        lengths = sorted(times[key])
+        color, line, marker = styles[key]
+        best_ms = [min(times[key][n]) * 1e3 for n in lengths]
+        ax.plot(lengths, best_ms, line, color=color, marker=marker, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel("restore time, best of runs (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"plot written to {path}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--prefix", type=int, default=4096, help="tokens restored (default 4096)")
     p.add_argument("--suffix", type=int, default=16, help="new tokens prefilled (default 16)")
@@ -153,16 +339,59 @@ def main() -> int:
         "or drop_caches (root; the whole machine)",
     )
     p.add_argument("--json", help="also write every sample here")
-    args = p.parse_args()
+    p.add_argument(
+        "--sweep",
+        default=SWEEP,
+        help=f"prefix lengths of the restore sweep (default {SWEEP}; empty: none)",
+    )
+    p.add_argument("--sweep-only", action="store_true", help="only the restore sweep")
+    p.add_argument(
+        "--plot", default="bench_ttft_restore.png", help="the sweep's PNG (needs matplotlib)"
+    )
+    args = p.parse_args(argv)
 
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args.hidden, args.layers, args.vocab)
+    config = build_config(args.hidden, args.layers, args.vocab)
+    lengths = [int(x) for x in args.sweep.split(",") if x.strip()]
+    data: dict[str, Any] = {}
+    ok = True
+    if not args.sweep_only:
+        ok = ttft(args, build_model(args.hidden, args.layers, args.vocab), console, data)
+    if lengths:
+        layout = hf.layout_of(config)
+        console.print(
+            f"[bold]restore sweep[/bold]: {', '.join(map(str, lengths))} tokens, "
+            f"{layout.block_bytes // 1024} KiB blocks, best of {args.repeat}; "
+            f"load average {os.getloadavg()[0]:.1f} at the start"
+        )
+        base = Path(args.dir or tempfile.gettempdir())
+        times, notes = restore_sweep(config, lengths, args.repeat, base, args.cold_method)
+        print_sweep(times, console)
+        title = (
+            f"hf.load vs torch.load of a DynamicCache, L={layout.num_layers} "
+            f"H={layout.num_kv_heads} D={layout.head_dim} {layout.dtype}, "
+            f"{layout.block_bytes // 1024} KiB blocks; load avg {os.getloadavg()[0]:.1f}"
+        )
+        notes.append(plot_sweep(times, Path(args.plot), title))
+        for note in notes:
+            console.print(note)
+        ok = ok and not any(n.startswith("WRONG") for n in notes)
+        data["sweep"] = {k: {str(n): v for n, v in t.items()} for k, t in times.items()}
+        data["sweep_notes"] = notes
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=2))
+    return 0 if ok else 1
+
+
+def ttft(args: argparse.Namespace, model: Any, console: Any, data: dict[str, Any]) -> bool:
+    """The TTFT part (see the docstring); fills `data`; whether every check passed."""
+    from rich.table import Table
+
     layout = hf.layout_of(model)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, args.vocab, (1, args.prefix + args.suffix), generator=g)
@@ -328,51 +557,45 @@ def main() -> int:
         f"save: kvstore put + flush {t_save * 1e3:.0f} ms ({st['blocks']} blocks), "
         f"torch.save + fsync {t_torch_save * 1e3:.0f} ms"
     )
-    best_kvstore = min(timings[k].best for k in ("kvstore-hot", "kvstore-warm"))
-    best_reused = min(timings[k].best for k in ("kvstore-hot-reused", "kvstore-warm-reused"))
+
+    def restore(key: str) -> float:
+        return min(timings[key].restore)
+
     targets = [
         (
             "kvstore (every tier) >= 20x faster than recompute",
             all(recompute / timings[k].best >= 20 for k in timings if k.startswith("kvstore")),
         ),
-        (
-            "kvstore (hot or warm) faster than torch.load (warm)",
-            best_kvstore < timings["torch-warm"].best,
-        ),
-        (
-            "kvstore (hot or warm, reused buffer) faster than torch.load (warm)",
-            best_reused < timings["torch-warm"].best,
-        ),
-        (
-            "kvstore (cold) faster than torch.load (cold)",
-            timings["kvstore-cold"].best < timings["torch-cold"].best,
-        ),
     ]
+    for ours, peer in (
+        ("kvstore-hot", "torch-warm"),
+        ("kvstore-warm", "torch-warm"),
+        ("kvstore-cold", "torch-cold"),
+    ):
+        targets.append(
+            (f"restore: {names[ours]} faster than {names[peer]}", restore(ours) < restore(peer))
+        )
     result = Table(title="checks and targets", title_justify="left")
     result.add_column("")
     result.add_column("", justify="right")
     for label, ok in checks + targets:
         result.add_row(label, "[green]yes[/green]" if ok else "[red]NO[/red]")
     console.print(result)
-    if args.json:
-        meta = {
-            "prefix": args.prefix,
-            "suffix": args.suffix,
-            "params": params,
-            "layout": str(layout),
-            "threads": torch.get_num_threads(),
-            "machine": platform.platform(),
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-        }
-        data = {
-            "meta": meta,
-            "timings": [t.as_dict() for t in timings.values()],
-            "checks": dict(checks),
-            "targets": dict(targets),
-        }
-        Path(args.json).write_text(json.dumps(data, indent=2))
-    return 0 if all(ok for _, ok in checks) else 1
+    data["meta"] = {
+        "prefix": args.prefix,
+        "suffix": args.suffix,
+        "params": params,
+        "layout": str(layout),
+        "threads": torch.get_num_threads(),
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "loadavg": os.getloadavg(),
+    }
+    data["timings"] = [t.as_dict() for t in timings.values()]
+    data["checks"] = dict(checks)
+    data["targets"] = dict(targets)
+    return all(ok for _, ok in checks)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ SMALL = [
     "8192",
     "--lookup-runs",
     "3",
+    "--restore-tokens",
+    "256",
     "--cold-method",
     "fadvise",
     "--quiet",
@@ -55,7 +57,7 @@ def test_full_script_tiny(benchmark, tmp_path: Path) -> None:
     argv = [*SMALL, "--dir", str(tmp_path), "--json", str(out)]
     res = benchmark.pedantic(bs.main, args=(argv,), rounds=1, iterations=1)
     sections = {r.section for r in res.rows}
-    assert {"limits", "put", "get", "lookup", "zstd"} <= sections
+    assert {"limits", "put", "get", "restore", "lookup", "zstd"} <= sections
     for r in res.rows:
         assert math.isfinite(r.value) and r.value > 0, r
         if r.limit is not None:
@@ -136,3 +138,25 @@ def test_bench_remote_tiny(tmp_path: Path) -> None:
     for r in rows.rows:
         assert math.isfinite(r["value"]) and r["value"] >= 0, r  # a node may hold no key
     assert len(json.loads(out.read_text())["rows"]) == len(rows.rows)
+
+
+def test_bench_ttft_sweep_tiny(tmp_path: Path) -> None:
+    """bench_ttft.py's restore sweep at tiny sizes: every restore checked bitwise by the
+    bench (exit status 0), every method timed at every length, and the plot written
+    exactly when matplotlib is installed (the bench says so otherwise)."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("bench_ttft", _HERE / "bench_ttft.py")
+    assert spec is not None and spec.loader is not None
+    bt = iu.module_from_spec(spec)
+    spec.loader.exec_module(bt)
+    png, out = tmp_path / "restore.png", tmp_path / "ttft.json"
+    argv = ["--sweep-only", "--hidden", "256", "--layers", "2", "--sweep", "32,64"]
+    argv += ["--repeat", "1", "--cold-method", "fadvise", "--dir", str(tmp_path)]
+    assert bt.main([*argv, "--plot", str(png), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["sweep"]) == set(bt.SWEEP_METHODS)
+    for samples in data["sweep"].values():
+        assert set(samples) == {"32", "64"}
+        assert all(len(v) == 1 and v[0] > 0 for v in samples.values())
+    assert png.exists() == (iu.find_spec("matplotlib") is not None), data["sweep_notes"]

@@ -405,8 +405,10 @@ def last_kernel() -> dict[str, str | int]:
     """What the calling thread's last CPU `paged_attention` call ran: `isa` (the kernel
     build: `avx512_bf16`, `avx512`, `avx2`, `base`, or `none` before any call),
     `partitions` (split-K partitions of the longest sequence; 1: no split),
-    `partition_tokens` and `threads`. For tests and benchmarks that must know that the
-    fast kernel ran, not only that the result is right."""
+    `partition_tokens` and `threads` (the threads that ran its work items: 1 for a step
+    too small to share, or where a helper started after the caller had taken every item).
+    For tests and benchmarks that must know that the fast kernel ran, not only that the
+    result is right."""
     load()
     info: dict[str, str | int] = {}
     for field in torch.ops.kvstore.last_cpu_kernel().split():

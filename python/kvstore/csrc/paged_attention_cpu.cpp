@@ -68,8 +68,11 @@ constexpr int64_t kMinPartitionTokens = 256;
 // Work items per thread a step is cut into where it can be (split-K for long contexts):
 // enough that a thread descheduled for a while delays the step by little.
 constexpr int64_t kItemsPerThread = 8;
-// K and V elements a thread should get before a call is worth splitting across threads
-// (about 0.1 ms of work): waking the pool costs more than a tiny decode step.
+// K and V elements a thread should get before a call is worth splitting across threads:
+// below, a step runs on the calling thread alone. Measured (2-vCPU EPYC, bfloat16, GQA 4,
+// D 128, one sequence, fastest calls): two threads beat one from 128 tokens (256K
+// elements, 1.17x) up, 1.2-1.6x from 256 to 2K tokens; medians under a load average of
+// 5-7 favour one thread up to 1K (a helper that is descheduled holds its item up).
 constexpr int64_t kMinParallelElements = int64_t{1} << 18;
 
 // Eight fp32 lanes as a GCC/Clang generic vector: plain arithmetic on it compiles to
@@ -298,6 +301,15 @@ int64_t min_partition_tokens() {
   return v > 0 ? ceil_div(v, kChunk) * kChunk : kMinPartitionTokens;
 }
 
+// kMinParallelElements, or $KVSTORE_PARALLEL_MIN_ELEMENTS (read on each call): 1 runs
+// even a short step on every thread (how the threshold above is measured).
+int64_t min_parallel_elements() {
+  const char* env = std::getenv("KVSTORE_PARALLEL_MIN_ELEMENTS");
+  if (env == nullptr || *env == '\0') return kMinParallelElements;
+  const long long v = std::atoll(env);
+  return v > 0 ? v : kMinParallelElements;
+}
+
 // Runs `items` work items on the calling thread and up to `workers - 1` helpers from
 // ATen's inter-op pool. `body(claim)` takes items while `claim(i)` gives one.
 //
@@ -308,12 +320,14 @@ int64_t min_partition_tokens() {
 // Here items go to whichever thread asks next, and the caller waits only for items a
 // helper has taken: a helper that starts late finds none left and never touches the
 // step's data (the shared state it holds outlives the call; `body` is never run by it
-// then).
-void run_items(int64_t items, int64_t workers,
-               const std::function<void(const std::function<bool(int64_t&)>&)>& body) {
+// then). Returns the number of threads that ran items, the caller included: a helper
+// the OS started after the last item was taken does not count.
+int64_t run_items(int64_t items, int64_t workers,
+                  const std::function<void(const std::function<bool(int64_t&)>&)>& body) {
   struct Shared {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
+    std::atomic<int64_t> ran{0};  // threads that took an item
     int64_t items = 0;
     // Set to the caller's body; run by a helper only for an item it has claimed, which
     // the caller waits for, so the references it captures are alive then.
@@ -325,6 +339,8 @@ void run_items(int64_t items, int64_t workers,
   const auto work = [](Shared& st) {
     const int64_t first = st.next.fetch_add(1);
     if (first >= st.items) return;  // nothing left: do not touch the step's data
+    // Before the item's `done`, which the caller waits for: the count is final then.
+    st.ran.fetch_add(1);
     bool given = false;
     st.body([&st, first, &given](int64_t& i) {
       if (!given) {
@@ -341,6 +357,7 @@ void run_items(int64_t items, int64_t workers,
   work(*shared);
   // Every item is taken now; wait for those helpers still run.
   while (shared->done.load() < items) std::this_thread::yield();
+  return shared->ran.load();
 }
 
 // Merges the partitions of each (sequence, head) and writes the normalised output.
@@ -405,13 +422,23 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   at::Tensor out = at::empty({dims.num_seqs, dims.num_heads, dims.head_dim}, q.options());
   if (dims.num_seqs == 0 || dims.num_heads == 0 || dims.head_dim == 0) return out;
 
+  // Threads: one per kMinParallelElements of K and V, so a short step runs on the
+  // calling thread alone and pays no wake-up of a helper.
+  const int64_t H = dims.num_kv_heads;
+  const int64_t elements = 2 * dims.num_seqs * std::max<int64_t>(max_len, 1) * H * dims.head_dim;
+  const int64_t threads = std::min<int64_t>(
+      at::get_num_threads(), std::max<int64_t>(1, elements / min_parallel_elements()));
   // Work items (sequence, partition, group of kv heads), at least kItemsPerThread per
   // thread where the step allows, taken one by one by the threads (items): sequences
   // first, then split-K partitions of long contexts, then kv heads (a group's rows of
-  // a token are adjacent, so fewer groups visit each page fewer times).
-  const int64_t threads = at::get_num_threads();
-  const int64_t want = kItemsPerThread * threads;
-  const int64_t H = dims.num_kv_heads;
+  // a token are adjacent, so fewer groups visit each page fewer times). On one thread a
+  // step is one item per sequence: partitions would only add a merge (unless
+  // $KVSTORE_SPLIT_MIN_TOKENS asks for them, as the tests of split-K do).
+  const char* split_env = std::getenv("KVSTORE_SPLIT_MIN_TOKENS");
+  const bool forced_split = split_env != nullptr && *split_env != '\0';
+  const int64_t want = forced_split ? kItemsPerThread * at::get_num_threads()
+                       : threads > 1  ? kItemsPerThread * threads
+                                      : 1;
   int64_t parts = 1;
   int64_t partition_tokens = std::max<int64_t>(max_len, 1);
   const int64_t min_part = min_partition_tokens();
@@ -462,12 +489,7 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   const int64_t D = dims.head_dim, G = dims.group, NH = dims.num_heads;
   const Kernel kernel = kernel_for(kind, D, fp8);
   const AttendFn attend = kernel.fn;
-  last_kernel = {kernel.isa, parts, partition_tokens, threads};
-  // Threads: one per kMinParallelElements of K and V (short steps stay on one).
-  const int64_t elements = 2 * dims.num_seqs * std::max<int64_t>(max_len, 1) * H * D;
-  const int64_t workers =
-      std::min({threads, items, std::max<int64_t>(1, elements / kMinParallelElements)});
-  run_items(items, workers, [&](const std::function<bool(int64_t&)>& claim) {
+  const auto body = [&](const std::function<bool(int64_t&)>& claim) {
     std::vector<float> buf(2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk);
     std::vector<int64_t> offsets(2 * kChunk);
     std::vector<const float*> rows(2 * kChunk);
@@ -489,7 +511,9 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
       const int64_t begin = sp * H + hg * heads_per_item;
       attend(p, w, begin, std::min(begin + heads_per_item, (sp + 1) * H));
     }
-  });
+  };
+  const int64_t ran = run_items(items, std::min(threads, items), body);
+  last_kernel = {kernel.isa, parts, partition_tokens, ran};
   if (parts > 1) {
     if (kind == at::kFloat) {
       merge_partitions<Kind::F32>(p, dims.num_seqs);

@@ -7,15 +7,49 @@
 //! - `sessions`: tenant tag (16 B) ‖ name (UTF-8) → token ids (u32 LE each)
 //! - `damaged`:  block id → [`Location`] ‖ reason (UTF-8): blocks found damaged on read
 //! - `pins`:     block id → priority (u64 LE) ‖ expiry in ms since the epoch (u64 LE, 0 = never)
-//! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`, hit/miss totals,
-//!               clients' named counters as `counter.<name>`)
+//! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`,
+//!   `chains_generation`, hit/miss totals, clients' named counters as
+//!   `counter.<name>`)
+//! - `parents`:  block id → parent id (32 B) ‖ closed (1 B: 1 or 0): the block's
+//!   parent when it was published by a put that knew it
+//! - `children`: parent id → child id (32 B), sorted duplicates: the inverse of
+//!   `parents`, one pair per `parents` entry
+//!
+//! ## Prefix-closed chains (`parents`, `children`)
+//!
+//! A block is *closed* when its whole ancestry is indexed, so that `lookup`
+//! can gallop over a chain with a few probes instead of one per block. In
+//! every committed state, while the marks are trusted (below):
+//!
+//! 1. a `parents` entry exists only for a block in `blocks`;
+//! 2. a block is marked closed only if its parent is [`ROOT`] or is itself
+//!    marked closed;
+//! 3. `children` holds the pair (p, c) exactly when `parents[c]` names p.
+//!
+//! By (1) and (2), a closed block's ancestors, back to the root, are all in
+//! `blocks`; along one chain the closed blocks form a prefix. What keeps it:
+//! [`Index::insert_child`] (a put's publish) records the parent and marks the
+//! block closed when its parent is, then marks the descendants that waited
+//! for it (a hole filled again); [`Index::delete_block_if_at`], the only
+//! removal from `blocks` (eviction, quarantine, `verify --repair`,
+//! compaction's drops), drops the block's entry and unmarks its closed
+//! descendants in the same transaction. Moves keep both (the block stays).
+//! Blocks without an entry or a mark (stores older than these tables, a
+//! rebuild from segments, which does not know parents) are simply not
+//! closed: `lookup` finds them one probe at a time, as before.
+//!
+//! Trust: binaries older than these tables remove blocks without unmarking
+//! anything. Every bump of `generation` by this code advances
+//! `chains_generation` with it while the two are equal; an older binary's
+//! bump leaves them apart. The marks count only while they are equal, and
+//! [`Index::open`] empties both tables and realigns the two when they are not.
 
 use crate::error::{Error, Result};
 use crate::fault;
-use crate::id::BlockId;
+use crate::id::{BlockId, ROOT};
 use crate::os;
 use heed::types::Bytes;
-use heed::{Database, Env, RoTxn, RwTxn, WithoutTls};
+use heed::{Database, DatabaseFlags, Env, RoTxn, RwTxn, WithoutTls};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -143,6 +177,8 @@ pub struct Index {
     damaged: Db,
     pins: Db,
     meta: Db,
+    parents: Db,
+    children: Db,
     nosync: bool,
     /// The process that opened the environment.
     pid: u32,
@@ -314,18 +350,36 @@ impl Index {
         let damaged = create("damaged")?;
         let pins = create("pins")?;
         let meta = create("meta")?;
-        wtxn.commit()?;
-        let idx = Arc::new(Index {
-            env,
+        let parents = create("parents")?;
+        let children = env
+            .database_options()
+            .types::<Bytes, Bytes>()
+            .name("children")
+            .flags(DatabaseFlags::DUP_SORT)
+            .create(&mut wtxn)?;
+        let idx = Index {
+            env: env.clone(),
             blocks,
             segments,
             sessions,
             damaged,
             pins,
             meta,
+            parents,
+            children,
             nosync,
             pid: std::process::id(),
-        });
+        };
+        if !idx.chains_trusted(&wtxn)? {
+            // An older binary removed blocks without unmarking their
+            // descendants: start the marks afresh.
+            idx.parents.clear(&mut wtxn)?;
+            idx.children.clear(&mut wtxn)?;
+            let g = idx.meta_u64(&wtxn, "generation")?;
+            idx.set_meta_u64(&mut wtxn, "chains_generation", g)?;
+        }
+        wtxn.commit()?;
+        let idx = Arc::new(idx);
         reg.insert(key, Arc::downgrade(&idx));
         Ok(idx)
     }
@@ -405,7 +459,8 @@ impl Index {
 
     /// Removes block `id`'s entry if it still names the record at `at` (a
     /// writer may have moved or replaced it since `at` was read), and counts
-    /// the record dead. Bumps the generation: cached locations are stale.
+    /// the record dead; its descendants are no longer closed. Bumps the
+    /// generation: cached locations are stale.
     pub fn delete_block_if_at(
         &self,
         txn: &mut RwTxn<'_>,
@@ -416,9 +471,110 @@ impl Index {
             return Ok(false);
         }
         self.blocks.delete(txn, id)?;
+        self.unlink(txn, id)?;
         self.bump_generation(txn)?;
         self.add_live(txn, at.segment, -at.record_len.cast_signed(), -1)?;
         Ok(true)
+    }
+
+    /// [`Index::insert_block`] for a block whose parent is known (a put's
+    /// publish): records the parent and marks the block closed if its parent
+    /// is (see "Prefix-closed chains"), then closes the descendants that were
+    /// waiting for it. Also for a block already indexed without an entry.
+    pub fn insert_child(
+        &self,
+        txn: &mut RwTxn<'_>,
+        id: &BlockId,
+        loc: &Location,
+        parent: &BlockId,
+    ) -> Result<bool> {
+        let inserted = self.insert_block(txn, id, loc)?;
+        if self.parents.get(txn, id)?.is_some() {
+            return Ok(inserted);
+        }
+        let closed = *parent == ROOT || self.link(txn, parent)?.is_some_and(|(_, c)| c);
+        self.put_link(txn, id, parent, closed)?;
+        self.children.put(txn, parent, id)?;
+        if closed {
+            self.set_closed_below(txn, id, true)?;
+        }
+        Ok(inserted)
+    }
+
+    /// Whether block `id` is closed with `parent` as its parent: it and its
+    /// whole ancestry are indexed (in the snapshot `txn`). False for every
+    /// block while the marks are not trusted.
+    pub fn is_closed(&self, txn: &RoTxn<'_>, id: &BlockId, parent: &BlockId) -> Result<bool> {
+        Ok(self
+            .link(txn, id)?
+            .is_some_and(|(p, closed)| closed && p == *parent))
+    }
+
+    /// Whether the closed marks may be relied on (no older binary has
+    /// removed blocks since they were last made consistent).
+    pub fn chains_trusted(&self, txn: &RoTxn<'_>) -> Result<bool> {
+        Ok(self.meta_u64(txn, "generation")? == self.meta_u64(txn, "chains_generation")?)
+    }
+
+    /// Block `id`'s parent and closed mark, if it has an entry.
+    fn link(&self, txn: &RoTxn<'_>, id: &BlockId) -> Result<Option<(BlockId, bool)>> {
+        Ok(self.parents.get(txn, id)?.and_then(|v| {
+            let (p, c) = (v.get(..32)?, v.get(32)?);
+            Some((p.try_into().ok()?, *c == 1))
+        }))
+    }
+
+    fn put_link(
+        &self,
+        txn: &mut RwTxn<'_>,
+        id: &BlockId,
+        parent: &BlockId,
+        closed: bool,
+    ) -> Result<()> {
+        let mut v = [0u8; 33];
+        v[..32].copy_from_slice(parent);
+        v[32] = u8::from(closed);
+        Ok(self.parents.put(txn, id, &v)?)
+    }
+
+    /// Drops a removed block's entry and pair, and unmarks its closed
+    /// descendants: their ancestry is no longer whole. The pairs to its
+    /// children stay, so a put that stores it again closes them again.
+    fn unlink(&self, txn: &mut RwTxn<'_>, id: &BlockId) -> Result<()> {
+        let Some((parent, closed)) = self.link(txn, id)? else {
+            return Ok(());
+        };
+        self.parents.delete(txn, id)?;
+        self.children.delete_one_duplicate(txn, &parent, id)?;
+        if closed {
+            self.set_closed_below(txn, id, false)?;
+        }
+        Ok(())
+    }
+
+    /// Marks the descendants of `top` closed or not, as `closed` says,
+    /// descending only through children whose mark changes. By (2) nothing
+    /// is lost: when unmarking, below a child that is not closed nothing is;
+    /// when marking, `top` was not closed, so none of its children was.
+    fn set_closed_below(&self, txn: &mut RwTxn<'_>, top: &BlockId, closed: bool) -> Result<()> {
+        let mut stack = vec![*top];
+        while let Some(p) = stack.pop() {
+            let mut kids = Vec::new();
+            if let Some(iter) = self.children.get_duplicates(txn, &p)? {
+                for item in iter {
+                    if let Ok(kid) = <BlockId>::try_from(item?.1) {
+                        kids.push(kid);
+                    }
+                }
+            }
+            for kid in kids {
+                if self.link(txn, &kid)?.is_some_and(|(_, c)| c != closed) {
+                    self.put_link(txn, &kid, &p, closed)?;
+                    stack.push(kid);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// [`Index::delete_block_if_at`], and the record is listed as damaged
@@ -480,8 +636,13 @@ impl Index {
         self.meta_u64(txn, "generation")
     }
 
+    /// Advances `generation`, and `chains_generation` with it while the two
+    /// are equal (see "Prefix-closed chains").
     pub fn bump_generation(&self, txn: &mut RwTxn<'_>) -> Result<()> {
         let g = self.meta_u64(txn, "generation")?;
+        if self.chains_trusted(txn)? {
+            self.set_meta_u64(txn, "chains_generation", g + 1)?;
+        }
         self.set_meta_u64(txn, "generation", g + 1)
     }
 

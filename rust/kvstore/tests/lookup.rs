@@ -1,19 +1,23 @@
-//! `lookup` is exact on long chains (hashed and probed a chunk at a time,
-//! in key order, see `store/lookup.rs`): holes in the middle of a chain
-//! (blocks removed from the index as eviction does, damaged records found
-//! by a read, pinned blocks removed) end the prefix exactly where a model
-//! of the expected state says, on the handle that saw the chain and on
-//! fresh handles.
+//! `lookup` is exact on long chains (a gallop over the index's closed marks,
+//! then hashed and probed a chunk at a time in key order, see
+//! `store/lookup.rs`): holes in the middle of a chain (blocks removed from
+//! the index as eviction does, evicted by `gc`, damaged records found by a
+//! read or by `repair`, pinned blocks removed) end the prefix exactly where a
+//! model of the expected state says, on the handle that saw the chain and on
+//! fresh handles. The closed marks themselves are checked against the model
+//! (a block is closed exactly when its whole ancestry is indexed), also
+//! after random puts, evictions and quarantines over chains that share
+//! prefixes, and after an older binary removed blocks behind their back.
 
 use kvstore::index::Index;
 use kvstore::{DType, Durability, Keyer, Layout, Options, Store};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 mod support;
-use support::{kv_for, prefix_matches, seq};
+use support::{kv_for, prefix_matches, seq, NO_PROGRESS};
 
 /// Small blocks (4 tokens, 64 bytes of KV), so chains of thousands of
 /// blocks (several of the walk's 1024-block chunks) stay small.
@@ -48,6 +52,27 @@ fn remove(dir: &Path, id: &[u8; 32]) {
         .expect("block indexed");
     assert!(index.delete_block_if_at(&mut txn, id, &loc).unwrap());
     index.commit(txn, false).unwrap();
+}
+
+/// Flips the last payload byte of block `id`'s record.
+fn damage_payload(dir: &Path, id: &[u8; 32]) {
+    let loc = {
+        let index = Index::open(&dir.join("index"), true, kvstore::DEFAULT_INDEX_BYTES).unwrap();
+        let txn = index.read().unwrap();
+        index.get_block(&txn, id).unwrap().expect("block indexed")
+    };
+    let seg = dir
+        .join("segments")
+        .join(format!("{:016x}.kvseg", loc.segment));
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&seg)
+        .unwrap_or_else(|e| panic!("{}: {e}", seg.display()));
+    let at = loc.offset + loc.record_len - 1;
+    let mut byte = [0u8];
+    f.read_exact_at(&mut byte, at).unwrap();
+    f.write_all_at(&[byte[0] ^ 0xff], at).unwrap();
 }
 
 /// Both the handle that has the chain's locations cached and a fresh one
@@ -126,32 +151,7 @@ fn a_damaged_block_found_by_a_read_ends_the_prefix() {
     let blocks = 1300;
     let (s, tokens, ids) = stored_chain(dir.path(), 77, blocks);
     let bad = 700;
-    let loc = {
-        let index = Index::open(
-            &dir.path().join("index"),
-            true,
-            kvstore::DEFAULT_INDEX_BYTES,
-        )
-        .unwrap();
-        let txn = index.read().unwrap();
-        index.get_block(&txn, &ids[bad]).unwrap().unwrap()
-    };
-    // The payload's last byte, flipped.
-    let seg = dir
-        .path()
-        .join("segments")
-        .join(format!("{:016x}.kvseg", loc.segment));
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&seg)
-        .unwrap_or_else(|e| {
-            panic!("{}: {e}", seg.display());
-        });
-    let at = loc.offset + loc.record_len - 1;
-    let mut byte = [0u8];
-    f.read_exact_at(&mut byte, at).unwrap();
-    f.write_all_at(&[byte[0] ^ 0xff], at).unwrap();
+    damage_payload(dir.path(), &ids[bad]);
     // Not yet read: the index still lists it.
     check(dir.path(), &s, &tokens, blocks * 4);
     let mut out = vec![0u8; l.kv_bytes(tokens.len()).unwrap()];
@@ -197,4 +197,327 @@ fn pending_blocks_past_the_committed_ones_count_on_their_handle() {
     assert_eq!(other.lookup(&tokens, b"").unwrap(), committed.len());
     s.flush().unwrap();
     assert_eq!(other.lookup(&tokens, b"").unwrap(), tokens.len());
+}
+
+/// The parent of a chain's first block.
+const ROOT: [u8; 32] = [0; 32];
+
+fn index_of(dir: &Path) -> std::sync::Arc<Index> {
+    Index::open(&dir.join("index"), true, kvstore::DEFAULT_INDEX_BYTES).unwrap()
+}
+
+/// One of the index's tables, as a binary that does not know its meaning
+/// (an older one) reaches it.
+fn raw_table(
+    index: &Index,
+    txn: &heed::RoTxn<'_, heed::WithoutTls>,
+    name: &str,
+) -> heed::Database<heed::types::Bytes, heed::types::Bytes> {
+    index.env.open_database(txn, Some(name)).unwrap().unwrap()
+}
+
+/// Per block, independently of the marks: is it in the index.
+fn indexed(dir: &Path, ids: &[[u8; 32]]) -> Vec<bool> {
+    let index = index_of(dir);
+    let txn = index.read().unwrap();
+    ids.iter()
+        .map(|id| index.get_block(&txn, id).unwrap().is_some())
+        .collect()
+}
+
+/// Per block: is it marked closed (under its parent in this chain).
+fn closed(dir: &Path, ids: &[[u8; 32]]) -> Vec<bool> {
+    let index = index_of(dir);
+    let txn = index.read().unwrap();
+    let trusted = index.chains_trusted(&txn).unwrap();
+    (0..ids.len())
+        .map(|k| {
+            let parent = if k == 0 { &ROOT } else { &ids[k - 1] };
+            trusted && index.is_closed(&txn, &ids[k], parent).unwrap()
+        })
+        .collect()
+}
+
+/// The reference: leading blocks indexed, one probe each.
+fn per_block(dir: &Path, ids: &[[u8; 32]]) -> usize {
+    indexed(dir, ids).iter().take_while(|&&x| x).count()
+}
+
+/// Marks agree with the model: block k is closed exactly when blocks 0..=k
+/// are all indexed (every block here was stored by a put, which knows its
+/// parent).
+fn assert_marks_follow_the_index(dir: &Path, ids: &[[u8; 32]]) {
+    let whole = per_block(dir, ids);
+    let marks = closed(dir, ids);
+    for (k, &c) in marks.iter().enumerate() {
+        assert_eq!(
+            c,
+            k < whole,
+            "block {k}: closed {c}, indexed prefix {whole}"
+        );
+    }
+}
+
+#[test]
+fn gc_evicting_the_middle_of_a_chain_ends_the_prefix_and_a_put_closes_it_again() {
+    let l = layout();
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 1200;
+    let tokens = seq(31, blocks * 4);
+    let s = Store::open(dir.path(), opts()).unwrap();
+    // The first half first, then the whole: the first half's tail is the
+    // least recently used part, in the middle of the chain.
+    s.put(
+        &tokens[..600 * 4],
+        &kv_for(&l, &tokens[..600 * 4]),
+        600 * 4,
+        b"",
+    )
+    .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    let ids = Keyer::new("lookup-model@1", &l, None).chain(&tokens, 4, b"");
+    assert_marks_follow_the_index(dir.path(), &ids);
+    check(dir.path(), &s, &tokens, blocks * 4);
+    let live: u64 = {
+        let index = index_of(dir.path());
+        let txn = index.read().unwrap();
+        index
+            .all_blocks(&txn)
+            .unwrap()
+            .iter()
+            .map(|(_, l)| l.record_len)
+            .sum()
+    };
+    let one = live / blocks as u64;
+    let report = s.gc(Some(live - 10 * one), None, NO_PROGRESS).unwrap();
+    assert_eq!(report.blocks_evicted, 10);
+    let present = indexed(dir.path(), &ids);
+    let gone: Vec<usize> = (0..blocks).filter(|&k| !present[k]).collect();
+    assert_eq!(
+        gone,
+        (590..600).collect::<Vec<_>>(),
+        "LRU took the first put's tail"
+    );
+    assert_marks_follow_the_index(dir.path(), &ids);
+    check(dir.path(), &s, &tokens, 590 * 4);
+    // The put stores the ten again and closes everything after them.
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    assert_marks_follow_the_index(dir.path(), &ids);
+    assert!(closed(dir.path(), &ids)[blocks - 1]);
+    check(dir.path(), &s, &tokens, blocks * 4);
+}
+
+#[test]
+fn a_record_quarantined_by_repair_ends_the_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 900;
+    let (s, tokens, ids) = stored_chain(dir.path(), 41, blocks);
+    let bad = 333;
+    damage_payload(dir.path(), &ids[bad]);
+    let report = s.repair(NO_PROGRESS).unwrap();
+    assert_eq!(report.damaged.len(), 1);
+    assert_marks_follow_the_index(dir.path(), &ids);
+    check(dir.path(), &s, &tokens, bad * 4);
+}
+
+#[test]
+fn pinned_blocks_stay_found_when_gc_evicts_everything_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 1000;
+    let (s, tokens, ids) = stored_chain(dir.path(), 43, blocks);
+    let kept = 700;
+    assert_eq!(s.pin(&tokens[..kept * 4], b"", 1, None).unwrap(), kept * 4);
+    let report = s.gc(Some(0), None, NO_PROGRESS).unwrap();
+    assert_eq!(report.blocks_evicted, (blocks - kept) as u64);
+    assert_marks_follow_the_index(dir.path(), &ids);
+    assert_eq!(closed(dir.path(), &ids)[..kept], vec![true; kept][..]);
+    check(dir.path(), &s, &tokens, kept * 4);
+}
+
+/// A small deterministic generator (xorshift64*), so a failure replays.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as usize % n
+    }
+}
+
+/// Random puts, evictions and quarantines over chains that share prefixes
+/// (a trunk and branches off it): after each step, `lookup` on the same
+/// handle and (every few steps) on a fresh one equals the per-block
+/// reference, the index holds exactly the model's blocks, and the closed
+/// marks follow the index.
+#[test]
+fn lookup_follows_a_model_through_random_puts_evictions_and_quarantines() {
+    let l = layout();
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path(), opts()).unwrap();
+    let keyer = Keyer::new("lookup-model@1", &l, None);
+    let trunk = seq(50, 200 * 4);
+    let chains: Vec<Vec<u32>> = (0..5u32)
+        .map(|c| {
+            let fork = [0, 40, 90, 150, 200][c as usize] * 4;
+            let mut t = trunk[..fork].to_vec();
+            t.extend(seq(60 + c, 300 * 4 - fork));
+            t
+        })
+        .collect();
+    let chain_ids: Vec<Vec<[u8; 32]>> = chains.iter().map(|t| keyer.chain(t, 4, b"")).collect();
+    let mut model: HashSet<[u8; 32]> = HashSet::new();
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    for step in 0..120 {
+        let c = rng.below(chains.len());
+        let ids = &chain_ids[c];
+        match rng.below(4) {
+            0 | 1 => {
+                // A put of a random prefix (at least 64 blocks: the gallop's
+                // threshold) stores every missing block of it.
+                let n = 64 + rng.below(ids.len() - 63);
+                let t = &chains[c][..n * 4];
+                s.put(t, &kv_for(&l, t), t.len(), b"").unwrap();
+                model.extend(ids[..n].iter().copied());
+            }
+            op => {
+                let present: Vec<usize> = (0..ids.len())
+                    .filter(|&k| model.contains(&ids[k]))
+                    .collect();
+                if present.is_empty() {
+                    continue;
+                }
+                let k = present[rng.below(present.len())];
+                let index = index_of(dir.path());
+                let mut txn = index.write().unwrap();
+                let loc = index.get_block_rw(&txn, &ids[k]).unwrap().unwrap();
+                let removed = if op == 2 {
+                    index.delete_block_if_at(&mut txn, &ids[k], &loc).unwrap()
+                } else {
+                    index
+                        .quarantine_if_at(&mut txn, &ids[k], &loc, "model test")
+                        .unwrap()
+                };
+                assert!(removed);
+                index.commit(txn, false).unwrap();
+                model.remove(&ids[k]);
+            }
+        }
+        for (t, ids) in chains.iter().zip(&chain_ids) {
+            let want = ids.iter().take_while(|id| model.contains(*id)).count();
+            assert_eq!(
+                per_block(dir.path(), ids),
+                want,
+                "step {step}: the index is the model"
+            );
+            assert_eq!(
+                s.lookup(t, b"").unwrap(),
+                want * 4,
+                "step {step}: same handle"
+            );
+            assert_marks_follow_the_index(dir.path(), ids);
+        }
+        if step % 10 == 0 {
+            let fresh = Store::open(dir.path(), opts()).unwrap();
+            for (t, ids) in chains.iter().zip(&chain_ids) {
+                let want = ids.iter().take_while(|id| model.contains(*id)).count();
+                assert_eq!(
+                    fresh.lookup(t, b"").unwrap(),
+                    want * 4,
+                    "step {step}: fresh handle"
+                );
+            }
+        }
+    }
+}
+
+/// A binary older than the closed marks removes blocks without unmarking
+/// their descendants, and bumps only `generation`: the marks are no longer
+/// trusted (lookup falls back to probing every block), and the next open
+/// of the index empties them.
+#[test]
+fn blocks_removed_by_an_older_binary_do_not_leave_a_stale_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 800;
+    let (s, tokens, ids) = stored_chain(dir.path(), 47, blocks);
+    assert!(closed(dir.path(), &ids)[blocks - 1]);
+    let hole = 250;
+    {
+        let index = index_of(dir.path());
+        let mut txn = index.write().unwrap();
+        let table = raw_table(&index, &txn, "blocks");
+        assert!(table.delete(&mut txn, &ids[hole]).unwrap());
+        let g = index.generation(&txn).unwrap();
+        index.set_meta_u64(&mut txn, "generation", g + 1).unwrap();
+        index.commit(txn, false).unwrap();
+        let txn = index.read().unwrap();
+        assert!(!index.chains_trusted(&txn).unwrap());
+        // The stale marks are there, and would claim the whole chain.
+        assert!(index
+            .is_closed(&txn, &ids[blocks - 1], &ids[blocks - 2])
+            .unwrap());
+    }
+    check(dir.path(), &s, &tokens, hole * 4);
+    // A removal by this version keeps the marks untrusted.
+    {
+        let index = index_of(dir.path());
+        let mut txn = index.write().unwrap();
+        let loc = index.get_block_rw(&txn, &ids[600]).unwrap().unwrap();
+        assert!(index.delete_block_if_at(&mut txn, &ids[600], &loc).unwrap());
+        index.commit(txn, false).unwrap();
+        assert!(!index.chains_trusted(&index.read().unwrap()).unwrap());
+    }
+    check(dir.path(), &s, &tokens, hole * 4);
+    s.close().unwrap();
+    drop(s);
+    assert!(!Index::is_open_here(&dir.path().join("index")));
+    // Reopened: the marks are gone and trusted again; a put marks anew.
+    let s = Store::open(dir.path(), opts()).unwrap();
+    assert!(index_of(dir.path())
+        .chains_trusted(&index_of(dir.path()).read().unwrap())
+        .unwrap());
+    assert_eq!(closed(dir.path(), &ids), vec![false; blocks]);
+    check(dir.path(), &s, &tokens, hole * 4);
+    let l = layout();
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    check(dir.path(), &s, &tokens, blocks * 4);
+    // Blocks 250 and 600 were stored again, but their parents have no entry
+    // since the marks were emptied: nothing is closed, and lookup probes
+    // block by block, exactly.
+    assert_eq!(closed(dir.path(), &ids), vec![false; blocks]);
+}
+
+/// A store written before the marks existed has blocks and no `parents`
+/// entries (emptied here, as such a store has them): lookups probe every
+/// block and stay exact, holes included; chains stored from now on are
+/// closed as they are put.
+#[test]
+fn a_store_without_marks_is_walked_block_by_block() {
+    let l = layout();
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = 1500;
+    let (s, tokens, ids) = stored_chain(dir.path(), 53, blocks);
+    {
+        let index = index_of(dir.path());
+        let mut txn = index.write().unwrap();
+        for name in ["parents", "children"] {
+            raw_table(&index, &txn, name).clear(&mut txn).unwrap();
+        }
+        index.commit(txn, false).unwrap();
+    }
+    assert_eq!(closed(dir.path(), &ids), vec![false; blocks]);
+    check(dir.path(), &s, &tokens, blocks * 4);
+    remove(dir.path(), &ids[1200]);
+    check(dir.path(), &s, &tokens, 1200 * 4);
+    let other = seq(54, 300 * 4);
+    s.put(&other, &kv_for(&l, &other), other.len(), b"")
+        .unwrap();
+    let other_ids = Keyer::new("lookup-model@1", &l, None).chain(&other, 4, b"");
+    assert_marks_follow_the_index(dir.path(), &other_ids);
+    check(dir.path(), &s, &other, other.len());
 }

@@ -1,11 +1,15 @@
 //! `lookup`: how many leading blocks of a chain are stored. A short chain
-//! goes one block at a time through the read path's `find`. A long chain on a
-//! handle that has not seen it is hashed a chunk at a time and each chunk's
-//! ids are probed in key order (neighbouring keys share B-tree pages and
-//! branch decisions: a third cheaper than probing in chain order), their
-//! locations cached under one lock. The walk stays exact: a chunk's results
-//! are read back in chain order, and the first block found nowhere ends it;
-//! hashing stops there.
+//! goes one block at a time through the read path's `find`. A long chain
+//! first gallops over the index's closed marks (see "Prefix-closed chains"
+//! in `index.rs`): a closed block's whole ancestry is indexed, so a few
+//! probes find how far the chain is known stored, and only hashing is paid
+//! for that part. From there (blocks stored without a mark: older stores, a
+//! rebuilt index, the hot tier, a hole filled again) the chain is hashed a
+//! chunk at a time and each chunk's ids are probed in key order
+//! (neighbouring keys share B-tree pages and branch decisions: a third
+//! cheaper than probing in chain order), their locations cached under one
+//! lock. The walk stays exact: a chunk's results are read back in chain
+//! order, and the first block found nowhere ends it; hashing stops there.
 //!
 //! Hashing on a helper thread while this one probes was tried: on an idle
 //! second core it saved ~40%, but on a busy machine waiting for the helper
@@ -80,20 +84,74 @@ impl Inner {
         let b = self.layout.block_size as usize;
         let blocks = tokens.len() / b;
         let mut ids = Vec::with_capacity(blocks);
-        let mut parent = ROOT;
+        let mut n = self.closed_prefix(snap, tokens, extra, &mut ids)?;
         let mut scratch = Probe::default();
-        for piece in tokens[..blocks * b].chunks(CHUNK * b) {
-            let chunk = self.keyer.chain_from(&parent, piece, b, extra);
-            parent = *chunk.last().expect("a piece holds a block");
-            let n = self.stored_run(snap, &chunk, &mut scratch)?;
-            let stored = ids.len() + n;
-            ids.extend_from_slice(&chunk);
-            if n < chunk.len() {
-                return Ok((ids, stored));
+        while n < blocks {
+            let end = (n + CHUNK).min(blocks);
+            self.hash_to(&mut ids, tokens, end, extra);
+            let run = self.stored_run(snap, &ids[n..end], &mut scratch)?;
+            n += run;
+            if n < end {
+                break;
             }
         }
-        let stored = ids.len();
-        Ok((ids, stored))
+        Ok((ids, n))
+    }
+
+    /// How many leading blocks of the chain are closed in the index (see
+    /// "Prefix-closed chains" in `index.rs`): every one of them is indexed.
+    /// Closed blocks form a prefix of the chain, so a galloping search finds
+    /// its end with about 2·log2(n) probes; the ids are hashed into `ids` as
+    /// far as the probes needed (at most about twice the prefix).
+    fn closed_prefix(
+        &self,
+        snap: &Snap<'_>,
+        tokens: &[u32],
+        extra: &[u8],
+        ids: &mut Vec<BlockId>,
+    ) -> Result<usize> {
+        if !self.index.chains_trusted(&snap.txn)? {
+            return Ok(0);
+        }
+        let b = self.layout.block_size as usize;
+        let blocks = tokens.len() / b;
+        let closed = |ids: &mut Vec<BlockId>, k: usize| -> Result<bool> {
+            self.hash_to(ids, tokens, k + 1, extra);
+            let parent = if k == 0 { &ROOT } else { &ids[k - 1] };
+            self.index.is_closed(&snap.txn, &ids[k], parent)
+        };
+        // Gallop: blocks 1, 2, 4, ... (indices 0, 1, 3, 7, ...), then the last.
+        let (mut lo, mut hi, mut step) = (0, blocks, 1);
+        while lo < blocks {
+            let k = step.min(blocks) - 1;
+            if !closed(ids, k)? {
+                hi = k;
+                break;
+            }
+            lo = k + 1;
+            step *= 2;
+        }
+        // Blocks before `lo` are closed, the one at `hi` (if any) is not.
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if closed(ids, mid)? {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        Ok(lo)
+    }
+
+    /// Extends `ids`, the chain of `tokens` hashed so far, to its first `end`
+    /// blocks.
+    fn hash_to(&self, ids: &mut Vec<BlockId>, tokens: &[u32], end: usize, extra: &[u8]) {
+        if ids.len() < end {
+            let b = self.layout.block_size as usize;
+            let parent = ids.last().copied().unwrap_or(ROOT);
+            let rest = &tokens[ids.len() * b..end * b];
+            ids.extend(self.keyer.chain_from(&parent, rest, b, extra));
+        }
     }
 
     /// How many leading ids of `chunk` are stored; probes the index in key

@@ -8,7 +8,7 @@ use super::{Durability, Inner};
 use crate::clock::{now_ms, now_us};
 use crate::error::{Error, Result};
 use crate::format;
-use crate::id::BlockId;
+use crate::id::{BlockId, ROOT};
 use crate::index::Location;
 use crate::record;
 use std::collections::HashSet;
@@ -168,7 +168,8 @@ impl Inner {
                         used_us: t0.saturating_sub(i as u64),
                         ..loc
                     };
-                    w.add_pending(id, loc);
+                    let parent = if i == 0 { &ROOT } else { &ids[i - 1] };
+                    w.add_pending(id, parent, loc);
                     fresh.push(i);
                 }
                 Err(e) => {

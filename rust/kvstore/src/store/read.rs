@@ -1,6 +1,7 @@
 //! The read path: where a block is (location cache, index snapshot, this
-//! handle's pending writes), reading and checking its record, quarantining
-//! damage, and the last-use times reads leave behind for eviction.
+//! handle's pending writes), a get's blocks split among reader threads,
+//! reading and checking each record, quarantining damage, and the last-use
+//! times reads leave behind for eviction.
 
 use super::{Durability, Inner};
 use crate::clock::{now_ms, now_us};
@@ -12,8 +13,8 @@ use crate::record::{self, Mismatch};
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::IoSliceMut;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Buffered last-use times: written to the index at flush, close, eviction,
@@ -34,6 +35,24 @@ impl Default for Touched {
 
 const TOUCHED_MAX: usize = 16384;
 const TOUCHED_MAX_AGE: Duration = Duration::from_secs(5);
+
+/// Reader threads a get uses at most (the calling one included): reads in
+/// flight stay few, and a get leaves cores to the others.
+const MAX_READERS: usize = 4;
+
+/// Bytes a reader thread must have to read for a get to start it: below this
+/// a thread's start (tens of µs) costs more than it saves.
+const BYTES_PER_READER: usize = 1 << 20;
+
+/// Reader threads for a get of `blocks` blocks of `block_bytes` each: one
+/// per core, at most [`MAX_READERS`], each with [`BYTES_PER_READER`] or more.
+fn reader_threads(blocks: usize, block_bytes: usize) -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    let cores = *CORES
+        .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
+    let by_size = blocks.saturating_mul(block_bytes) / BYTES_PER_READER;
+    cores.min(MAX_READERS).min(by_size).min(blocks).max(1)
+}
 
 /// Segment files a handle keeps open for reads.
 const MAX_OPEN_SEGMENTS: usize = 256;
@@ -143,24 +162,26 @@ impl Inner {
         }
         let (first, usable) = (start / b, tokens.len().min(start + out_tokens) / b);
         let ids = self.keyer.chain(&tokens[..usable * b], b, extra);
-        let mut scratch = Vec::new();
         let mut served = 0;
         // One snapshot per call, so the cache notices a newer generation.
         let mut snap = Some(self.snapshot()?);
-        for (i, id) in ids.iter().enumerate() {
-            let found = if i < first {
-                // Before `start`: the prefix must hold it, the caller has its KV.
-                self.arena.as_ref().is_some_and(|a| a.contains(id))
-                    || self.find(&mut snap, id)?.is_some()
-            } else {
-                let mut chunks = self.layout.block_runs_mut(out, out_tokens, i - first);
-                let block_tokens = &tokens[i * b..(i + 1) * b];
-                self.read_block(&mut snap, id, block_tokens, &mut chunks, &mut scratch)?
-            };
-            if !found {
+        for id in &ids[..first] {
+            // Before `start`: the prefix must hold it, the caller has its KV.
+            if !(self.arena.as_ref().is_some_and(|a| a.contains(id))
+                || self.find(&mut snap, id)?.is_some())
+            {
                 break;
             }
             served += 1;
+        }
+        if served == first {
+            served += self.read_blocks(
+                &mut snap,
+                &ids[first..],
+                &tokens[first * b..usable * b],
+                out,
+                out_tokens,
+            )?;
         }
         drop(snap);
         if served < first {
@@ -174,6 +195,119 @@ impl Inner {
         self.count_hits(served, tokens.len() / b);
         self.touch(&ids[..served]);
         Ok(served * b)
+    }
+
+    /// Lands the KV of `ids` (the blocks from `start`; `tokens` theirs) in
+    /// `out`, a `[L, 2, out_tokens, H, D]` buffer; how many of them, from the
+    /// first, were served. The blocks are split into contiguous ranges, one
+    /// per reader thread (this one included), each walked in order with its
+    /// own snapshot and scratch: copies and checks use every core, and each
+    /// range is a sequential stream for the kernel's readahead, so several
+    /// reads are in flight. The result is the one-thread walk's: the first
+    /// block not served ends the prefix, whichever range it is in.
+    fn read_blocks<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        ids: &[BlockId],
+        tokens: &[u32],
+        out: &mut [u8],
+        out_tokens: usize,
+    ) -> Result<usize> {
+        let n = ids.len();
+        if n == 0 {
+            return Ok(0);
+        }
+        let per = n.div_ceil(reader_threads(n, self.layout.block_bytes()));
+        let (b, chunk) = (self.layout.block_size as usize, self.layout.chunk_bytes());
+        // Each range's part of every `[out_tokens, H, D]` run, in range order.
+        let mut runs: Vec<Vec<&mut [u8]>> = (0..n.div_ceil(per)).map(|_| Vec::new()).collect();
+        let run_len = out_tokens * self.layout.token_bytes();
+        for run in out.chunks_mut(run_len) {
+            let mut rest = &mut run[..n * chunk];
+            for r in &mut runs {
+                let (head, tail) = rest.split_at_mut((per * chunk).min(rest.len()));
+                r.push(head);
+                rest = tail;
+            }
+        }
+        // The first block found missing so far: no range reads past it.
+        let stop = AtomicUsize::new(n);
+        let stop = &stop;
+        let mut ranges = runs.into_iter().enumerate().map(|(r, runs)| {
+            let at = r * per;
+            let end = (at + per).min(n);
+            (at, &ids[at..end], &tokens[at * b..end * b], runs)
+        });
+        let (_, ids0, tokens0, runs0) = ranges.next().expect("n > 0");
+        let results: Vec<(usize, Result<usize>)> = std::thread::scope(|scope| {
+            let spawned: Vec<_> = ranges
+                .map(|(at, ids, tokens, runs)| {
+                    let len = ids.len();
+                    let work = move || self.read_range(&mut None, at, ids, tokens, runs, stop);
+                    let handle = std::thread::Builder::new()
+                        .name("kvstore-read".into())
+                        .spawn_scoped(scope, work);
+                    (len, handle)
+                })
+                .collect();
+            let mut results = vec![(
+                ids0.len(),
+                self.read_range(snap, 0, ids0, tokens0, runs0, stop),
+            )];
+            for (len, handle) in spawned {
+                let res = match handle {
+                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                    // No thread to be had: the range is not read, so the
+                    // prefix ends where it starts (a miss is always safe).
+                    Err(_) => Ok(0),
+                };
+                results.push((len, res));
+            }
+            results
+        });
+        // In range order, as the one-thread walk meets them: an error past
+        // the end of the prefix is never reached.
+        let mut served = 0;
+        for (len, res) in results {
+            let got = res?;
+            served += got;
+            if got < len {
+                break;
+            }
+        }
+        Ok(served)
+    }
+
+    /// One reader's range of [`Inner::read_blocks`]: `ids` (block `at` on),
+    /// in order, into `runs` (their part of every run of the output); how many
+    /// were served before the first that was not.
+    fn read_range<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        at: usize,
+        ids: &[BlockId],
+        tokens: &[u32],
+        mut runs: Vec<&mut [u8]>,
+        stop: &AtomicUsize,
+    ) -> Result<usize> {
+        let (b, chunk) = (self.layout.block_size as usize, self.layout.chunk_bytes());
+        let mut scratch = Vec::new();
+        for (j, id) in ids.iter().enumerate() {
+            if stop.load(Ordering::Relaxed) < at + j {
+                return Ok(j);
+            }
+            let mut chunks: Vec<&mut [u8]> = runs
+                .iter_mut()
+                .map(|r| &mut r[j * chunk..(j + 1) * chunk])
+                .collect();
+            let block_tokens = &tokens[j * b..(j + 1) * b];
+            let found = self.read_block(snap, id, block_tokens, &mut chunks, &mut scratch);
+            if !matches!(found, Ok(true)) {
+                stop.fetch_min(at + j, Ordering::Relaxed);
+                return found.map(|_| j);
+            }
+        }
+        Ok(ids.len())
     }
 
     /// Lands block `id` in `chunks`: from the hot tier, else from its record

@@ -78,6 +78,8 @@ pub struct Stats {
     /// Raw bytes of one block in this layout.
     pub block_bytes: u64,
     /// Blocks this handle served from the hot tier, and from the segments.
+    /// A get split among reader threads may also count a few blocks another
+    /// thread read past the miss that ended its prefix (`hit_blocks` does not).
     pub hot_hit_blocks: u64,
     /// See `hot_hit_blocks`.
     pub disk_hit_blocks: u64,

@@ -27,6 +27,9 @@ pub(super) struct Active {
 /// A record written but not yet committed to the index.
 pub(super) struct Pending {
     pub(super) id: BlockId,
+    /// The block before it in its chain (`ROOT` for the first): the index
+    /// keeps chains prefix-closed with it.
+    pub(super) parent: BlockId,
     pub(super) loc: Location,
 }
 
@@ -47,11 +50,15 @@ impl Writer {
     }
 
     /// Remembers a written record until the next commit publishes it.
-    pub(super) fn add_pending(&mut self, id: &BlockId, loc: Location) {
+    pub(super) fn add_pending(&mut self, id: &BlockId, parent: &BlockId, loc: Location) {
         self.pending_bytes += loc.record_len;
         self.oldest_pending.get_or_insert_with(Instant::now);
         self.pending_ids.insert(*id, loc);
-        self.pending.push(Pending { id: *id, loc });
+        self.pending.push(Pending {
+            id: *id,
+            parent: *parent,
+            loc,
+        });
     }
 
     /// Forgets pending records of `ids` (a put that failed part way).
@@ -206,8 +213,10 @@ impl Inner {
             .set_committed_len(&mut txn, segment, committed_len)?;
         for p in &w.pending {
             // Another process may have committed the same block meanwhile; the
-            // first one wins and this copy is dead bytes.
-            self.index.insert_block(&mut txn, &p.id, &p.loc)?;
+            // first one wins and this copy is dead bytes. In chain order, so
+            // a parent is closed before its child is published.
+            self.index
+                .insert_child(&mut txn, &p.id, &p.loc, &p.parent)?;
         }
         self.index.commit(txn, self.durable())
     }

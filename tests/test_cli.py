@@ -82,6 +82,22 @@ def test_hits_and_misses_add_up_across_processes(tmp_path: Path) -> None:
     assert stats["total_miss_blocks"] >= 2
 
 
+def test_named_counters_add_up_across_processes(tmp_path: Path) -> None:
+    """Clients' counters (the vLLM connector's `vllm.*`) in `kvstore stats`: each
+    process's additions, saved at close, summed store-wide; bad names refused."""
+    fill(tmp_path, n_seqs=1)
+    added = [{"vllm.hit_tokens": 96, "vllm.load_bytes": 1 << 20}, {"vllm.hit_tokens": 32}]
+    for counts in added:
+        with kvstore.open(tmp_path, layout=LAYOUT, model=MODEL) as s:
+            s.add_counters(counts)
+            with pytest.raises(kvstore.InvalidInput):
+                s.add_counters({"Not A Name": 1})
+    stats = json.loads(cli("stats", tmp_path, "--json").stdout)["store"]
+    assert stats["counters"] == {"vllm.hit_tokens": 128, "vllm.load_bytes": 1 << 20}
+    human = cli("stats", tmp_path).stdout
+    assert "vllm.hit_tokens" in human and "128" in human
+
+
 def test_verify_clean_then_damaged(tmp_path: Path) -> None:
     fill(tmp_path, n_seqs=2)
     r = cli("verify", tmp_path)

@@ -230,3 +230,38 @@ def test_a_lossy_writer_is_refused():
 
     with pytest.raises(KVStoreError):
         paged_block_map(halves, torch.zeros(shape_of(2), dtype=torch.bfloat16), LAY)
+
+
+@pytest.mark.parametrize("pad_cols", [False, True])
+def test_engine_moves_match_the_writer(tmp_path, pad_cols):
+    """The engine's paged get and put (`PagedKV.load`/`save`, the strided path) against
+    the backend's writer and the store's canonical get: what a save stores is what the
+    writer put in the blocks, a load leaves the caches as the writer would."""
+    import kvstore
+
+    write, shape_of = cpu_like_writer(pad=3 if pad_cols else 0)
+    blocks = 6
+    caches = layer_caches(shape_of, blocks, pad_cols)
+    block_map = paged_block_map(write, caches[0], LAY)
+    paged = PagedKV(caches, block_map, LAY)
+    assert paged.strided
+    g = torch.Generator().manual_seed(1)
+    ids = [4, 1, 5, 0]
+    tokens = list(range(100, 100 + len(ids) * B + 3))  # and a partial block
+    kv = (torch.randn(LAY.kv_shape(len(ids) * B), generator=g) * 8).round().to(torch.bfloat16)
+    write_all(write, caches, kv, ids)
+    with kvstore.open(tmp_path / "s", LAY, "units@1", durability="none") as store:
+        # A chunked save: the first block, then the rest.
+        assert paged.save(store, tokens[:B], 0, b"x", ids[:1]) == B
+        assert paged.save(store, tokens, B, b"x", ids[1:]) == len(ids) * B
+        assert torch.equal(store.get(tokens, extra=b"x", like=kv), kv)
+        assert store.lookup(tokens) == 0  # another extra, other blocks
+        # A load from block 1 on into other cache blocks: as the writer puts them.
+        to = [2, 3, 5]
+        fresh = layer_caches(shape_of, blocks, pad_cols)
+        landed = PagedKV(fresh, block_map, LAY).load(store, tokens, B, b"x", to)
+        assert landed == len(ids) * B
+        other = layer_caches(shape_of, blocks, False)
+        write_all(write, other, kv[:, :, B:], to)
+        for a, b in zip(fresh, other, strict=True):
+            assert torch.equal(a, b)

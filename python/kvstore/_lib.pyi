@@ -109,6 +109,9 @@ class Manifest(TypedDict):
     store_id: str
     storage: str | None
 
+# K's and V's (element offset in a block, (token, head, dim) element strides).
+_PagedParts = tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]]
+
 @type_check_only
 class Stats(TypedDict):
     blocks: int
@@ -143,6 +146,7 @@ class Stats(TypedDict):
     page_kind: str
     hot_mapped: bool
     remote: RemoteStats | None
+    counters: dict[str, int]
 
 @type_check_only
 class SegmentReport(TypedDict):
@@ -244,6 +248,26 @@ class Store:
         out_tokens: int,
         start: int = 0,
     ) -> int: ...
+    def get_paged(
+        self,
+        tokens: npt.NDArray[np.uint32],
+        extra: bytes,
+        start: int,
+        layers: list[npt.NDArray[np.uint8]],
+        blocks: list[int],
+        block_stride: int,
+        parts: _PagedParts,
+    ) -> int: ...
+    def put_paged(
+        self,
+        tokens: npt.NDArray[np.uint32],
+        extra: bytes,
+        start: int,
+        layers: list[npt.NDArray[np.uint8]],
+        blocks: list[int],
+        block_stride: int,
+        parts: _PagedParts,
+    ) -> int: ...
     def pin(
         self,
         tokens: npt.NDArray[np.uint32],
@@ -270,6 +294,7 @@ class Store:
     def delete_session(self, name: str) -> bool: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
+    def add_counters(self, counts: list[tuple[str, int]]) -> None: ...
     def stats(self) -> Stats: ...
     def remote_nodes(self) -> list[NodeReport]: ...
     def remote_push(self, progress: Callable[[int, int], None] | None = None) -> PushReport: ...

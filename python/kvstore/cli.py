@@ -260,6 +260,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                             "hits / misses (blocks, all processes)",
                             f"{st['total_hit_blocks']} / {st['total_miss_blocks']}",
                         ),
+                        # Clients' counters (e.g. the vLLM connector's), all processes.
+                        *st["counters"].items(),
                     ],
                 )
             )

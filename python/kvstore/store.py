@@ -367,6 +367,13 @@ class Store:
         s["durability"] = self.durability
         return s
 
+    def add_counters(self, counts: dict[str, int]) -> None:
+        """Adds to named counters of the store (a connector's hit tokens, bytes moved,
+        errors): saved with its hit and miss totals at flush and close, shown store-wide
+        in `stats()["counters"]` and by `kvstore stats`. Names: 1 to 64 characters of
+        `a-z 0-9 _ . -`, e.g. "vllm.hit_tokens"."""
+        self._raw.add_counters([(k, int(v)) for k, v in counts.items()])
+
     def segments(self) -> list[SegmentReport]:
         """Per segment file: bytes on disk, committed, live and dead, live records."""
         return self._raw.segments()

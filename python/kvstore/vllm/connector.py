@@ -362,6 +362,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._store.close()
 
 
+def _count(store: Store, figures: dict[str, int]) -> None:
+    """Adds the connector's figures to the store's named counters as `vllm.<name>`
+    (`kvstore stats`); advisory, so a store that cannot take them loses them."""
+    try:
+        store.add_counters({f"vllm.{k}": v for k, v in figures.items() if v})
+    except Exception as e:
+        log.debug("kvstore connector: counters not added: %s", e)
+
+
 class _SchedulerHalf:
     def __init__(self, store: Store, loads: bool, saves: bool) -> None:
         self._store = store
@@ -386,6 +395,7 @@ class _SchedulerHalf:
             stored = self._store.lookup(tokens[:upto], extra=extra, count=False)
         except Exception as e:  # a store that cannot answer is a miss; vLLM goes on
             self._lookup_errors += 1
+            _count(self._store, {"lookup_errors": 1})
             log.warning("kvstore connector: lookup of %s failed: %s", request.request_id, e)
             stored = 0
         self._hits[request.request_id] = (num_computed_tokens, stored)
@@ -579,15 +589,7 @@ class _WorkerHalf:
             t0 = time.perf_counter()
             got = 0  # tokens landed in vLLM's cache from tr.start
             try:
-                for s, e, blocks in self._chunks(tr):
-                    buf = self._staging("load", e - s)
-                    m = self._store.get(tr.tokens[:e], start=s, out=buf, extra=tr.extra)
-                    n = max(m - s, 0) // b * b
-                    if n:
-                        self._caches().move(blocks[: n // b], buf[:, :, :n], True)
-                    got += n
-                    if s + n < e:
-                        break
+                got = self._load_one(tr)
             except Exception as e:  # a load that fails is a miss: vLLM recomputes it
                 log.warning("kvstore connector: load of %s failed: %s", tr.req_id, e)
                 got = 0
@@ -595,10 +597,40 @@ class _WorkerHalf:
             self._failed.update(failed)
             with self._lock:
                 self._load_errors.update(failed)
-                self._stats["hit_tokens"] += got
-                self._stats["load_bytes"] += got // b * self._layout.block_bytes
-                self._stats["load_error_blocks"] += len(failed)
-                self._stats["load_us"] += round((time.perf_counter() - t0) * 1e6)
+            self._add_stats(
+                hit_tokens=got,
+                load_bytes=got // b * self._layout.block_bytes,
+                load_error_blocks=len(failed),
+                load_us=round((time.perf_counter() - t0) * 1e6),
+            )
+
+    def _add_stats(self, **figures: int) -> None:
+        """Adds to the figures vLLM's stats take, and to the store's named counters
+        (`kvstore stats`, all processes)."""
+        with self._lock:
+            for k, v in figures.items():
+                self._stats[k] += v
+        _count(self._store, figures)
+
+    def _load_one(self, tr: _Transfer) -> int:
+        """Lands what is stored of `tr` in vLLM's cache: the tokens landed from tr.start."""
+        b = self._layout.block_size
+        paged = self._caches()
+        end = tr.start + len(tr.block_ids) * b
+        if paged.strided:  # the engine checks and lands each block in place
+            m = paged.load(self._store, tr.tokens[:end], tr.start, tr.extra, tr.block_ids)
+            return max(m - tr.start, 0) // b * b
+        got = 0
+        for s, e, blocks in self._chunks(tr):
+            buf = self._staging("load", e - s)
+            m = self._store.get(tr.tokens[:e], start=s, out=buf, extra=tr.extra)
+            n = max(m - s, 0) // b * b
+            if n:
+                paged.move(blocks[: n // b], buf[:, :, :n], True)
+            got += n
+            if s + n < e:
+                break
+        return got
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
@@ -624,27 +656,35 @@ class _WorkerHalf:
             t0 = time.perf_counter()
             n = len(tr.tokens) - tr.start
             try:
-                for s, e, blocks in self._chunks(tr):
-                    kv = self._staging("save", e - s)  # only this thread uses it
-                    self._caches().move(blocks, kv, False)
-                    self._store.put(tr.tokens[:e], kv, start=s, extra=tr.extra)
+                self._save_one(tr)
                 ok = True
             except Exception as e:  # a failed save is a future miss; vLLM goes on
                 log.warning("kvstore connector: save of %s failed: %s", tr.req_id, e)
                 ok = False
+            blocks = n // self._layout.block_size if ok else 0
+            self._add_stats(
+                save_tokens=n if ok else 0,
+                save_bytes=blocks * self._layout.block_bytes,
+                save_errors=0 if ok else 1,
+                save_us=round((time.perf_counter() - t0) * 1e6),
+            )
             with self._lock:
-                if ok:
-                    self._stats["save_tokens"] += n
-                    self._stats["save_bytes"] += (
-                        n // self._layout.block_size * self._layout.block_bytes
-                    )
-                else:
-                    self._stats["save_errors"] += 1
-                self._stats["save_us"] += round((time.perf_counter() - t0) * 1e6)
                 self._pending[tr.req_id] -= 1
                 if not self._pending[tr.req_id]:
                     del self._pending[tr.req_id]
                 self._idle.notify_all()
+
+    def _save_one(self, tr: _Transfer) -> None:
+        """Stores `tr`'s blocks out of vLLM's cache."""
+        paged = self._caches()
+        end = tr.start + len(tr.block_ids) * self._layout.block_size
+        if paged.strided:  # the engine gathers each block itself
+            paged.save(self._store, tr.tokens[:end], tr.start, tr.extra, tr.block_ids)
+            return
+        for s, e, blocks in self._chunks(tr):
+            kv = self._staging("save", e - s)  # only this thread uses it
+            paged.move(blocks, kv, False)
+            self._store.put(tr.tokens[:e], kv, start=s, extra=tr.extra)
 
     def drain(self, req_ids: set[str]) -> None:
         """Waits until no save of `req_ids` is pending."""

@@ -8,8 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._convert import extra_bytes, tokens_array
 from ..errors import KVStoreError
 from ..layout import Layout
+from ..store import Store
 
 
 def paged_block_map(write: Any, cache: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -83,12 +85,18 @@ def affine_strides(block_map: torch.Tensor, layout: Layout) -> list[tuple[int, t
     return fits
 
 
+_Part = tuple[int, tuple[int, int, int]]
+
+
 class PagedKV:
     """Moves whole blocks between every layer's paged cache (`caches`, in layer order,
-    of one shape and strides; `block_map` from `paged_block_map`) and canonical
-    `[L, 2, n*B, H, D]` KV: one strided copy per layer and K/V where the map is
-    affine, else an element gather through offsets computed per call (bounded by
-    the caller's chunk of blocks)."""
+    of one shape and strides; `block_map` from `paged_block_map`) and the store.
+
+    Where the map is affine (`strided`), `load` and `save` hand the caches to the
+    engine (`Store.get_paged`/`put_paged`: each block checked in a one-block scratch,
+    then permuted into place, one pass over memory). Else `move` copies between the
+    caches and canonical `[L, 2, n*B, H, D]` KV by an element gather through offsets
+    computed per call (bounded by the caller's chunk of blocks)."""
 
     def __init__(self, caches: list[torch.Tensor], block_map: torch.Tensor, layout: Layout):
         self._layout = layout
@@ -114,6 +122,50 @@ class PagedKV:
             for c in caches
         ]
         self.strided = bool(fits)
+        # K's and V's (offset, (token, head, dim) strides), as the engine takes them.
+        self._parts: tuple[_Part, _Part] | None = None
+        if fits:
+            (kb, (kt, kh, kd)), (vb, (vt, vh, vd)) = fits
+            self._parts = ((kb, (kt, kh, kd)), (vb, (vt, vh, vd)))
+
+    def _spans(self) -> list[Any]:
+        """Each layer's span as a byte array on vLLM's memory, new for each call: the
+        binding's borrow check then keeps a load and a background save, which touch
+        different blocks, from refusing each other."""
+        return [f.as_strided(f.shape, (1,)).view(torch.uint8).numpy() for f in self._flat]
+
+    def load(
+        self, store: Store, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+    ) -> int:
+        """Lands the stored blocks of `tokens` from `start` on in cache blocks `blocks`
+        (one per token block): the stored prefix in tokens from 0, as `Store.get`."""
+        return self._engine(store._raw.get_paged, tokens, start, extra, blocks)
+
+    def save(
+        self, store: Store, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+    ) -> int:
+        """Stores the full blocks of `tokens` from `start` on out of cache blocks
+        `blocks`: the tokens covered, as `Store.put`."""
+        return self._engine(store._raw.put_paged, tokens, start, extra, blocks)
+
+    def _engine(
+        self, call: Any, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+    ) -> int:
+        """`call` (the binding's get_paged or put_paged) on these caches."""
+        assert self._parts is not None, "the engine's path needs strided K and V"
+        spans = self._spans()
+        parts = self._parts
+        return int(
+            call(
+                tokens_array(tokens),
+                extra_bytes(extra),
+                start,
+                spans,
+                blocks,
+                self._block_stride,
+                parts,
+            )
+        )
 
     def move(self, block_ids: list[int], kv: torch.Tensor, into_cache: bool) -> None:
         """Between the blocks `block_ids` and `kv` (`[L, 2, n*B, H, D]`, each `[n*B, H,

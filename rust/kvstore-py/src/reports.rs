@@ -179,6 +179,8 @@ pub struct Stats {
     pub hot_mapped: bool,
     /// The remote tier, if this handle has one.
     pub remote: Option<RemoteStats>,
+    /// Clients' named counters (`Store.add_counters`), store-wide.
+    pub counters: std::collections::BTreeMap<String, u64>,
 }
 
 report! {
@@ -273,6 +275,7 @@ impl From<kvstore::Stats> for Stats {
             page_kind: a.page_kind,
             hot_mapped: a.mapped,
             remote: s.remote.map(RemoteStats::from),
+            counters: s.counters,
         }
     }
 }

@@ -42,6 +42,15 @@ fn seconds(what: &str, s: f64, positive: bool) -> PyResult<Duration> {
         })
 }
 
+/// The engine's paged geometry from `get_paged`'s arguments.
+fn paged_layout(block_stride: usize, parts: [(usize, [usize; 3]); 2]) -> kvstore::PagedLayout {
+    let part = |(offset, strides): (usize, [usize; 3])| kvstore::PagedPart { offset, strides };
+    kvstore::PagedLayout {
+        block_stride,
+        parts: parts.map(part),
+    }
+}
+
 #[pymethods]
 impl Store {
     /// Opens or creates the store at `path` (see `OpenOptions`).
@@ -153,6 +162,65 @@ impl Store {
             .py()
     }
 
+    /// `get_into` straight into a paged cache: `layers` (each a layer's
+    /// whole cache memory as bytes) receive block `start / B + k` of `tokens`
+    /// in cache block `blocks[k]`, placed by `block_stride` and `parts` (K
+    /// and V: element offset in a block, token/head/dim element strides).
+    #[allow(clippy::too_many_arguments)]
+    fn get_paged(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        extra: &[u8],
+        start: usize,
+        mut layers: Vec<PyReadwriteArray1<'_, u8>>,
+        blocks: Vec<usize>,
+        block_stride: usize,
+        parts: [(usize, [usize; 3]); 2],
+    ) -> PyResult<usize> {
+        let t = slice(&tokens, "tokens")?;
+        let mut spans = layers
+            .iter_mut()
+            .map(|a| {
+                a.as_slice_mut()
+                    .map_err(|_| invalid("layers: expected contiguous byte arrays"))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let paged = paged_layout(block_stride, parts);
+        py.detach(|| {
+            self.engine
+                .get_paged(t, start, extra, &paged, &mut spans, &blocks)
+        })
+        .py()
+    }
+
+    /// `put` straight out of a paged cache (see `get_paged`): the full blocks
+    /// of `tokens` from `start` on are cache blocks `blocks`.
+    #[allow(clippy::too_many_arguments)]
+    fn put_paged(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        extra: &[u8],
+        start: usize,
+        layers: Vec<PyReadonlyArray1<'_, u8>>,
+        blocks: Vec<usize>,
+        block_stride: usize,
+        parts: [(usize, [usize; 3]); 2],
+    ) -> PyResult<usize> {
+        let t = slice(&tokens, "tokens")?;
+        let spans = layers
+            .iter()
+            .map(|a| slice(a, "layers"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let paged = paged_layout(block_stride, parts);
+        py.detach(|| {
+            self.engine
+                .put_paged(t, start, extra, &paged, &spans, &blocks)
+        })
+        .py()
+    }
+
     #[pyo3(signature = (tokens, extra, priority, ttl_s=None))]
     fn pin(
         &self,
@@ -237,6 +305,12 @@ impl Store {
 
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.engine.close()).py()
+    }
+
+    /// Adds to clients' named counters, shown by `stats()["counters"]`.
+    fn add_counters(&self, counts: Vec<(String, u64)>) -> PyResult<()> {
+        let c: Vec<(&str, u64)> = counts.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        self.engine.add_counters(&c).py()
     }
 
     fn stats(&self, py: Python<'_>) -> PyResult<Stats> {

@@ -8,7 +8,8 @@
 //! - `damaged`:  block id → [`Location`] ‖ reason (UTF-8): blocks found damaged on read
 //! - `pins`:     block id → priority (u64 LE) ‖ expiry in ms since the epoch (u64 LE, 0 = never)
 //! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`,
-//!   `chains_generation`, hit/miss totals)
+//!   `chains_generation`, hit/miss totals, clients' named counters as
+//!   `counter.<name>`)
 //! - `parents`:  block id → parent id (32 B) ‖ mark (1 B: [`CLOSED`] for
 //!   closed, anything else not): the block's parent when it was published
 //!   by a put that knew it
@@ -917,6 +918,20 @@ impl Index {
 
     pub fn set_meta_u64(&self, txn: &mut RwTxn<'_>, name: &str, v: u64) -> Result<()> {
         Ok(self.meta.put(txn, name.as_bytes(), &v.to_le_bytes())?)
+    }
+
+    /// The `u64` meta values whose names start with `prefix`: (the rest of
+    /// the name, value), in name order.
+    pub fn meta_u64_prefixed(&self, txn: &RoTxn<'_>, prefix: &str) -> Result<Vec<(String, u64)>> {
+        let mut out = Vec::new();
+        for item in self.meta.prefix_iter(txn, prefix.as_bytes())? {
+            let (k, v) = item?;
+            let name = std::str::from_utf8(&k[prefix.len()..]);
+            if let (Ok(name), Ok(v)) = (name, <[u8; 8]>::try_from(v)) {
+                out.push((name.to_owned(), u64::from_le_bytes(v)));
+            }
+        }
+        Ok(out)
     }
 
     // ---- pins ----

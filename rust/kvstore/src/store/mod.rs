@@ -29,6 +29,7 @@ mod compact;
 mod evict;
 mod lookup;
 mod options;
+mod paged;
 mod pin;
 mod put;
 mod read;
@@ -221,6 +222,48 @@ impl Store {
         out_tokens: usize,
     ) -> Result<usize> {
         self.live()?.get_from(tokens, start, extra, out, out_tokens)
+    }
+
+    /// `get_from` straight into a serving engine's paged cache: `layers` (one
+    /// span per layer, each the layer's whole cache memory, laid out as
+    /// `paged` says) receive block `start / B + k` of `tokens` in cache block
+    /// `blocks[k]`, each block checked before it lands. Returns the stored
+    /// prefix in tokens, counted from 0, at most `start + blocks.len() * B`.
+    pub fn get_paged(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        extra: &[u8],
+        paged: &crate::PagedLayout,
+        layers: &mut [&mut [u8]],
+        blocks: &[usize],
+    ) -> Result<usize> {
+        self.live()?
+            .get_paged(tokens, start, extra, paged, layers, blocks)
+    }
+
+    /// `put_from` straight out of a serving engine's paged cache: the full
+    /// blocks of `tokens` from `start` on are cache blocks `blocks` of
+    /// `layers` (see `get_paged`). Returns the tokens covered, from 0.
+    pub fn put_paged(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        extra: &[u8],
+        paged: &crate::PagedLayout,
+        layers: &[&[u8]],
+        blocks: &[usize],
+    ) -> Result<usize> {
+        self.live()?
+            .put_paged(tokens, start, extra, paged, layers, blocks)
+    }
+
+    /// Adds `counts` to clients' named counters (a connector's figures),
+    /// saved with the store's hit and miss totals at flush and close and
+    /// shown by `stats` (`Stats::counters`). Names: 1 to 64 characters of
+    /// `a-z 0-9 _ . -`.
+    pub fn add_counters(&self, counts: &[(&str, u64)]) -> Result<()> {
+        self.live()?.add_counters(counts)
     }
 
     /// Keeps the longest stored prefix of `tokens` warm: held in the hot tier

@@ -313,7 +313,7 @@ impl Inner {
     /// Lands block `id` in `chunks`: from the hot tier, else from its record
     /// (promoted into the hot tier). Whether it was served; a damaged record
     /// is quarantined on the way.
-    fn read_block<'s>(
+    pub(super) fn read_block<'s>(
         &'s self,
         snap: &mut Option<Snap<'s>>,
         id: &BlockId,

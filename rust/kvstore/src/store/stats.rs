@@ -7,7 +7,16 @@ use crate::clock::now_ms;
 use crate::error::Result;
 use crate::format;
 use crate::index::SegmentState;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Meta-name prefix of the clients' named counters (`Store::add_counters`).
+const COUNTER_PREFIX: &str = "counter.";
+/// Longest name of a named counter.
+const COUNTER_NAME_MAX: usize = 64;
+/// Distinct named counters a handle holds unsaved (bounded memory).
+const COUNTERS_MAX: usize = 256;
 
 #[derive(Default)]
 pub(super) struct Counters {
@@ -23,6 +32,9 @@ pub(super) struct Counters {
     pub(super) damaged_found: AtomicU64,
     pub(super) hot_hit_blocks: AtomicU64,
     pub(super) disk_hit_blocks: AtomicU64,
+    /// Clients' named counters (`Store::add_counters`) not yet added to the
+    /// store-wide totals.
+    pub(super) named: Mutex<BTreeMap<String, u64>>,
 }
 
 /// Figures of `Store::stats`.
@@ -75,6 +87,10 @@ pub struct Stats {
     pub arena: Option<ArenaStats>,
     /// The remote tier, if this handle has one.
     pub remote: Option<crate::remote::RemoteStats>,
+    /// Clients' named counters (`Store::add_counters`): every handle's
+    /// additions since the store was created, as of each handle's last flush
+    /// or close, plus this handle's since.
+    pub counters: BTreeMap<String, u64>,
 }
 
 /// One segment, as `kvstore stats` lists it.
@@ -115,6 +131,15 @@ impl Inner {
             .sum();
         let headers = segs.len() as u64 * format::SEGMENT_HEADER_LEN as u64;
         let c = &self.counters;
+        let mut counters: BTreeMap<String, u64> = self
+            .index
+            .meta_u64_prefixed(&txn, COUNTER_PREFIX)?
+            .into_iter()
+            .collect();
+        for (name, n) in c.named.lock().expect("counters lock").iter() {
+            let v = counters.entry(name.clone()).or_default();
+            *v = v.saturating_add(*n);
+        }
         Ok(Stats {
             blocks,
             sessions: self.index.sessions(&txn, &self.tag)?.len() as u64,
@@ -147,6 +172,7 @@ impl Inner {
                 ),
             },
             remote: self.remote.as_ref().map(crate::remote::Remote::stats),
+            counters,
         })
     }
 
@@ -190,7 +216,8 @@ impl Inner {
             hits - c.saved_hits.swap(hits, Ordering::Relaxed),
             misses - c.saved_misses.swap(misses, Ordering::Relaxed),
         );
-        if dh == 0 && dm == 0 {
+        let named = std::mem::take(&mut *c.named.lock().expect("counters lock"));
+        if dh == 0 && dm == 0 && named.is_empty() {
             return Ok(());
         }
         let mut txn = self.index.write()?;
@@ -198,7 +225,45 @@ impl Inner {
             let v = self.index.meta_u64(&txn, name)?;
             self.index.set_meta_u64(&mut txn, name, v + d)?;
         }
+        for (name, d) in &named {
+            let key = format!("{COUNTER_PREFIX}{name}");
+            let v = self.index.meta_u64(&txn, &key)?;
+            self.index
+                .set_meta_u64(&mut txn, &key, v.saturating_add(*d))?;
+        }
         self.index.commit(txn, false)
+    }
+
+    /// Adds to clients' named counters (a connector's hit tokens, bytes
+    /// moved, errors): kept by the handle, added to the store-wide totals
+    /// with the hit and miss counts, shown by `stats`. A name is 1 to 64
+    /// characters of `a-z 0-9 _ . -`; a handle holds at most 256 names
+    /// unsaved (then it saves them first).
+    pub(super) fn add_counters(&self, counts: &[(&str, u64)]) -> Result<()> {
+        for (name, _) in counts {
+            let ok = (1..=COUNTER_NAME_MAX).contains(&name.len())
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b));
+            if !ok {
+                return Err(crate::error::Error::InvalidInput(format!(
+                    "counter name: expected 1 to {COUNTER_NAME_MAX} characters of a-z 0-9 _ . -, \
+                     got {name:?}"
+                )));
+            }
+        }
+        let full = {
+            let mut named = self.counters.named.lock().expect("counters lock");
+            for (name, n) in counts {
+                let v = named.entry((*name).to_owned()).or_default();
+                *v = v.saturating_add(*n);
+            }
+            named.len() >= COUNTERS_MAX
+        };
+        if full {
+            self.save_counters()?;
+        }
+        Ok(())
     }
 
     pub(super) fn count_hits(&self, hit: usize, asked: usize) {

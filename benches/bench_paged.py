@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""The engine's paged path alone (no vLLM): `get_paged`/`put_paged` between a store and
+per-layer paged caches laid out as vLLM's CPU backend lays them (per block, K
+`[H][D][B]` and V `[H][B][D]`), against memcpy of the same bytes in the same run, and
+against the connector's previous path (canonical `get` into a staging buffer, then
+torch's scatter into the caches).
+
+    python benches/bench_paged.py [--tokens 2048] [--cache-blocks 1024] [--repeat 7]
+
+The layout is bench_vllm.py's (bfloat16, 8 layers, 4 KV heads of 64, blocks of 32
+tokens: 256 KiB a block, 16 MiB for 2K tokens). The caches hold `--cache-blocks`
+blocks per layer (2 GiB at 1024: far more than a CPU cache) and each round lands the
+request in a different random set of them. Loads are timed with the hot tier (the
+shared-memory arena) and without it (the segments in the page cache); the peer is
+torch's copy_ of the same number of bytes between two buffers as large as the request,
+a different pair each round. Best of `--repeat`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvstore
+from kvstore.vllm.paged import PagedKV
+
+L, H, D, B = 8, 4, 64, 32
+
+
+def cpu_block_map() -> torch.Tensor:
+    """Element offsets of a block's canonical `[2, B, H, D]` values in a `[N, 2, H, B*D]`
+    layer cache: K at `[kv, h, d*B + t]`, V at `[kv, h, t*D + d]`."""
+    kv, t, h, d = torch.meshgrid(
+        torch.arange(2), torch.arange(B), torch.arange(H), torch.arange(D), indexing="ij"
+    )
+    inner = torch.where(kv == 0, d * B + t, t * D + d)
+    return (kv * H * B * D + h * B * D + inner).reshape(-1)
+
+
+def best(f, repeat: int) -> float:
+    times = []
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        f(i)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--cache-blocks", type=int, default=1024)
+    p.add_argument("--repeat", type=int, default=7)
+    a = p.parse_args()
+    lay = kvstore.Layout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="bfloat16", block_size=B)
+    n = a.tokens // B
+    nbytes = n * lay.block_bytes
+    caches = [torch.zeros(a.cache_blocks, 2, H, B * D, dtype=torch.bfloat16) for _ in range(L)]
+    paged = PagedKV(caches, cpu_block_map(), lay)
+    assert paged.strided
+    rng = random.Random(0)
+    picks = [rng.sample(range(a.cache_blocks), n) for _ in range(a.repeat)]
+    tokens = list(range(1, a.tokens + 1))
+    kv = torch.randn(lay.kv_shape(a.tokens)).to(torch.bfloat16)
+    staging = torch.empty_like(kv)
+    pairs = [(torch.ones_like(kv), torch.zeros_like(kv)) for _ in range(4)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as hot:
+        path = Path(tmp) / "s"
+        with kvstore.open(path, lay, "bench-paged@1", durability="none") as s:
+            s.put(tokens, kv)
+        memcpy = best(lambda i: pairs[i % 4][1].copy_(pairs[i % 4][0]), a.repeat * 2)
+        for tier, hot_bytes in (("page cache", None), ("hot tier", 64 << 20)):
+            with kvstore.open(
+                path, lay, "bench-paged@1", hot_bytes=hot_bytes, hot_dir=hot if hot_bytes else None
+            ) as s:
+                paged.load(s, tokens, 0, None, picks[0])  # warm-up (and promotion)
+                t = best(lambda i, s=s: paged.load(s, tokens, 0, None, picks[i]), a.repeat)
+                rows.append((f"get_paged, {tier}", t))
+
+                def old(i: int, s=s) -> None:
+                    s.get(tokens, out=staging)
+                    paged.move(picks[i], staging, True)
+
+                rows.append((f"get + torch scatter (previous), {tier}", best(old, a.repeat)))
+        # The caches hold what was loaded: the last round's blocks, gathered back.
+        back = torch.empty_like(kv)
+        paged.move(picks[-1], back, False)
+        assert torch.equal(back, kv), "a load landed wrong values"
+
+        def put(i: int) -> None:
+            with kvstore.open(Path(tmp) / f"p{i}", lay, "bench-paged@1", durability="none") as s:
+                t0 = time.perf_counter()
+                paged.save(s, tokens, 0, None, picks[-1])
+                put.t = min(getattr(put, "t", float("inf")), time.perf_counter() - t0)
+
+        for i in range(a.repeat):
+            put(i)
+        rows.append(("put_paged (durability none)", put.t))
+
+        def put_old(i: int) -> None:
+            with kvstore.open(Path(tmp) / f"q{i}", lay, "bench-paged@1", durability="none") as s:
+                t0 = time.perf_counter()
+                paged.move(picks[-1], staging, False)
+                s.put(tokens, staging)
+                put_old.t = min(getattr(put_old, "t", float("inf")), time.perf_counter() - t0)
+
+        for i in range(a.repeat):
+            put_old(i)
+        rows.append(("torch gather + put (previous)", put_old.t))
+    load = os.getloadavg()
+    gib = nbytes / (1 << 30)
+    print(f"{a.tokens} tokens, {nbytes >> 20} MiB of KV; load average {load[0]:.2f}")
+    print(f"{'memcpy (torch copy_)':44s} {gib / memcpy:7.2f} GiB/s")
+    for name, t in rows:
+        print(f"{name:44s} {gib / t:7.2f} GiB/s  {memcpy / t:5.2f}x memcpy")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+//! `get_paged` (the engine's side of the vLLM connector's loads) against
+//! `get_into` of the same request into a contiguous buffer and
+//! memcpy of the same bytes, in the same run: a 2K-token request of
+//! `bench_vllm.py`'s layout (8 layers, 4 KV heads of 64, bf16, blocks of 32:
+//! 16 MiB), landing in random blocks of per-layer paged caches laid out as
+//! vLLM's CPU backend lays them (K `[H][D][B]`, V `[H][B][D]`; 1 GiB in
+//! all, more than a CPU cache holds).
+//!
+//! `cargo bench -p kvstore --bench paged`
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvstore::{DType, Durability, Layout, Options, PagedLayout, PagedPart, Store};
+use std::hint::black_box;
+
+const L: usize = 8;
+const H: usize = 4;
+const D: usize = 64;
+const B: usize = 32;
+const TOKENS: usize = 2048;
+const CACHE_BLOCKS: usize = 512;
+
+fn paged() -> PagedLayout {
+    PagedLayout {
+        block_stride: 2 * B * H * D,
+        parts: [
+            PagedPart {
+                offset: 0,
+                strides: [1, D * B, B],
+            },
+            PagedPart {
+                offset: B * H * D,
+                strides: [D, B * D, 1],
+            },
+        ],
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let l = Layout::new(L as u32, H as u32, D as u32, DType::BFloat16, B as u32).expect("layout");
+    let (dir, hot) = (
+        tempfile::tempdir().expect("dir"),
+        tempfile::tempdir().expect("dir"),
+    );
+    let s = Store::open(
+        dir.path(),
+        Options {
+            fingerprint: Some("bench-paged@1".into()),
+            layout: Some(l),
+            durability: Durability::None,
+            hot_bytes: Some(64 << 20),
+            hot_dir: Some(hot.path().to_path_buf()),
+            ..Options::default()
+        },
+    )
+    .expect("open");
+    let tokens: Vec<u32> = (1..=TOKENS as u32).collect();
+    let nbytes = l.kv_bytes(TOKENS).expect("size");
+    let kv: Vec<u8> = (0..nbytes).map(|i| (i * 7 + i / 4093) as u8).collect();
+    s.put(&tokens, &kv, TOKENS, b"").expect("put");
+    let n = TOKENS / B;
+    // Every 7th cache block: scattered over the caches, each used once.
+    let blocks: Vec<usize> = (0..n).map(|i| i * 7 % CACHE_BLOCKS).collect();
+    let mut caches = vec![vec![0u8; CACHE_BLOCKS * 2 * B * H * D * 2]; L];
+    let mut out = vec![0u8; nbytes];
+    let mut pairs: Vec<(Vec<u8>, Vec<u8>)> =
+        (0..4).map(|_| (vec![1; nbytes], vec![0; nbytes])).collect();
+    let mut g = c.benchmark_group("paged");
+    g.throughput(Throughput::Bytes(nbytes as u64));
+    g.sample_size(20);
+    let mut i = 0;
+    g.bench_function("memcpy", |b| {
+        b.iter(|| {
+            let (src, dst) = &mut pairs[i % 4];
+            i += 1;
+            black_box(&mut dst[..]).copy_from_slice(src);
+        });
+    });
+    g.bench_function("get_into (hot tier)", |b| {
+        b.iter(|| {
+            s.get_into(&tokens, b"", black_box(&mut out), TOKENS)
+                .expect("get")
+        });
+    });
+    g.bench_function("get_paged (hot tier)", |b| {
+        b.iter(|| {
+            let mut spans: Vec<&mut [u8]> = caches.iter_mut().map(|c| &mut c[..]).collect();
+            s.get_paged(&tokens, 0, b"", &paged(), &mut spans, &blocks)
+                .expect("get")
+        });
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

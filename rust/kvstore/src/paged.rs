@@ -1,0 +1,267 @@
+//! A serving engine's paged KV cache (vLLM's): where each value of a block
+//! lies in the engine's per-layer caches, and the copies between there and a
+//! block's canonical `[B, H, D]` runs. The geometry is learnt by the caller
+//! from the engine's own cache writer; here it is only checked and followed.
+
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+
+/// Where K or V of one block lies inside a layer's paged cache, in elements
+/// from the first element of the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedPart {
+    /// Element offset of token 0, head 0, dim 0.
+    pub offset: usize,
+    /// Element strides of the token, head and dim axes.
+    pub strides: [usize; 3],
+}
+
+/// The geometry of a paged cache, the same in every layer: cache block `n`
+/// starts `n * block_stride` elements into the layer's memory, K and V of it
+/// are `parts[0]` and `parts[1]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedLayout {
+    /// Elements from one cache block to the next.
+    pub block_stride: usize,
+    /// K, then V.
+    pub parts: [PagedPart; 2],
+}
+
+impl PagedLayout {
+    /// Checks that `layers` (one span per layer, `L` of them, each the layer's
+    /// whole cache memory) hold cache blocks `blocks` entirely: every value a
+    /// copy will touch is inside its layer's span.
+    pub(crate) fn check(&self, layout: &Layout, spans: &[usize], blocks: &[usize]) -> Result<()> {
+        let bad = |why: String| Err(Error::InvalidInput(format!("paged cache: {why}")));
+        if spans.len() != layout.num_layers as usize {
+            return bad(format!(
+                "expected {} layers, got {}",
+                layout.num_layers,
+                spans.len()
+            ));
+        }
+        let Some(&last) = blocks.iter().max() else {
+            return Ok(());
+        };
+        let dims = dims(layout);
+        let end = self.parts.iter().try_fold(0usize, |end, p| {
+            let extent = (0..3).try_fold(p.offset, |at, a| {
+                (dims[a] - 1).checked_mul(p.strides[a])?.checked_add(at)
+            })?;
+            Some(end.max(extent.checked_add(1)?))
+        });
+        let need = end
+            .and_then(|e| last.checked_mul(self.block_stride)?.checked_add(e))
+            .and_then(|e| e.checked_mul(layout.dtype.size()));
+        match (need, spans.iter().min()) {
+            (Some(need), Some(&have)) if need <= have => Ok(()),
+            (need, have) => bad(format!(
+                "cache block {last} needs {need:?} bytes of each layer, the smallest layer \
+                 has {have:?}"
+            )),
+        }
+    }
+
+    /// Copies block `runs` (the canonical `2L` `[B, H, D]` runs of one block)
+    /// into cache block `block` of `layers`. `check` must have passed for it.
+    pub(crate) fn scatter(
+        &self,
+        layout: &Layout,
+        runs: &mut [&mut [u8]],
+        layers: &mut [&mut [u8]],
+        block: usize,
+    ) {
+        for (l, layer) in layers.iter_mut().enumerate() {
+            for (kv, part) in self.parts.iter().enumerate() {
+                let at = block * self.block_stride + part.offset;
+                copy(layout, part, Move::Into(layer, at), runs[2 * l + kv]);
+            }
+        }
+    }
+
+    /// Copies cache block `block` of `layers` into `runs` (a block's canonical
+    /// runs). `check` must have passed for it.
+    pub(crate) fn gather(
+        &self,
+        layout: &Layout,
+        layers: &[&[u8]],
+        block: usize,
+        runs: &mut [&mut [u8]],
+    ) {
+        for (l, layer) in layers.iter().enumerate() {
+            for (kv, part) in self.parts.iter().enumerate() {
+                let at = block * self.block_stride + part.offset;
+                copy(layout, part, Move::OutOf(layer, at), runs[2 * l + kv]);
+            }
+        }
+    }
+}
+
+/// `[B, H, D]`.
+fn dims(layout: &Layout) -> [usize; 3] {
+    [
+        layout.block_size as usize,
+        layout.num_kv_heads as usize,
+        layout.head_dim as usize,
+    ]
+}
+
+/// Element strides of a contiguous `[B, H, D]` run.
+fn canonical_strides(layout: &Layout) -> [usize; 3] {
+    let [_, h, d] = dims(layout);
+    [h * d, d, 1]
+}
+
+/// One direction of a copy between a paged part (its layer's memory and
+/// the part's first element there) and a canonical run.
+enum Move<'a> {
+    Into(&'a mut [u8], usize),
+    OutOf(&'a [u8], usize),
+}
+
+/// Copies one `[B, H, D]` part between the paged side and `canon`, walking
+/// the axes in the paged side's order (largest stride outermost): its memory
+/// is the one not in the CPU's cache, so it is read or written in order,
+/// while `canon`, one block's scratch, stays in cache.
+fn copy(layout: &Layout, part: &PagedPart, paged: Move<'_>, canon: &mut [u8]) {
+    match layout.dtype.size() {
+        1 => copy_sized::<1>(layout, part, paged, canon),
+        2 => copy_sized::<2>(layout, part, paged, canon),
+        4 => copy_sized::<4>(layout, part, paged, canon),
+        n => unreachable!("no dtype has {n}-byte elements"),
+    }
+}
+
+fn copy_sized<const E: usize>(
+    layout: &Layout,
+    part: &PagedPart,
+    mut paged: Move<'_>,
+    canon: &mut [u8],
+) {
+    let dims = dims(layout);
+    let cs = canonical_strides(layout);
+    let ps = part.strides;
+    // A transpose where the paged side's contiguous axis is not the
+    // canonical one (K on vLLM's CPU backend: tokens contiguous): in tiles.
+    let unit = (0..3).find(|&a| ps[a] == 1 && dims[a] > 1);
+    if let Some(pa) = unit.filter(|&pa| pa != 2 && dims[2] > 1) {
+        let o = 3 - pa - 2; // the third axis
+        for x in 0..dims[o] {
+            match &mut paged {
+                Move::Into(dst, at) => transpose::<E>(
+                    (dst, *at + x * ps[o], ps[2]),
+                    (canon, x * cs[o], cs[pa]),
+                    dims[2],
+                    dims[pa],
+                ),
+                Move::OutOf(src, at) => transpose::<E>(
+                    (canon, x * cs[o], cs[pa]),
+                    (src, *at + x * ps[o], ps[2]),
+                    dims[pa],
+                    dims[2],
+                ),
+            }
+        }
+        return;
+    }
+    let mut order = [0, 1, 2];
+    order.sort_by_key(|&a| std::cmp::Reverse(ps[a]));
+    let [o0, o1, a] = order;
+    for i in 0..dims[o0] {
+        for j in 0..dims[o1] {
+            let p = i * ps[o0] + j * ps[o1];
+            let c = i * cs[o0] + j * cs[o1];
+            match &mut paged {
+                Move::Into(dst, at) => row::<E>(dst, *at + p, ps[a], canon, c, cs[a], dims[a]),
+                Move::OutOf(src, at) => row::<E>(canon, c, cs[a], src, *at + p, ps[a], dims[a]),
+            }
+        }
+    }
+}
+
+/// Rows of `transpose`'s strips (columns of the source read at once).
+const TILE: usize = 8;
+/// Columns of `transpose`'s strips: a dst row of 64 two-byte elements is two
+/// whole cache lines, written at once.
+const STRIP: usize = 64;
+
+/// Copies an `n × m` matrix of `E`-byte elements whose rows are contiguous
+/// in `dst` and whose columns are contiguous in `src`: element `(i, j)` from
+/// `src` element `s + j * ss + i` to `dst` element `d + i * ds + j`. In
+/// strips of `TILE` rows: `TILE` elements of each column read at once, then
+/// each row of the strip written whole, so that `dst` (the paged cache, in
+/// main memory, on a load) is written in whole cache lines, in order.
+fn transpose<const E: usize>(
+    (dst, d, ds): (&mut [u8], usize, usize),
+    (src, s, ss): (&[u8], usize, usize),
+    n: usize,
+    m: usize,
+) {
+    let tn = n / TILE * TILE;
+    let mut cols = [[[0u8; E]; TILE]; STRIP];
+    for i0 in (0..tn).step_by(TILE) {
+        for j0 in (0..m).step_by(STRIP) {
+            let w = STRIP.min(m - j0);
+            for (jj, col) in cols[..w].iter_mut().enumerate() {
+                let at = (s + (j0 + jj) * ss + i0) * E;
+                let (elems, _) = src[at..at + TILE * E].as_chunks::<E>();
+                *col = elems.try_into().expect("a strip's column");
+            }
+            for ii in 0..TILE {
+                let at = (d + (i0 + ii) * ds + j0) * E;
+                let (out, _) = dst[at..at + w * E].as_chunks_mut::<E>();
+                for (o, col) in out.iter_mut().zip(&cols) {
+                    *o = col[ii];
+                }
+            }
+        }
+    }
+    // The rows past the last whole strip.
+    for i in tn..n {
+        row::<E>(dst, d + i * ds, 1, src, s + i, ss, m);
+    }
+}
+
+/// Copies `n` elements of `E` bytes, element `k` from `src`'s element
+/// `s + k * ss` to `dst`'s `d + k * ds`; a slice copy where both are
+/// contiguous, else element by element as `[u8; E]` moves (not a `memcpy`
+/// call each), iterating the contiguous side.
+fn row<const E: usize>(
+    dst: &mut [u8],
+    d: usize,
+    ds: usize,
+    src: &[u8],
+    s: usize,
+    ss: usize,
+    n: usize,
+) {
+    let elem = |bytes: &[u8], at: usize| -> [u8; E] {
+        bytes[at * E..at * E + E].try_into().expect("E bytes")
+    };
+    let put = |bytes: &mut [u8], at: usize, v: [u8; E]| {
+        let o: &mut [u8; E] = (&mut bytes[at * E..at * E + E])
+            .try_into()
+            .expect("E bytes");
+        *o = v;
+    };
+    match (ds, ss) {
+        (1, 1) => dst[d * E..(d + n) * E].copy_from_slice(&src[s * E..(s + n) * E]),
+        (1, _) => {
+            let (out, _) = dst[d * E..(d + n) * E].as_chunks_mut::<E>();
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = elem(src, s + k * ss);
+            }
+        }
+        (_, 1) => {
+            let (vals, _) = src[s * E..(s + n) * E].as_chunks::<E>();
+            for (k, v) in vals.iter().enumerate() {
+                put(dst, d + k * ds, *v);
+            }
+        }
+        _ => {
+            for k in 0..n {
+                put(dst, d + k * ds, elem(src, s + k * ss));
+            }
+        }
+    }
+}

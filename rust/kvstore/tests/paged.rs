@@ -1,0 +1,234 @@
+//! Gets and puts straight between the store and a paged cache laid out as
+//! vLLM's CPU backend lays it (per block: K `[H][D][B]`, then V `[H][B][D]`,
+//! then padding; B and D span a whole 8x8 tile of the engine's transpose and
+//! an edge), checked against an element-by-element model of that
+//! layout written here, not the engine's copy.
+
+use kvstore::{DType, Durability, Error, Layout, Options, PagedLayout, PagedPart, Store};
+use std::os::unix::fs::FileExt;
+
+mod support;
+use support::{kv_for, seq};
+
+const B: usize = 12;
+const H: usize = 2;
+const D: usize = 10;
+const L: usize = 2;
+/// Elements per cache block: K and V, and 5 of padding.
+const STRIDE: usize = 2 * B * H * D + 5;
+const CACHE_BLOCKS: usize = 8;
+
+fn layout() -> Layout {
+    Layout::new(L as u32, H as u32, D as u32, DType::Float16, B as u32).unwrap()
+}
+
+fn paged() -> PagedLayout {
+    PagedLayout {
+        block_stride: STRIDE,
+        parts: [
+            PagedPart {
+                offset: 0,
+                strides: [1, D * B, B],
+            },
+            PagedPart {
+                offset: B * H * D,
+                strides: [D, B * D, 1],
+            },
+        ],
+    }
+}
+
+/// The element offset of (K or V, token, head, dim) of cache block `n`, by
+/// the layout's definition.
+fn model_offset(n: usize, kv: usize, t: usize, h: usize, d: usize) -> usize {
+    n * STRIDE
+        + if kv == 0 {
+            (h * D + d) * B + t
+        } else {
+            B * H * D + (h * B + t) * D + d
+        }
+}
+
+fn open(dir: &std::path::Path, hot: Option<&std::path::Path>) -> Store {
+    Store::open(
+        dir,
+        Options {
+            fingerprint: Some("paged@1".into()),
+            layout: Some(layout()),
+            durability: Durability::Sync,
+            hot_bytes: hot.map(|_| 16 << 20),
+            hot_dir: hot.map(std::path::Path::to_path_buf),
+            ..Options::default()
+        },
+    )
+    .unwrap()
+}
+
+/// `L` layers of sentinel bytes.
+fn caches() -> Vec<Vec<u8>> {
+    vec![vec![0xEE; CACHE_BLOCKS * STRIDE * 2]; L]
+}
+
+/// `caches` with token block `i` of `tokens` (KV `kv_for`) in cache block
+/// `blocks[i - first]`, for each `i` in `first..upto`, by the model.
+fn model(tokens: &[u32], first: usize, upto: usize, blocks: &[usize]) -> Vec<Vec<u8>> {
+    let l = layout();
+    let kv = kv_for(&l, tokens);
+    let t_all = tokens.len();
+    let mut out = caches();
+    for i in first..upto {
+        let n = blocks[i - first];
+        for (layer, cache) in out.iter_mut().enumerate() {
+            for k in 0..2 {
+                for t in 0..B {
+                    for h in 0..H {
+                        for d in 0..D {
+                            let src = (((layer * 2 + k) * t_all + i * B + t) * H + h) * D + d;
+                            let dst = model_offset(n, k, t, h, d);
+                            cache[dst * 2..dst * 2 + 2].copy_from_slice(&kv[src * 2..src * 2 + 2]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn get_paged(s: &Store, tokens: &[u32], start: usize, blocks: &[usize]) -> (usize, Vec<Vec<u8>>) {
+    let mut c = caches();
+    let mut spans: Vec<&mut [u8]> = c.iter_mut().map(|v| &mut v[..]).collect();
+    let m = s
+        .get_paged(tokens, start, b"", &paged(), &mut spans, blocks)
+        .unwrap();
+    (m, c)
+}
+
+#[test]
+fn gets_land_where_the_layout_says_from_disk_and_hot_tier() {
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let tokens = seq(1, 5 * B + 2); // 5 full blocks and 2 tokens
+    let kv = kv_for(&layout(), &tokens);
+    open(dir.path(), None)
+        .put(&tokens, &kv, 5 * B + 2, b"")
+        .unwrap();
+    let blocks = [6, 0, 3, 7];
+    for hot_dir in [None, Some(hot.path()), Some(hot.path())] {
+        // Without a hot tier; then with one (disk, promoted); then from it.
+        let s = open(dir.path(), hot_dir);
+        let (m, got) = get_paged(&s, &tokens, B, &blocks);
+        assert_eq!(m, 5 * B);
+        assert!(got == model(&tokens, 1, 5, &blocks), "hot tier {hot_dir:?}");
+        if hot_dir.is_some() {
+            let st = s.stats().unwrap();
+            assert_eq!(st.hot_hit_blocks + st.disk_hit_blocks, 4);
+        }
+    }
+    // Fewer cache blocks than stored ones: only those land.
+    let s = open(dir.path(), None);
+    let (m, got) = get_paged(&s, &tokens, 0, &[2, 5]);
+    assert_eq!(m, 2 * B);
+    assert!(got == model(&tokens, 0, 2, &[2, 5]));
+}
+
+#[test]
+fn puts_store_what_a_canonical_put_stores() {
+    let l = layout();
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let tokens = seq(2, 5 * B + 3);
+    let blocks = [4, 1, 7, 0, 2];
+    let cache = model(&tokens, 0, 5, &blocks);
+    let spans: Vec<&[u8]> = cache.iter().map(|v| &v[..]).collect();
+    let s = open(a.path(), None);
+    // A chunked save: the first two blocks, then the rest.
+    assert_eq!(
+        s.put_paged(&tokens[..2 * B], 0, b"", &paged(), &spans, &blocks[..2])
+            .unwrap(),
+        2 * B
+    );
+    assert_eq!(
+        s.put_paged(&tokens, 2 * B, b"", &paged(), &spans, &blocks[2..])
+            .unwrap(),
+        5 * B
+    );
+    let mut out = vec![0u8; l.kv_bytes(5 * B).unwrap()];
+    assert_eq!(s.get_into(&tokens, b"", &mut out, 5 * B).unwrap(), 5 * B);
+    assert!(out == kv_for(&l, &tokens[..5 * B]));
+    // The same ids as a put of the canonical KV.
+    let r = open(b.path(), None);
+    r.put(&tokens, &kv_for(&l, &tokens), 5 * B + 3, b"")
+        .unwrap();
+    assert_eq!(
+        s.block_ids(&tokens, b"").unwrap(),
+        r.block_ids(&tokens, b"").unwrap()
+    );
+    assert_eq!(s.stats().unwrap().blocks_written, 5);
+}
+
+#[test]
+fn a_damaged_block_is_not_landed_and_ends_the_hit() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let tokens = seq(3, 3 * B); // 3 blocks
+    open(dir.path(), None)
+        .put(&tokens, &kv_for(&l, &tokens), 3 * B, b"")
+        .unwrap();
+    let seg = std::fs::read_dir(dir.path().join("segments"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    // Records are back to back after the 32-byte header: the second block's
+    // payload gets one byte flipped (see tests/store.rs).
+    let meta = 80 + 4 * B as u64; // header and token ids
+    let record = meta + l.block_bytes() as u64;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(seg)
+        .unwrap();
+    let at = 32 + record + meta + 5;
+    let mut byte = [0u8];
+    f.read_exact_at(&mut byte, at).unwrap();
+    f.write_all_at(&[!byte[0]], at).unwrap();
+    drop(f);
+    let s = open(dir.path(), None);
+    let (m, got) = get_paged(&s, &tokens, 0, &[3, 5, 6]);
+    assert_eq!(m, B);
+    // Block 5 (the damaged one) and 6 keep their sentinel bytes.
+    assert!(got == model(&tokens, 0, 1, &[3]));
+}
+
+#[test]
+fn cache_blocks_outside_the_spans_are_refused_before_any_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = seq(4, 2 * B);
+    let s = open(dir.path(), None);
+    s.put(&tokens, &kv_for(&layout(), &tokens), 2 * B, b"")
+        .unwrap();
+    let mut c = caches();
+    let mut spans: Vec<&mut [u8]> = c.iter_mut().map(|v| &mut v[..]).collect();
+    let e = s
+        .get_paged(&tokens, 0, b"", &paged(), &mut spans, &[0, CACHE_BLOCKS])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidInput(_)), "{e}");
+    assert!(c == caches());
+    // A layer short by one byte cannot hold the last cache block either.
+    let mut short = caches();
+    short[1].truncate(((CACHE_BLOCKS - 1) * STRIDE + 2 * B * H * D) * 2 - 1);
+    let mut spans: Vec<&mut [u8]> = short.iter_mut().map(|v| &mut v[..]).collect();
+    let e = s
+        .get_paged(&tokens, 0, b"", &paged(), &mut spans, &[CACHE_BLOCKS - 1])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidInput(_)), "{e}");
+    // Too few layers; a put with a block count that does not match its tokens.
+    let mut spans: Vec<&mut [u8]> = c.iter_mut().take(1).map(|v| &mut v[..]).collect();
+    assert!(s
+        .get_paged(&tokens, 0, b"", &paged(), &mut spans, &[0])
+        .is_err());
+    let spans: Vec<&[u8]> = c.iter().map(|v| &v[..]).collect();
+    assert!(s
+        .put_paged(&tokens, 0, b"", &paged(), &spans, &[0])
+        .is_err());
+}

@@ -14,7 +14,8 @@ Llama-3-8B-like layout: L=32, H=8, D=128, B=16, so 2 MiB per block, 512 blocks,
    segment files;
 3. get throughput from a warm page cache against memcpy of the same bytes;
 4. lookup of a 128K-token sequence (tiny layout, 8192 stored blocks);
-5. zstd compression: put throughput and ratio on random and on KV-like bf16.
+5. Compression (zstd over byte planes, and the exponent-plane codec): put and warm
+   get throughput and ratio on random and on KV-like bf16.
 
 Every ratio is product / limit (higher is better). See benches/README.md.
 """
@@ -1267,67 +1268,77 @@ def _lookup_rows(b: _Bench, lookup_tokens: int, lookup_runs: int) -> None:
 
 
 def _compression_rows(b: _Bench, put_ref: float, get_ref: float) -> None:
-    """5. Compression on random and on KV-like bf16: the zstd rows, against the
-    uncompressed batch put (`put_ref`) and warm get(out=) (`get_ref`), in GiB/s."""
-    res, tmp, quiet, repeat, nbytes = b.res, b.tmp, b.quiet, b.repeat, b.nbytes
-    C = "zstd"
+    """5. Compression on random and on KV-like bf16: rows for each lossless codec
+    ("zstd": zstd over byte planes; "exponent": the sign/exponent plane entropy-coded,
+    mantissas raw), against the uncompressed batch put (`put_ref`) and warm get(out=)
+    (`get_ref`) of the same run, in GiB/s."""
+    C = "compression"
     kinds = [("random", b.seqs)]
-    with stage("generating KV-like bf16 (randn * 0.05)", quiet):
+    with stage("generating KV-like bf16 (randn * 0.05)", b.quiet):
         kinds.append(("kvlike", make_seqs(BIG, b.blocks, "kvlike", seed=1)))
-    res.meta["compression"] = {}
+    b.res.meta["compression"] = {}
     for kind, data in kinds:
-        label = {"random": "random bf16 bits", "kvlike": "KV-like bf16 (randn*0.05)"}[kind]
-        times = []
-        store = tmp / f"store-zstd-{kind}"
-        for r in range(repeat):
-            rm(store)
-            with stage(f"[{r + 1}/{repeat}] put zstd, {kind}, batch + flush", quiet):
-                t, stats = put_all(store, BIG, data, "batch", compression="zstd")
-                times.append(t)
-        ratio = stats["compression_ratio"]
-        res.meta["compression"][kind] = {"stats": stats}
-        res.add(
-            Row(
-                C,
-                f"put zstd, {label}, batch + flush",
-                gibps(nbytes, best(times)),
-                "GiB/s",
-                put_ref,
-                "put, compression off, batch + flush",
-                note="info",
-                samples=times,
-            )
-        )
-        res.add(
-            Row(
-                C,
-                f"compression ratio, {label}",
-                ratio,
-                "x",
-                note=f"{stats['live_bytes'] / MiB:.0f} MiB on disk for {nbytes / MiB:.0f} MiB",
-            )
-        )
-        with (
-            stage(f"warm get(out=), zstd, {kind}", quiet),
-            open_store(store, BIG, durability="batch") as st,
-        ):
-            get_into(st, data, b.outs)
-            tg = [get_into(st, data, b.outs) for _ in range(max(1, min(b.warm_runs, 3)))]
-            check_equal(data, b.outs)
-        res.add(
-            Row(
-                C,
-                f"get(out=) zstd, {label}, warm page cache",
-                gibps(nbytes, best(tg)),
-                "GiB/s",
-                get_ref,
-                "get(out=), compression off, warm",
-                note="info",
-                samples=tg,
-            )
-        )
+        for codec in ("zstd", "exponent"):
+            _codec_rows(b, C, codec, kind, data, put_ref, get_ref)
+
+
+def _codec_rows(
+    b: _Bench, C: str, codec: str, kind: str, data: Any, put_ref: float, get_ref: float
+) -> None:
+    """The put, ratio and warm get rows of one codec on one kind of data."""
+    res, tmp, quiet, repeat, nbytes = b.res, b.tmp, b.quiet, b.repeat, b.nbytes
+    label = {"random": "random bf16 bits", "kvlike": "KV-like bf16 (randn*0.05)"}[kind]
+    times = []
+    store = tmp / f"store-{codec}-{kind}"
+    for r in range(repeat):
         rm(store)
-        os.sync()
+        with stage(f"[{r + 1}/{repeat}] put {codec}, {kind}, batch + flush", quiet):
+            t, stats = put_all(store, BIG, data, "batch", compression=codec)
+            times.append(t)
+    ratio = stats["compression_ratio"]
+    res.meta["compression"][f"{codec}/{kind}"] = {"stats": stats}
+    res.add(
+        Row(
+            C,
+            f"put {codec}, {label}, batch + flush",
+            gibps(nbytes, best(times)),
+            "GiB/s",
+            put_ref,
+            "put, compression off, batch + flush",
+            note="info",
+            samples=times,
+        )
+    )
+    res.add(
+        Row(
+            C,
+            f"compression ratio {codec}, {label}",
+            ratio,
+            "x",
+            note=f"{stats['live_bytes'] / MiB:.0f} MiB on disk for {nbytes / MiB:.0f} MiB",
+        )
+    )
+    with (
+        stage(f"warm get(out=), {codec}, {kind}", quiet),
+        open_store(store, BIG, durability="batch") as st,
+    ):
+        get_into(st, data, b.outs)
+        tg = [get_into(st, data, b.outs) for _ in range(max(1, min(b.warm_runs, 3)))]
+        check_equal(data, b.outs)
+    res.add(
+        Row(
+            C,
+            f"get(out=) {codec}, {label}, warm page cache",
+            gibps(nbytes, best(tg)),
+            "GiB/s",
+            get_ref,
+            "get(out=), compression off, warm",
+            note="info",
+            samples=tg,
+        )
+    )
+    rm(store)
+    os.sync()
 
 
 # ---------------------------------------------------------------- output

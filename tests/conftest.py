@@ -166,7 +166,9 @@ def kv_bits(
 
     kind="random": every bit pattern is possible (NaNs, infinities, subnormals
     included: a store must copy bits, never values). kind="lowent": a few small
-    values, so zstd really compresses.
+    values, so zstd really compresses. kind="kvlike" (16-bit dtypes): those values'
+    high (sign and exponent) bytes with random low bytes, what the "exponent" codec
+    compresses while every stored byte still matters.
     """
     L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
     keys = prefix_keys(tokens, seed, total)
@@ -180,6 +182,11 @@ def kv_bits(
     if kind == "lowent":
         table = _lowent_table(layout.dtype)
         return table[(x & np.uint64(3)).astype(np.intp)]
+    if kind == "kvlike" and size == 2:
+        high = _lowent_table(layout.dtype) & np.uint16(0xFF00)
+        return high[(x & np.uint64(3)).astype(np.intp)] | (
+            (x >> np.uint64(8)) & np.uint64(0xFF)
+        ).astype(np.uint16)
     raise ValueError(kind)
 
 

@@ -39,7 +39,7 @@ SEQS = [seq(1000 * (k + 1), 4 * B + 3) for k in range(4)]
 
 
 def _kind(compression):
-    return "lowent" if compression else "random"
+    return {None: "random", "exponent": "kvlike"}.get(compression, "lowent")
 
 
 def _open(path, compression=None):
@@ -142,7 +142,7 @@ def _repair(path: Path, compression, k: int, damaged_blocks: int = 1) -> None:
         assert_kv_equal(s.get(toks), want[:, :, : 4 * B])
 
 
-COMPRESSIONS = pytest.mark.parametrize("compression", [None, "zstd"])
+COMPRESSIONS = pytest.mark.parametrize("compression", [None, "zstd", "exponent"])
 
 
 @COMPRESSIONS

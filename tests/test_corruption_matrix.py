@@ -60,7 +60,7 @@ A_S_STATE = 40
 
 
 def _kind(compression: str | None) -> str:
-    return "lowent" if compression else "random"
+    return {None: "random", "exponent": "kvlike"}.get(compression, "lowent")
 
 
 _KV: dict[tuple[str, int], Any] = {}
@@ -114,7 +114,7 @@ def _build(path: Path, compression: str | None, hot: Path | None = None) -> dict
 def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
     root = tmp_path_factory.mktemp("templates")
     out = {}
-    for name, comp in (("raw", None), ("zstd", "zstd")):
+    for name, comp in (("raw", None), ("zstd", "zstd"), ("exponent", "exponent")):
         out[name] = (root / name, _build(root / name, comp))
     hot_root = root / "hot"
     ctx = _build(hot_root / "store", None, hot=hot_root / "hot")
@@ -441,7 +441,7 @@ def _zero_cases(ctx: dict, rng: random.Random) -> list[dict]:
     return cases
 
 
-COMPRESSIONS = pytest.mark.parametrize("comp", ["raw", "zstd"])
+COMPRESSIONS = pytest.mark.parametrize("comp", ["raw", "zstd", "exponent"])
 
 
 @COMPRESSIONS

@@ -195,6 +195,30 @@ def test_zstd_incompressible_data_still_exact(tmp_path, layout):
         assert_kv_equal(s.get(tokens), kv)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_exponent_codec_round_trip(tmp_path, dtype):
+    """compression="exponent": bit-exact, smaller on KV-like 16-bit data, raw where
+    it does not pay (random bits, 32-bit dtypes), readable by a handle without it."""
+    layout = small_layout(dtype)
+    kind = "kvlike" if layout.itemsize == 2 else "lowent"
+    tokens, other = seq(0, 40), seq(900, 24)
+    kv, noise = kv_for(layout, tokens, kind=kind), kv_for(layout, other)
+    with _open(tmp_path / "x", layout, compression="exponent", durability="batch") as s:
+        assert s.put(tokens, kv) == 40
+        assert s.put(other, noise) == 24
+        s.flush()
+        st = s.stats()
+        assert_kv_equal(s.get(tokens), kv[:, :, :40])
+        assert_kv_equal(s.get(other), noise[:, :, :24])
+    if layout.itemsize == 2:
+        # 5 KV-like blocks at 1.2x or better, 3 random ones raw.
+        assert st["live_bytes"] < st["raw_live_bytes"] - 5 * layout.block_bytes // 6
+    else:  # every record raw: payload plus header and token ids
+        assert st["live_bytes"] == st["raw_live_bytes"] + 8 * (80 + 4 * layout.block_size)
+    with _open(tmp_path / "x", layout) as s:
+        assert_kv_equal(s.get(tokens), kv[:, :, :40])
+
+
 def test_get_out_numpy(tmp_path, layout):
     B = layout.block_size
     tokens = seq(0, 5 * B + 2)

@@ -35,6 +35,7 @@ class OpenOptions(TypedDict):
     layout: NotRequired[Layout | None]
     salt: NotRequired[bytes | None]
     disk_bytes: NotRequired[int | None]
+    compression: NotRequired[str | None]
     compression_level: NotRequired[int | None]
     segment_bytes: NotRequired[int | None]
     batch_window_ms: NotRequired[int | None]
@@ -106,6 +107,7 @@ class Manifest(TypedDict):
     block_size: int
     created_unix: int
     store_id: str
+    storage: str | None
 
 @type_check_only
 class Stats(TypedDict):
@@ -221,7 +223,7 @@ class Store:
     def path(self) -> str: ...
     @property
     def closed(self) -> bool: ...
-    def layout(self) -> tuple[int, int, int, str, int]: ...
+    def layout(self) -> tuple[int, int, int, str, int, str]: ...
     def manifest(self) -> Manifest: ...
     def durability(self) -> str: ...
     def put(

@@ -146,7 +146,12 @@ def cmd_info(args: argparse.Namespace) -> int:
                         (
                             "layout",
                             f"L={m['num_layers']} H={m['num_kv_heads']} D={m['head_dim']} "
-                            f"{m['dtype']} block_size={m['block_size']}",
+                            f"{m['dtype']} block_size={m['block_size']}"
+                            + (
+                                f" storage={s.layout.storage}"
+                                if s.layout.storage != "exact"
+                                else ""
+                            ),
                         ),
                         ("block bytes", human_bytes(s.layout.block_bytes)),
                         ("format version", m["format_version"]),

@@ -8,6 +8,7 @@ from typing import Any
 from .errors import InvalidInput
 
 DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+STORAGES = ("exact", "fp8")
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
@@ -28,6 +29,11 @@ class Layout:
 
     A block holds the KV of B tokens for every layer, logically `[L, 2, B, H, D]`
     (index 0 of the second axis is K, 1 is V).
+
+    `storage`: "exact" (the dtype's bits) or "fp8" (lossy: float8_e4m3fn with one
+    float32 scale per block, layer, K/V and kv head; `put` and `get` still take and
+    return `dtype`; see `kvstore.fp8`). Part of the block ids: stores of the two
+    never share blocks.
     """
 
     num_layers: int
@@ -35,6 +41,7 @@ class Layout:
     head_dim: int
     dtype: str = "bfloat16"
     block_size: int = 16
+    storage: str = "exact"
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -42,6 +49,13 @@ class Layout:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidInput(f"{field}: expected a positive int, got {value!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.storage not in STORAGES:
+            raise InvalidInput(f"storage: expected 'exact' or 'fp8', got {self.storage!r}")
+        if self.storage == "fp8" and self.dtype == "float8_e4m3fn":
+            raise InvalidInput(
+                "storage: 'fp8' stores float16, bfloat16 or float32 KV as fp8; "
+                "this layout's dtype is float8_e4m3fn already"
+            )
 
     @property
     def itemsize(self) -> int:
@@ -49,7 +63,11 @@ class Layout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block, `L * 2 * B * H * D * itemsize`."""
+        """Bytes of one block as stored: `L * 2 * B * H * D * itemsize`; with fp8
+        storage `L * 2 * (B * H * D + 4 * H)`."""
+        if self.storage == "fp8":
+            n, h = self.block_size * self.head_dim, self.num_kv_heads
+            return self.num_layers * 2 * (n * h + 4 * h)
         return (
             self.num_layers
             * 2

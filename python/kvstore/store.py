@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _lib
+from . import _lib, fp8
 from ._convert import U32_MAX, extra_bytes, is_torch, kv_bytes, out_bytes, tokens_array
 from ._pool import ResultPool
 from .errors import InvalidInput
@@ -141,8 +141,20 @@ class Store:
         toks = tokens_array(tokens)
         b = self.layout.block_size
         s = _check_start(start, b, len(toks))
-        flat, t = kv_bytes(kv, self.layout, need=max(len(toks) // b * b - s, 0))
+        need = max(len(toks) // b * b - s, 0)
+        flat, t = kv_bytes(kv, self.layout, need=need)
+        if self.layout.storage == "fp8":
+            flat, t = self._quantized(flat, t, need)
         return self._raw.put(toks, flat, t, extra_bytes(extra), s)
+
+    def _quantized(self, flat: np.ndarray, t: int, need: int) -> tuple[np.ndarray, int]:
+        """fp8 storage: the stored form of the full blocks of the first `need` of the
+        `t` tokens of `flat` (the bytes of `[L, 2, t, H, D]` in the layout's dtype)."""
+        import torch
+
+        n = min(t, need) // self.layout.block_size * self.layout.block_size
+        kv = torch.from_numpy(flat).view(getattr(torch, self.layout.dtype))
+        return fp8.quantize(kv.view(self.layout.kv_shape(t)), self.layout, n), n
 
     def block_ids(self, tokens: Any, extra: bytes | str | None = None) -> list[bytes]:
         """The engine's ids of the full blocks of `tokens` (32 bytes each), as the store
@@ -181,18 +193,43 @@ class Store:
         s = _check_start(start, self.layout.block_size, len(toks))
         if out is not None:
             flat, t = out_bytes(out, self.layout)
-            return self._raw.get_into(toks, ex, flat, t, s)
+            if self.layout.storage != "fp8":
+                return self._raw.get_into(toks, ex, flat, t, s)
+            t = t // self.layout.block_size * self.layout.block_size
+            stored = np.empty(fp8.buffer_bytes(self.layout, t), dtype=np.uint8)
+            m = self._raw.get_into(toks, ex, stored, t, s)
+            fp8.dequantize(stored, self.layout, max(m - s, 0), out)
+            return m
         m = max(self._raw.lookup(toks, ex, False) - s, 0)
         result = self._empty(m, like)
+        if self.layout.storage == "fp8":
+            stored = np.empty(fp8.buffer_bytes(self.layout, m), dtype=np.uint8)
+            n = max(self._raw.get_into(toks, ex, stored, m, s) - s, 0)
+            fp8.dequantize(stored, self.layout, n, result)
+            return result if n == m else _trimmed(result, n)
         flat, _ = kv_bytes(result, self.layout, "out")
         n = max(self._raw.get_into(toks, ex, flat, m, s) - s, 0)
         if n < m:  # a block turned out damaged (or was compacted away) after lookup
-            result = (
-                result[:, :, :n].copy()
-                if isinstance(result, np.ndarray)
-                else result[:, :, :n].clone()
-            )
+            result = _trimmed(result, n)
         return result
+
+    def get_fp8(
+        self, tokens: Any, *, extra: bytes | str | None = None, start: int = 0
+    ) -> tuple[Any, Any]:
+        """fp8 storage only: the stored prefix as kept, without dequantizing, for an
+        fp8 pool: `(values, scales)`, float8_e4m3fn `[L, 2, nb, B, H, D]` and float32
+        `[L, 2, nb, H]` (views of one buffer) for the `nb` blocks of `tokens[start:m]`."""
+        if self.layout.storage != "fp8":
+            raise InvalidInput(f"get_fp8: expected a store with fp8 storage, got {self.layout}")
+        import torch
+
+        toks = tokens_array(tokens)
+        ex = extra_bytes(extra)
+        s = _check_start(start, self.layout.block_size, len(toks))
+        m = max(self._raw.lookup(toks, ex, False) - s, 0)
+        stored = torch.empty(fp8.buffer_bytes(self.layout, m), dtype=torch.uint8)
+        n = max(self._raw.get_into(toks, ex, stored.numpy(), m, s) - s, 0)
+        return fp8.split(stored, self.layout, n)
 
     def _empty(self, tokens: int, like: Any) -> Any:
         family = self._array
@@ -280,6 +317,8 @@ class Store:
         b = self.layout.block_size
         # The engine stores the full blocks of min(len(tokens), T) tokens.
         flat, t = kv_bytes(kv, self.layout, need=len(toks) // b * b)
+        if self.layout.storage == "fp8":
+            flat, t = self._quantized(flat, t, len(toks) // b * b)
         return self._raw.save_session(name, toks, flat, t)
 
     def load_session(self, name: str, *, like: Any = None) -> tuple[Any, Any]:
@@ -406,8 +445,10 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
       `batch_window_ms`; `flush()` forces it), "none" (no fsync; survives a process
       crash, not a power loss).
     - `disk_bytes`: bound on segment bytes; a put past it raises StoreFull.
-    - `compression`: None (raw payloads) or "zstd" (with byte-plane shuffle for 16-bit
-      dtypes) at `compression_level`.
+    - `compression`: None (raw payloads), "zstd" (with byte-plane shuffle for 16-bit
+      dtypes) at `compression_level`, or "exponent" (16-bit dtypes: the sign/exponent
+      byte of each element entropy-coded, the mantissa byte stored as is; other dtypes
+      raw). All lossless; README "Compression" has the figures.
     - `array`: "numpy" or "torch", the family `get` returns (see the module doc).
     - `hot_bytes`: capacity of the shared-memory hot tier (None: no hot tier). Every
       process opening the store with a hot tier maps the same arena; the first one
@@ -437,8 +478,8 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         salt = salt.encode()
     if salt is not None and not isinstance(salt, (bytes, bytearray)):
         raise InvalidInput(f"salt: expected bytes, str or None, got {type(salt).__name__}")
-    if compression not in (None, "zstd"):
-        raise InvalidInput(f"compression: expected None or 'zstd', got {compression!r}")
+    if compression not in (None, "zstd", "exponent"):
+        raise InvalidInput(f"compression: expected None, 'zstd' or 'exponent', got {compression!r}")
     if array not in (None, "numpy", "torch"):
         raise InvalidInput(f"array: expected 'numpy', 'torch' or None, got {array!r}")
     for name, value in (
@@ -465,6 +506,7 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
         "layout": layout,
         "salt": bytes(salt) if salt is not None else None,
         "disk_bytes": disk_bytes,
+        "compression": compression,
         "compression_level": level,
         "segment_bytes": segment_bytes,
         "batch_window_ms": batch_window_ms,
@@ -475,12 +517,17 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     if remote is not None:
         options["remote"] = remote._options()
     raw = _lib.Store.open(os.fspath(path), options)
-    num_layers, num_kv_heads, head_dim, dtype, block_size = raw.layout()
-    actual = Layout(num_layers, num_kv_heads, head_dim, dtype, block_size)
+    num_layers, num_kv_heads, head_dim, dtype, block_size, storage = raw.layout()
+    actual = Layout(num_layers, num_kv_heads, head_dim, dtype, block_size, storage)
     fingerprint = model if model is not None else raw.manifest()["fingerprint"]
     if array is None:
         array = "numpy" if actual.dtype in _NUMPY_DTYPES else "torch"
     return Store(raw, actual, fingerprint, array)
+
+
+def _trimmed(result: Any, n: int) -> Any:
+    """The first `n` tokens of a result, copied (the rest of its memory is not owned)."""
+    return result[:, :, :n].copy() if isinstance(result, np.ndarray) else result[:, :, :n].clone()
 
 
 def _arena_dirs(hot_dir: str | os.PathLike[str] | None) -> list[Path]:

@@ -30,9 +30,11 @@ fp8 pools (`layout.dtype == "float8_e4m3fn"`) hold e4m3 KV and, beside it,
 `pool.scales`, float32 `[L, 2, num_blocks, H]`: one scale per (block, kv head), the
 `key_scales(l)`/`value_scales(l)` views that `ops.paged_attention` and
 `ops.write_kv` take (which quantize and choose the scales, see `kvstore.ops`).
-Blocks read from an fp8 store are raw e4m3 values (the store keeps no scales), so
-they get scale 1; `save` of blocks whose scales are not all 1 raises InvalidInput
-rather than store values the store could not scale back.
+Blocks read from a store whose layout dtype is float8_e4m3fn are raw e4m3 values
+(that store keeps no scales), so they get scale 1; `save` of blocks whose scales are
+not all 1 raises InvalidInput rather than store values the store could not scale
+back. A store with `storage="fp8"` (see `kvstore.fp8`) keeps the scales: an fp8 pool
+loads its blocks' bytes and scales as they are, without quantizing again.
 
 The store's block ids are salted, so tenants with different salts sharing one
 pool never reuse each other's blocks (as in the store itself); `namespace` (any
@@ -437,7 +439,7 @@ class BlockPool:
         multiple of block_size; 0 when nothing is found). Raises PoolFull when there
         are not enough free blocks (then nothing is held).
         """
-        if store.layout != self.layout:
+        if store.layout != self.layout and not self._takes_fp8_of(store.layout):
             raise InvalidInput(f"store: expected layout {self.layout}, got {store.layout}")
         toks = tokens_array(tokens)
         b = self.layout.block_size
@@ -461,6 +463,34 @@ class BlockPool:
             raise
         return BlockTable(self, blocks, len(blocks) * b)
 
+    def _takes_fp8_of(self, layout: Layout) -> bool:
+        """An fp8 pool loads from a store with fp8 storage of the same shape: its
+        values and scales as stored, without quantizing again."""
+        mine = self.layout
+        return (
+            layout.storage == "fp8"
+            and mine.dtype == "float8_e4m3fn"
+            and (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
+            == (mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.block_size)
+        )
+
+    def _take_fp8(self, values: Any, scales: Any, keys: list[BlockKey], first: int) -> list[int]:
+        """Copies blocks `first ..` of a store's fp8 values `[L, 2, n, B, H, D]` and
+        scales `[L, 2, n, H]` (`store.get_fp8`) into new blocks, bytes as they are."""
+        got = values.shape[2]
+        if got <= first:  # a block went missing (damaged, gc'd) since lookup
+            return []
+        new = self._allocate(got - first)
+        assert self.scales is not None
+        idx = torch.tensor(new, dtype=torch.int64, device=self.device)
+        # As bytes: index_copy_ has no float8 kernel on the CPU.
+        self.kv.view(torch.uint8).index_copy_(
+            2, idx, values[:, :, first:got].view(torch.uint8).to(self.device)
+        )
+        self.scales.index_copy_(2, idx, scales[:, :, first:got].to(self.device))
+        self._publish(keys[first:], new)
+        return new
+
     def _read_blocks(
         self,
         store: Store,
@@ -471,6 +501,9 @@ class BlockPool:
         extra: bytes | str | None,
     ) -> list[int]:
         """Reads blocks `first .. stop - 1` of `toks` from the store into new blocks."""
+        if store.layout.storage == "fp8":
+            values, scales = store.get_fp8(toks[: stop * self.layout.block_size], extra=extra)
+            return self._take_fp8(values, scales, keys, first)
         lay = self.layout
         L, H, D, B = lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size
         # The store returns whole prefixes: read all `stop` blocks, copy the new ones.

@@ -133,9 +133,8 @@ constexpr Fp8Tables kFp8Tables = make_fp8_tables();
 // 64 e4m3 bytes to 64 bfloat16, exactly (NaN included), in two vectors: a 128-entry
 // byte table lookup (vpermi2b) each for the low and the high byte of the magnitude's
 // bfloat16, the sign into the high byte, and the bytes interleaved into words. Word w
-// of a is element 16 (w / 8) + w % 8, of b that + 8 (the 128-bit lanes of vpunpck).
-KVSTORE_INLINE void fp8_to_bf16x64(const uint8_t* p, __m512i& a, __m512i& b) {
-  const __m512i x = _mm512_loadu_si512(p);
+// of a is byte 16 (w / 8) + w % 8 of x, of b that + 8 (the 128-bit lanes of vpunpck).
+KVSTORE_INLINE void fp8_bytes_to_bf16(__m512i x, __m512i& a, __m512i& b) {
   const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Tables.lo), x,
                                               _mm512_load_si512(kFp8Tables.lo + 64));
   __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Tables.hi), x,
@@ -143,6 +142,9 @@ KVSTORE_INLINE void fp8_to_bf16x64(const uint8_t* p, __m512i& a, __m512i& b) {
   hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
   a = _mm512_unpacklo_epi8(lo, hi);
   b = _mm512_unpackhi_epi8(lo, hi);
+}
+KVSTORE_INLINE void fp8_to_bf16x64(const uint8_t* p, __m512i& a, __m512i& b) {
+  fp8_bytes_to_bf16(_mm512_loadu_si512(p), a, b);
 }
 #endif
 
@@ -249,10 +251,19 @@ KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int
         }
         for (int g = 0; g < GT; ++g) {
           acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qr[g][d / 32], (__m512bh)ka);
-          acc2[g] = _mm512_dpbf16_ps(acc2[g], (__m512bh)qr[g][d / 32 + 1], (__m512bh)kb);
+          if constexpr (C == Kind::FP8) {
+            // One accumulator per head: the lookup tables and the conversion's
+            // temporaries need the registers of the second (with it, 34 live vectors
+            // at GT 4, D 128: spills, i.e. loads on the ports that q·k waits on).
+            acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qr[g][d / 32 + 1], (__m512bh)kb);
+          } else {
+            acc2[g] = _mm512_dpbf16_ps(acc2[g], (__m512bh)qr[g][d / 32 + 1], (__m512bh)kb);
+          }
         }
       }
-      for (int g = 0; g < GT; ++g) dots[g * kTile + j] = _mm512_add_ps(acc[g], acc2[g]);
+      for (int g = 0; g < GT; ++g) {
+        dots[g * kTile + j] = C == Kind::FP8 ? acc[g] : _mm512_add_ps(acc[g], acc2[g]);
+      }
     }
     return;
   }
@@ -372,18 +383,25 @@ KVSTORE_INLINE void pv_tile_dot(float* __restrict acc, const uint16_t* __restric
         }
       }
       const int64_t j1 = j + 1 < t.n ? j + 1 : j;
-      __m512i x0, x1, y0, y1;
+      __m512i u[4];
       if constexpr (C == Kind::FP8) {
-        fp8_to_bf16x64(t.v[j] + d0, x0, x1);
-        fp8_to_bf16x64(t.v[j1] + d0, y0, y1);
+        // The two rows' bytes interleaved first, then looked up: each byte pair becomes
+        // the pair of bfloat16 that vdpbf16ps takes, in the same order as interleaving
+        // converted rows by words, with 12 integer ops per 64 columns instead of 14.
+        const __m512i x = _mm512_loadu_si512(t.v[j] + d0);
+        const __m512i y = _mm512_loadu_si512(t.v[j1] + d0);
+        fp8_bytes_to_bf16(_mm512_unpacklo_epi8(x, y), u[0], u[1]);
+        fp8_bytes_to_bf16(_mm512_unpackhi_epi8(x, y), u[2], u[3]);
       } else {
-        x0 = _mm512_loadu_si512(t.v[j] + d0);
-        x1 = _mm512_loadu_si512(t.v[j] + d0 + 32);
-        y0 = _mm512_loadu_si512(t.v[j1] + d0);
-        y1 = _mm512_loadu_si512(t.v[j1] + d0 + 32);
+        const __m512i x0 = _mm512_loadu_si512(t.v[j] + d0);
+        const __m512i x1 = _mm512_loadu_si512(t.v[j] + d0 + 32);
+        const __m512i y0 = _mm512_loadu_si512(t.v[j1] + d0);
+        const __m512i y1 = _mm512_loadu_si512(t.v[j1] + d0 + 32);
+        u[0] = _mm512_unpacklo_epi16(x0, y0);
+        u[1] = _mm512_unpackhi_epi16(x0, y0);
+        u[2] = _mm512_unpacklo_epi16(x1, y1);
+        u[3] = _mm512_unpackhi_epi16(x1, y1);
       }
-      const __m512i u[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
-                            _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
       for (int g = 0; g < GT; ++g) {
         uint32_t pair;
         __builtin_memcpy(&pair, pb + g * kTile + j, sizeof(pair));

@@ -2,7 +2,7 @@
 //! `_lib.pyi`). Keys left out take the engine's defaults.
 
 use crate::error::{invalid, PyResultExt};
-use kvstore::{DType, Durability, Layout, Options, RemoteOptions, WriteMode};
+use kvstore::{Codec, DType, Durability, Layout, Options, RemoteOptions, Storage, WriteMode};
 use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -15,6 +15,7 @@ pub struct LayoutArg {
     head_dim: u32,
     dtype: String,
     block_size: u32,
+    storage: String,
 }
 
 impl LayoutArg {
@@ -27,6 +28,7 @@ impl LayoutArg {
             dtype,
             self.block_size,
         )
+        .and_then(|l| l.with_storage(Storage::parse(&self.storage)?))
         .py()
     }
 }
@@ -103,6 +105,8 @@ pub struct OpenOptions {
     #[pyo3(default)]
     disk_bytes: Option<u64>,
     #[pyo3(default)]
+    compression: Option<String>,
+    #[pyo3(default)]
     compression_level: Option<i32>,
     #[pyo3(default)]
     segment_bytes: Option<u64>,
@@ -128,7 +132,16 @@ impl OpenOptions {
             salt: self.salt.clone(),
             durability: Durability::parse(&self.durability).py()?,
             disk_bytes: self.disk_bytes,
-            compression_level: self.compression_level.unwrap_or(d.compression_level),
+            codec: match self.compression.as_deref() {
+                None => Codec::Raw,
+                Some("zstd") => Codec::Zstd(self.compression_level.unwrap_or(3)),
+                Some("exponent") => Codec::Exponent,
+                Some(other) => {
+                    return Err(invalid(format!(
+                        "compression: expected None, 'zstd' or 'exponent', got {other:?}"
+                    )))
+                }
+            },
             segment_bytes: self.segment_bytes.unwrap_or(d.segment_bytes),
             batch_window: self
                 .batch_window_ms

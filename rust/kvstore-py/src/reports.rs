@@ -47,6 +47,7 @@ report! {
         block_size: u32,
         created_unix: u64,
         store_id: String,
+        storage: Option<String>,
     }
 }
 

@@ -64,7 +64,7 @@ impl Store {
     }
 
     /// `(num_layers, num_kv_heads, head_dim, dtype, block_size)`.
-    fn layout(&self) -> PyResult<(u32, u32, u32, &'static str, u32)> {
+    fn layout(&self) -> PyResult<(u32, u32, u32, &'static str, u32, &'static str)> {
         let l = self.engine.layout().py()?;
         Ok((
             l.num_layers,
@@ -72,6 +72,7 @@ impl Store {
             l.head_dim,
             l.dtype.name(),
             l.block_size,
+            l.storage.name(),
         ))
     }
 

@@ -12,7 +12,7 @@
 use crate::error::{Error, IoContext, Result};
 use crate::format::{self, Manifest};
 use crate::fs;
-use crate::layout::Layout;
+use crate::layout::{Layout, Storage};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -104,6 +104,7 @@ impl StoreDir {
             block_size: layout.block_size,
             created_unix: crate::clock::now_ms() / 1000,
             store_id: crate::id::hex(&rnd),
+            storage: (layout.storage != Storage::Exact).then(|| layout.storage.name().to_string()),
         };
         let path = self.manifest_path();
         fs::write_atomic(&path, &m.encode()).ctx(|| format!("writing {}", path.display()))?;

@@ -8,7 +8,8 @@
 //! segment header (32 B)            record (80 B header + 4·n tokens + payload)
 //!  0 magic      b"KVSTSEG\0"        0 magic        b"KVRC"
 //!  8 version    u32 = 1             4 version      u16 = 1
-//! 12 hdr len    u32 = 32            6 flags        u16 (bit 0 zstd, bit 1 byte-plane shuffle)
+//! 12 hdr len    u32 = 32            6 flags        u16 (bit 0 zstd, bit 1 byte-plane shuffle,
+//!                                                      bit 2 exponent plane; see below)
 //! 16 segment no u64                 8 n tokens     u32
 //! 24 crc32c     u32 of bytes 0..24 12 reserved     u32 = 0
 //! 28 reserved   u32 = 0            16 stored len   u64 (payload bytes on disk)
@@ -26,9 +27,18 @@
 //! one zstd frame (any decoder reads it); with the shuffle flag the decoded
 //! bytes are byte planes (all first bytes of each element, then all second
 //! bytes, …) that `unshuffle` turns back into elements.
+//!
+//! With the exponent flag (bit 2, only ever alone, only for 16-bit dtypes)
+//! the payload is two planes of the `n = raw len / 2` elements: first one
+//! zstd frame holding the high byte of each element (sign and exponent bits),
+//! in element order, then the `n` low bytes, raw, in element order. The frame
+//! is the first `stored len - n` bytes (at least one). Records with bits 0-1
+//! read as before: the flag was added without a version change because a
+//! reader that predates it refuses the record (unknown flags: a miss), never
+//! misreads it.
 
 use crate::error::{Error, Result};
-use crate::layout::{DType, Layout};
+use crate::layout::{DType, Layout, Storage};
 use serde::{Deserialize, Serialize};
 
 pub const SEGMENT_MAGIC: [u8; 8] = *b"KVSTSEG\0";
@@ -116,18 +126,27 @@ pub struct Manifest {
     pub created_unix: u64,
     /// Random id of the store (32 hex digits); names its hot-tier arena.
     pub store_id: String,
+    /// How blocks are stored ([`Storage::name`]); absent means exact, so
+    /// MANIFESTs of exact stores are the bytes they always were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<String>,
 }
 
 impl Manifest {
     /// The layout the MANIFEST describes.
     pub fn layout(&self) -> Result<Layout> {
+        let storage = match &self.storage {
+            None => Storage::Exact,
+            Some(s) => Storage::parse(s)?,
+        };
         Layout::new(
             self.num_layers,
             self.num_kv_heads,
             self.head_dim,
             DType::parse(&self.dtype)?,
             self.block_size,
-        )
+        )?
+        .with_storage(storage)
     }
 
     /// The bytes of the MANIFEST file.
@@ -184,8 +203,12 @@ pub fn check_identity(m: &Manifest, fingerprint: &str, layout: &Layout) -> Resul
 }
 
 pub fn describe(l: &Layout) -> String {
+    let storage = match l.storage {
+        Storage::Exact => String::new(),
+        Storage::Fp8 => format!(", storage={}", Storage::Fp8.name()),
+    };
     format!(
-        "(num_layers={}, num_kv_heads={}, head_dim={}, dtype={}, block_size={})",
+        "(num_layers={}, num_kv_heads={}, head_dim={}, dtype={}, block_size={}{storage})",
         l.num_layers,
         l.num_kv_heads,
         l.head_dim,
@@ -210,6 +233,7 @@ mod tests {
             block_size: 16,
             created_unix: 1,
             store_id: "00".into(),
+            storage: None,
         };
         let b = m.encode();
         assert_eq!(Manifest::decode(&b).unwrap(), m);

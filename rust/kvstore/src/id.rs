@@ -174,7 +174,17 @@ mod tests {
         )
         .chain(&t, 4, b"")[0];
         let extra = Keyer::new("m@1", &layout(), None).chain(&t, 4, b"lora")[0];
-        let all = [base, salted, empty_salt, other_model, other_layout, extra];
+        let fp8 = layout().with_storage(crate::layout::Storage::Fp8).unwrap();
+        let lossy = Keyer::new("m@1", &fp8, None).chain(&t, 4, b"")[0];
+        let all = [
+            base,
+            salted,
+            empty_salt,
+            other_model,
+            other_layout,
+            extra,
+            lossy,
+        ];
         for i in 0..all.len() {
             for j in i + 1..all.len() {
                 assert_ne!(all[i], all[j], "{i} vs {j}");

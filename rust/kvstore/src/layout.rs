@@ -51,6 +51,40 @@ impl DType {
     }
 }
 
+/// How a store keeps a block's values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Storage {
+    /// The layout's dtype, bit for bit.
+    #[default]
+    Exact,
+    /// Lossy: fp8 e4m3 values and, per (layer, K/V, kv head), one float32
+    /// scale (`value = e4m3 * scale`). The caller quantizes and dequantizes;
+    /// the store keeps the bytes. Each `[B, H, D]` run is followed by its `H`
+    /// scales (little-endian), so a run is `B*H*D + 4*H` bytes.
+    Fp8,
+}
+
+impl Storage {
+    /// Name in the MANIFEST and the Python API.
+    pub fn name(self) -> &'static str {
+        match self {
+            Storage::Exact => "exact",
+            Storage::Fp8 => "fp8",
+        }
+    }
+
+    /// Parses [`Storage::name`].
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "exact" => Ok(Storage::Exact),
+            "fp8" => Ok(Storage::Fp8),
+            other => Err(Error::InvalidInput(format!(
+                "storage: expected 'exact' or 'fp8', got {other:?}"
+            ))),
+        }
+    }
+}
+
 /// `num_layers L`, `num_kv_heads H`, `head_dim D`, `dtype`, `block_size B`.
 /// A block is logically `[L, 2, B, H, D]`, K at index 0 and V at index 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,6 +99,8 @@ pub struct Layout {
     pub dtype: DType,
     /// Tokens per block `B`.
     pub block_size: u32,
+    /// How blocks are stored (the dtype is what callers put and get).
+    pub storage: Storage,
 }
 
 /// Upper bound on one block's payload. Keeps every size computation far from
@@ -86,6 +122,7 @@ impl Layout {
             head_dim,
             dtype,
             block_size,
+            storage: Storage::Exact,
         };
         for (name, v) in [
             ("num_layers", num_layers),
@@ -113,14 +150,44 @@ impl Layout {
         Ok(layout)
     }
 
-    /// Bytes of one token's K (or V) for one layer: `H * D * elem`.
-    pub fn token_bytes(&self) -> usize {
-        self.num_kv_heads as usize * self.head_dim as usize * self.dtype.size()
+    /// This layout with `storage`: fp8 storage of a 16- or 32-bit dtype.
+    pub fn with_storage(self, storage: Storage) -> Result<Self> {
+        if storage == Storage::Fp8 && self.dtype == DType::Float8E4M3 {
+            return Err(Error::InvalidInput(
+                "storage: 'fp8' stores float16, bfloat16 or float32 KV as fp8; \
+                 this layout's dtype is float8_e4m3fn already"
+                    .into(),
+            ));
+        }
+        Ok(Layout { storage, ..self })
     }
 
-    /// Bytes of one contiguous run `[B, H, D]` (one layer, K or V, one block).
+    /// Bytes of one stored element.
+    fn stored_size(&self) -> usize {
+        match self.storage {
+            Storage::Exact => self.dtype.size(),
+            Storage::Fp8 => 1,
+        }
+    }
+
+    /// Bytes of one token's K (or V) for one layer as stored: `H * D * elem`.
+    pub fn token_bytes(&self) -> usize {
+        self.num_kv_heads as usize * self.head_dim as usize * self.stored_size()
+    }
+
+    /// Bytes of one run (one layer, K or V, one block): `[B, H, D]`, then,
+    /// with fp8 storage, the `H` float32 scales.
     pub fn chunk_bytes(&self) -> usize {
-        self.block_size as usize * self.token_bytes()
+        let scales = match self.storage {
+            Storage::Exact => 0,
+            Storage::Fp8 => 4 * self.num_kv_heads as usize,
+        };
+        self.block_size as usize * self.token_bytes() + scales
+    }
+
+    /// Element size of the payload's planes for the codecs (1 for fp8).
+    pub fn elem_size(&self) -> usize {
+        self.stored_size()
     }
 
     /// Bytes of one block `[L, 2, B, H, D]`.
@@ -129,7 +196,9 @@ impl Layout {
     }
 
     /// The `2L` runs (`[B, H, D]` each) of block `i` in a contiguous
-    /// `[L, 2, total_tokens, H, D]` buffer.
+    /// `[L, 2, total_tokens, H, D]` buffer; with fp8 storage, in a
+    /// `[L, 2, total_tokens / B, chunk_bytes]` buffer (block-major runs, each
+    /// with its scales).
     pub fn block_runs<'a>(&self, kv: &'a [u8], total_tokens: usize, i: usize) -> Vec<&'a [u8]> {
         let (stride, at, len) = self.run_geometry(total_tokens, i);
         kv.chunks(stride)
@@ -152,10 +221,10 @@ impl Layout {
             .collect()
     }
 
-    /// `kv` (a contiguous `[L, 2, total_tokens, H, D]` buffer) cut into
+    /// `kv` (a buffer of [`Layout::block_runs`] of `total_tokens`) cut into
     /// groups of consecutive blocks, `bounds[g]..bounds[g + 1]` for group
-    /// `g` (`bounds` ascending): each group's part of every `[T, H, D]` run,
-    /// its `2L` runs of `[blocks * B, H, D]`, so that groups are written apart.
+    /// `g` (`bounds` ascending): each group's part of every (layer, K/V) run,
+    /// its `2L` runs of `blocks` chunks, so that groups are written apart.
     pub fn split_runs_mut<'a>(
         &self,
         kv: &'a mut [u8],
@@ -180,21 +249,41 @@ impl Layout {
         out
     }
 
-    /// (bytes per `[T, H, D]` run, offset of block `i` in a run, bytes of it).
-    fn run_geometry(&self, total_tokens: usize, i: usize) -> (usize, usize, usize) {
-        let tb = self.token_bytes();
-        (
-            total_tokens * tb,
-            i * self.block_size as usize * tb,
-            self.chunk_bytes(),
-        )
+    /// Bytes of one (layer, K/V) run of a `total_tokens` buffer of
+    /// [`Layout::block_runs`]: `[T, H, D]`, or with fp8 storage `T / B` runs
+    /// of blocks with their scales.
+    pub fn run_stride(&self, total_tokens: usize) -> usize {
+        self.run_geometry(total_tokens, 0).0
     }
 
-    /// Bytes of a contiguous `[L, 2, T, H, D]` tensor.
+    /// (bytes per `[T, H, D]` run, offset of block `i` in a run, bytes of it).
+    fn run_geometry(&self, total_tokens: usize, i: usize) -> (usize, usize, usize) {
+        let (b, chunk) = (self.block_size as usize, self.chunk_bytes());
+        match self.storage {
+            Storage::Exact => {
+                let tb = self.token_bytes();
+                (total_tokens * tb, i * b * tb, chunk)
+            }
+            Storage::Fp8 => (total_tokens / b * chunk, i * chunk, chunk),
+        }
+    }
+
+    /// Bytes of the KV of `tokens` tokens: a contiguous `[L, 2, T, H, D]`
+    /// tensor; with fp8 storage the blocked buffer of [`Layout::block_runs`]
+    /// (`None` unless `tokens` is a multiple of `B`).
     pub fn kv_bytes(&self, tokens: usize) -> Option<usize> {
-        (self.num_layers as usize * 2)
-            .checked_mul(tokens)?
-            .checked_mul(self.token_bytes())
+        let runs = self.num_layers as usize * 2;
+        match self.storage {
+            Storage::Exact => runs.checked_mul(tokens)?.checked_mul(self.token_bytes()),
+            Storage::Fp8 => {
+                let b = self.block_size as usize;
+                if !tokens.is_multiple_of(b) {
+                    return None;
+                }
+                runs.checked_mul(tokens / b)?
+                    .checked_mul(self.chunk_bytes())
+            }
+        }
     }
 
     /// Canonical encoding, part of the block-id key: explicit little-endian,
@@ -212,6 +301,13 @@ impl Layout {
         let name = self.dtype.name().as_bytes();
         v.extend_from_slice(&(name.len() as u32).to_le_bytes());
         v.extend_from_slice(name);
+        // Exact layouts keep the bytes (and so the ids) they always had; a
+        // lossy store's ids differ, so it never serves an exact request.
+        if self.storage != Storage::Exact {
+            let s = self.storage.name().as_bytes();
+            v.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            v.extend_from_slice(s);
+        }
         v
     }
 }
@@ -230,21 +326,54 @@ mod tests {
 
     #[test]
     fn split_runs_are_the_blocks_runs() {
-        let l = Layout::new(3, 2, 4, DType::Float16, 2).unwrap();
-        let t = 7 * 2 + 1; // a partial block at the end is in no group
-        let kv: Vec<u8> = (0..l.kv_bytes(t).unwrap()).map(|i| i as u8).collect();
-        let mut split = kv.clone();
-        let groups = l.split_runs_mut(&mut split, t, &[1, 4, 5, 7]);
-        assert_eq!(groups.len(), 3);
-        for (g, (lo, hi)) in groups.iter().zip([(1, 4), (4, 5), (5, 7)]) {
-            assert_eq!(g.len(), 6);
-            for (r, run) in g.iter().enumerate() {
-                let expect: Vec<u8> = (lo..hi)
-                    .flat_map(|i| l.block_runs(&kv, t, i)[r].to_vec())
-                    .collect();
-                assert_eq!(**run, *expect);
+        let exact = Layout::new(3, 2, 4, DType::Float16, 2).unwrap();
+        let fp8 = exact.with_storage(Storage::Fp8).unwrap();
+        // A partial block at the end is in no group (fp8 buffers have none).
+        for (l, t) in [(exact, 7 * 2 + 1), (fp8, 7 * 2)] {
+            let kv: Vec<u8> = (0..l.kv_bytes(t).unwrap()).map(|i| i as u8).collect();
+            let mut split = kv.clone();
+            let groups = l.split_runs_mut(&mut split, t, &[1, 4, 5, 7]);
+            assert_eq!(groups.len(), 3);
+            for (g, (lo, hi)) in groups.iter().zip([(1, 4), (4, 5), (5, 7)]) {
+                assert_eq!(g.len(), 6);
+                for (r, run) in g.iter().enumerate() {
+                    let expect: Vec<u8> = (lo..hi)
+                        .flat_map(|i| l.block_runs(&kv, t, i)[r].to_vec())
+                        .collect();
+                    assert_eq!(**run, *expect, "{l:?}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn fp8_storage_sizes_and_runs() {
+        let l = Layout::new(2, 4, 8, DType::BFloat16, 4)
+            .unwrap()
+            .with_storage(Storage::Fp8)
+            .unwrap();
+        assert_eq!(l.chunk_bytes(), 4 * 4 * 8 + 4 * 4);
+        assert_eq!(l.block_bytes(), 2 * 2 * l.chunk_bytes());
+        assert_eq!(l.kv_bytes(8), Some(2 * 2 * 2 * l.chunk_bytes()));
+        assert_eq!(l.kv_bytes(6), None);
+        // Block 1 of a 3-block buffer: run r at r * 3 chunks + 1 chunk.
+        let buf: Vec<u8> = (0..l.kv_bytes(12).unwrap())
+            .map(|i| (i / 7) as u8)
+            .collect();
+        let runs = l.block_runs(&buf, 12, 1);
+        assert_eq!(runs.len(), 4);
+        for (r, run) in runs.iter().enumerate() {
+            let at = (3 * r + 1) * l.chunk_bytes();
+            assert_eq!(*run, &buf[at..at + l.chunk_bytes()]);
+        }
+        assert!(Layout::new(2, 4, 8, DType::Float8E4M3, 4)
+            .unwrap()
+            .with_storage(Storage::Fp8)
+            .is_err());
+        assert_ne!(
+            l.canonical_bytes(),
+            l.with_storage(Storage::Exact).unwrap().canonical_bytes()
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@ use kvstore::format::{self, Manifest};
 use kvstore::index::Location;
 use kvstore::record;
 use kvstore::scan::{scan_segment, ScanReport, ScannedRecord};
-use kvstore::{DType, Durability, Layout, Options, Store};
+use kvstore::{Codec, DType, Durability, Layout, Options, Store};
 use std::path::{Path, PathBuf};
 
 fn segment_files(dir: &Path) -> Vec<(u64, PathBuf)> {
@@ -56,21 +56,22 @@ fn v1_fixture_scans_clean() {
 fn store_segments_scan_clean() {
     let layout = Layout::new(2, 2, 8, DType::BFloat16, 4).unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let opts = |compression_level| Options {
+    let opts = |codec| Options {
         fingerprint: Some("scan-test".into()),
         layout: Some(layout),
         durability: Durability::Sync,
-        compression_level,
+        codec,
         ..Options::default()
     };
     let mut blocks = 0;
-    // Raw records, then (another handle, another segment) compressed ones,
-    // where the data compresses.
-    for level in [0, 3] {
-        let s = Store::open(tmp.path(), opts(level)).unwrap();
+    // Raw records, then (other handles, other segments) compressed ones of
+    // each codec, where the data compresses.
+    let codecs = [Codec::Raw, Codec::Zstd(3), Codec::Exponent];
+    for (c, codec) in codecs.into_iter().enumerate() {
+        let s = Store::open(tmp.path(), opts(codec)).unwrap();
         for seq in 0..6u32 {
             let tokens: Vec<u32> = (0..16)
-                .map(|i| level as u32 * 100_000 + seq * 1000 + i)
+                .map(|i| c as u32 * 100_000 + seq * 1000 + i)
                 .collect();
             let kv: Vec<u8> = (0..layout.kv_bytes(tokens.len()).unwrap())
                 .map(|i| {
@@ -86,7 +87,7 @@ fn store_segments_scan_clean() {
         blocks = s.stats().unwrap().blocks;
     }
     let files = segment_files(tmp.path());
-    let (mut records, mut raw, mut zstd) = (0, 0, 0);
+    let (mut records, mut raw, mut zstd, mut exponent) = (0, 0, 0, 0);
     for (n, path) in &files {
         let (report, found) = scan_file(path, &layout);
         assert!(report.is_clean(), "{}: {report:?}", path.display());
@@ -95,6 +96,8 @@ fn store_segments_scan_clean() {
             assert_eq!(r.tokens.len(), 4);
             if r.header.flags & record::FLAG_ZSTD != 0 {
                 zstd += 1;
+            } else if r.header.flags == record::FLAG_EXPONENT {
+                exponent += 1;
             } else {
                 raw += 1;
             }
@@ -102,7 +105,10 @@ fn store_segments_scan_clean() {
         records += found.len() as u64;
     }
     assert_eq!(records, blocks);
-    assert!(raw > 0 && zstd > 0, "raw {raw}, zstd {zstd}");
+    assert!(
+        raw > 0 && zstd > 0 && exponent > 0,
+        "raw {raw}, zstd {zstd}, exponent {exponent}"
+    );
 }
 
 /// The layout the fuzz targets use (`fuzz/src/lib.rs`): 32-byte blocks.
@@ -147,6 +153,7 @@ fn fuzz_seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         block_size: l.block_size,
         created_unix: 1,
         store_id: "00".into(),
+        storage: None,
     };
     let location = Location {
         segment: 1,

@@ -59,7 +59,7 @@ fn round_trip_dedupe_and_partial_blocks() {
 fn compressed_round_trip() {
     let dir = tempfile::tempdir().unwrap();
     let mut o = opts(Durability::None);
-    o.compression_level = 3;
+    o.codec = kvstore::Codec::Zstd(3);
     let s = Store::open(dir.path(), o).unwrap();
     let l = layout();
     let t = seq(3, 16);

@@ -128,13 +128,7 @@ impl Inner {
                 Ok(()) => {
                     let tokens = self.record_tokens_at(loc)?;
                     let chunks: Vec<&[u8]> = copier.buf.chunks(self.layout.chunk_bytes()).collect();
-                    let rec = record::encode(
-                        &self.layout,
-                        self.opts.compression_level,
-                        id,
-                        &tokens,
-                        &chunks,
-                    )?;
+                    let rec = record::encode(&self.layout, self.opts.codec, id, &tokens, &chunks)?;
                     let new = self.append(&mut copier.out, &rec)?;
                     copier.out.pending_bytes += new.record_len;
                     moved.push((*id, *loc, new));

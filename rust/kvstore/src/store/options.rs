@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::Layout;
+use crate::record::Codec;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -54,8 +55,8 @@ pub struct Options {
     pub durability: Durability,
     /// Bound on segment bytes on disk; `None` for unbounded.
     pub disk_bytes: Option<u64>,
-    /// zstd level for payloads; 0 stores them raw.
-    pub compression_level: i32,
+    /// How payloads are stored (raw, zstd, or the exponent plane coded).
+    pub codec: Codec,
     /// A segment file is sealed and a new one started past this size.
     pub segment_bytes: u64,
     /// With `Batch`: how long a put may wait for its group commit.
@@ -91,7 +92,7 @@ impl Default for Options {
             salt: None,
             durability: Durability::Batch,
             disk_bytes: None,
-            compression_level: 0,
+            codec: Codec::Raw,
             segment_bytes: 1 << 30,
             batch_window: Duration::from_millis(20),
             batch_bytes: 256 << 20,
@@ -108,11 +109,12 @@ impl Default for Options {
 impl Options {
     /// Refuses values no store can work with, before anything is touched.
     pub(crate) fn check(&self) -> Result<()> {
-        if self.compression_level < 0 || self.compression_level > 22 {
-            return Err(Error::InvalidInput(format!(
-                "compression level: expected 0 (off) to 22, got {}",
-                self.compression_level
-            )));
+        if let Codec::Zstd(level) = self.codec {
+            if !(1..=22).contains(&level) {
+                return Err(Error::InvalidInput(format!(
+                    "compression level: expected 1 to 22, got {level}"
+                )));
+            }
         }
         if self.segment_bytes < 1 << 20 {
             return Err(Error::InvalidInput(format!(

@@ -10,9 +10,13 @@ use crate::error::{Error, Result};
 use crate::format;
 use crate::id::{BlockId, ROOT};
 use crate::index::Location;
-use crate::record;
+use crate::record::{self, Codec};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
+
+/// Blocks encoded at once by a put: enough to keep every core busy, few
+/// enough that their encoded bytes stay small next to the put's own KV.
+const ENCODE_WINDOW: usize = 16;
 
 impl Inner {
     /// Checks a put's arguments; returns the tokens of its full blocks.
@@ -144,41 +148,68 @@ impl Inner {
         let t0 = now_us();
         // Making room must not evict this put's own blocks.
         let keep: HashSet<BlockId> = ids.iter().copied().collect();
+        let todo: Vec<usize> = (0..present.len())
+            .filter(|&i| !present[i] && !w.pending_ids.contains_key(block(i).0))
+            .collect();
+        let all_runs: Vec<Vec<&[u8]>> = todo.iter().map(|&i| runs(i)).collect();
+        let jobs: Vec<record::Job<'_>> = todo
+            .iter()
+            .zip(&all_runs)
+            .map(|(&i, r)| {
+                let (id, block_tokens) = block(i);
+                (id, block_tokens, &r[..])
+            })
+            .collect();
+        let (layout, codec) = (self.layout, self.opts.codec);
         let mut fresh = Vec::new();
-        for (i, &here) in present.iter().enumerate() {
-            let (id, block_tokens) = block(i);
-            if here || w.pending_ids.contains_key(id) {
-                continue;
-            }
-            let chunks = runs(i);
-            let res = record::encode(
-                &self.layout,
-                self.opts.compression_level,
-                id,
-                block_tokens,
-                &chunks,
-            )
-            .and_then(|rec| {
-                self.ensure_disk_room(w, rec.record_len(), &keep)?;
-                self.append(w, &rec)
-            });
-            match res {
-                Ok(loc) => {
-                    let loc = Location {
-                        used_us: t0.saturating_sub(i as u64),
-                        ..loc
-                    };
-                    let parent = if i == 0 { &ROOT } else { &ids[i - 1] };
-                    w.add_pending(id, parent, loc);
-                    fresh.push(i);
+        // A window of blocks is encoded (across the cores, in the background)
+        // while the one before it is appended, in order: the put costs about
+        // the larger of the two, not their sum, and at most two windows of
+        // encoded records are held at once.
+        std::thread::scope(|scope| -> Result<()> {
+            let mut windows = jobs.chunks(ENCODE_WINDOW).zip(todo.chunks(ENCODE_WINDOW));
+            let Some((first_jobs, mut window)) = windows.next() else {
+                return Ok(());
+            };
+            let mut encoded = record::encode_many(&layout, codec, first_jobs);
+            loop {
+                let next = windows.next().map(|(j, ix)| {
+                    let bg = (codec != Codec::Raw)
+                        .then(|| scope.spawn(move || record::encode_many(&layout, codec, j)));
+                    (bg, j, ix)
+                });
+                for (&i, rec) in window.iter().zip(encoded) {
+                    let res = rec.and_then(|rec| {
+                        self.ensure_disk_room(w, rec.record_len(), &keep)?;
+                        self.append(w, &rec)
+                    });
+                    match res {
+                        Ok(loc) => {
+                            let loc = Location {
+                                used_us: t0.saturating_sub(i as u64),
+                                ..loc
+                            };
+                            let parent = if i == 0 { &ROOT } else { &ids[i - 1] };
+                            w.add_pending(&ids[i], parent, loc);
+                            fresh.push(i);
+                        }
+                        Err(e) => {
+                            let mine: HashSet<&BlockId> = fresh.iter().map(|&j| &ids[j]).collect();
+                            w.drop_pending(&mine);
+                            return Err(e);
+                        }
+                    }
                 }
-                Err(e) => {
-                    let mine: HashSet<&BlockId> = fresh.iter().map(|&j| &ids[j]).collect();
-                    w.drop_pending(&mine);
-                    return Err(e);
-                }
+                let Some((bg, j, ix)) = next else {
+                    return Ok(());
+                };
+                encoded = match bg {
+                    Some(h) => h.join().expect("encoder thread panicked"),
+                    None => record::encode_many(&layout, codec, j),
+                };
+                window = ix;
             }
-        }
+        })?;
         Ok(fresh)
     }
 

@@ -108,7 +108,7 @@ impl Inner {
             let chunks = self.layout.block_runs(kv, kv_tokens, i - first);
             let Ok(rec) = record::encode(
                 &self.layout,
-                self.opts.compression_level,
+                self.opts.codec,
                 &ids[i],
                 &tokens[i * b..(i + 1) * b],
                 &chunks,

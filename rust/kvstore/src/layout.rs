@@ -221,6 +221,34 @@ impl Layout {
             .collect()
     }
 
+    /// `kv` (a buffer of [`Layout::block_runs`] of `total_tokens`) cut into
+    /// groups of consecutive blocks, `bounds[g]..bounds[g + 1]` for group
+    /// `g` (`bounds` ascending): each group's part of every (layer, K/V) run,
+    /// its `2L` runs of `blocks` chunks, so that groups are written apart.
+    pub fn split_runs_mut<'a>(
+        &self,
+        kv: &'a mut [u8],
+        total_tokens: usize,
+        bounds: &[usize],
+    ) -> Vec<Vec<&'a mut [u8]>> {
+        let groups = bounds.len().saturating_sub(1);
+        let mut out: Vec<Vec<&mut [u8]>> = (0..groups).map(|_| Vec::new()).collect();
+        let Some((&first, &last)) = bounds.first().zip(bounds.last()) else {
+            return out;
+        };
+        let (stride, from, _) = self.run_geometry(total_tokens, first);
+        let to = self.run_geometry(total_tokens, last).1;
+        for run in kv.chunks_mut(stride).take(self.num_layers as usize * 2) {
+            let mut rest = &mut run[from..to];
+            for (group, w) in out.iter_mut().zip(bounds.windows(2)) {
+                let (head, tail) = rest.split_at_mut((w[1] - w[0]) * self.chunk_bytes());
+                group.push(head);
+                rest = tail;
+            }
+        }
+        out
+    }
+
     /// Bytes of one (layer, K/V) run of a `total_tokens` buffer of
     /// [`Layout::block_runs`]: `[T, H, D]`, or with fp8 storage `T / B` runs
     /// of blocks with their scales.
@@ -294,6 +322,28 @@ mod tests {
         assert_eq!(l.chunk_bytes(), 16 * 8 * 128 * 2);
         assert_eq!(l.block_bytes(), 32 * 2 * 16 * 8 * 128 * 2);
         assert_eq!(l.kv_bytes(3), Some(32 * 2 * 3 * 8 * 128 * 2));
+    }
+
+    #[test]
+    fn split_runs_are_the_blocks_runs() {
+        let exact = Layout::new(3, 2, 4, DType::Float16, 2).unwrap();
+        let fp8 = exact.with_storage(Storage::Fp8).unwrap();
+        // A partial block at the end is in no group (fp8 buffers have none).
+        for (l, t) in [(exact, 7 * 2 + 1), (fp8, 7 * 2)] {
+            let kv: Vec<u8> = (0..l.kv_bytes(t).unwrap()).map(|i| i as u8).collect();
+            let mut split = kv.clone();
+            let groups = l.split_runs_mut(&mut split, t, &[1, 4, 5, 7]);
+            assert_eq!(groups.len(), 3);
+            for (g, (lo, hi)) in groups.iter().zip([(1, 4), (4, 5), (5, 7)]) {
+                assert_eq!(g.len(), 6);
+                for (r, run) in g.iter().enumerate() {
+                    let expect: Vec<u8> = (lo..hi)
+                        .flat_map(|i| l.block_runs(&kv, t, i)[r].to_vec())
+                        .collect();
+                    assert_eq!(**run, *expect, "{l:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -78,6 +78,10 @@ pub struct Options {
     pub index_bytes: u64,
     /// A Redis/Valkey server or cluster behind the local store (`None`: none).
     pub remote: Option<crate::remote::RemoteOptions>,
+    /// Reader threads one get splits its blocks among, the calling one
+    /// included (never more than the blocks); `None`: one per core, at most
+    /// 4, each with 1 MiB or more to read. For tests and tuning.
+    pub get_readers: Option<usize>,
 }
 
 impl Default for Options {
@@ -97,6 +101,7 @@ impl Default for Options {
             hot_dir: None,
             index_bytes: crate::index::DEFAULT_MAP_SIZE,
             remote: None,
+            get_readers: None,
         }
     }
 }
@@ -123,6 +128,11 @@ impl Options {
                 "index_bytes: expected at least 2 MiB, got {}",
                 self.index_bytes
             )));
+        }
+        if self.get_readers == Some(0) {
+            return Err(Error::InvalidInput(
+                "get_readers: expected at least 1, got 0".into(),
+            ));
         }
         Ok(())
     }

@@ -45,9 +45,13 @@ const MAX_READERS: usize = 4;
 const BYTES_PER_READER: usize = 1 << 20;
 
 /// Reader threads for a get of `blocks` blocks of `block_bytes` each: one
-/// per core, at most [`MAX_READERS`], each with [`BYTES_PER_READER`] or more.
-fn reader_threads(blocks: usize, block_bytes: usize) -> usize {
+/// per core, at most [`MAX_READERS`], each with [`BYTES_PER_READER`] or more;
+/// `forced` (the `get_readers` option) overrides all but the block count.
+fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>) -> usize {
     static CORES: OnceLock<usize> = OnceLock::new();
+    if let Some(n) = forced {
+        return n.min(blocks).max(1);
+    }
     let cores = *CORES
         .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
     let by_size = blocks.saturating_mul(block_bytes) / BYTES_PER_READER;
@@ -63,6 +67,14 @@ pub(super) struct Snap<'s> {
     pub(super) generation: u64,
 }
 
+/// One reader's share of a get: blocks `at..` of it.
+struct Range<'a> {
+    at: usize,
+    ids: &'a [BlockId],
+    found: &'a [Found],
+    tokens: &'a [u32],
+}
+
 /// Why a record could not be served.
 pub(super) enum ReadFail {
     /// The segment file is gone (compacted away): look the block up again.
@@ -72,6 +84,24 @@ pub(super) enum ReadFail {
     /// collision, or a misplaced record): a miss, and not damage, since the
     /// record is right for its own tokens.
     OtherTokens,
+}
+
+/// Where a get's block was when the calling thread looked, with its one
+/// snapshot, so that reader threads need none of their own.
+#[derive(Clone, Copy)]
+enum Found {
+    /// In the hot tier (no location looked up: a hot hit needs none).
+    Hot,
+    /// In a record.
+    At(Location),
+}
+
+/// How a block was landed, if it was.
+enum Fetched {
+    Hot,
+    /// From its record: the caller decides whether to promote it.
+    Disk,
+    Miss,
 }
 
 impl ReadFail {
@@ -199,12 +229,15 @@ impl Inner {
 
     /// Lands the KV of `ids` (the blocks from `start`; `tokens` theirs) in
     /// `out`, a `[L, 2, out_tokens, H, D]` buffer; how many of them, from the
-    /// first, were served. The blocks are split into contiguous ranges, one
-    /// per reader thread (this one included), each walked in order with its
-    /// own snapshot and scratch: copies and checks use every core, and each
-    /// range is a sequential stream for the kernel's readahead, so several
-    /// reads are in flight. The result is the one-thread walk's: the first
-    /// block not served ends the prefix, whichever range it is in.
+    /// first, were served. Where each block is comes first, from `snap` on
+    /// this thread: the first block found nowhere ends the prefix and nothing
+    /// past it is read. The found blocks are split into contiguous ranges,
+    /// one per reader thread (this one included), each walked in order with
+    /// its own scratch and no snapshot but for a rare retry: copies and
+    /// checks use every core, and each range is a sequential stream for the
+    /// kernel's readahead, so several reads are in flight. The result is the
+    /// one-thread walk's: the first block not served ends the prefix,
+    /// whichever range it is in.
     fn read_blocks<'s>(
         &'s self,
         snap: &mut Option<Snap<'s>>,
@@ -213,37 +246,73 @@ impl Inner {
         out: &mut [u8],
         out_tokens: usize,
     ) -> Result<usize> {
-        let n = ids.len();
-        if n == 0 {
-            return Ok(0);
-        }
-        let per = n.div_ceil(reader_threads(n, self.layout.block_bytes()));
-        let (b, chunk) = (self.layout.block_size as usize, self.layout.chunk_bytes());
-        // Each range's part of every `[out_tokens, H, D]` run, in range order.
-        let mut runs: Vec<Vec<&mut [u8]>> = (0..n.div_ceil(per)).map(|_| Vec::new()).collect();
-        let run_len = self.layout.run_stride(out_tokens);
-        for run in out.chunks_mut(run_len) {
-            let mut rest = &mut run[..n * chunk];
-            for r in &mut runs {
-                let (head, tail) = rest.split_at_mut((per * chunk).min(rest.len()));
-                r.push(head);
-                rest = tail;
+        let mut found = Vec::with_capacity(ids.len());
+        // An error looking up block i matters only if the blocks before it
+        // are all served (the one-thread walk would not have reached it).
+        let mut lookup_err = None;
+        for id in ids {
+            let f = if self.arena.as_ref().is_some_and(|a| a.contains(id)) {
+                Ok(Some(Found::Hot))
+            } else {
+                self.find(snap, id).map(|loc| loc.map(Found::At))
+            };
+            match f {
+                Ok(Some(f)) => found.push(f),
+                Ok(None) => break,
+                Err(e) => {
+                    lookup_err = Some(e);
+                    break;
+                }
             }
         }
+        let n = found.len();
+        let served = if n == 0 {
+            0
+        } else {
+            self.read_found(snap, &ids[..n], &found, tokens, out, out_tokens)?
+        };
+        match lookup_err {
+            Some(e) if served == n => Err(e),
+            _ => Ok(served),
+        }
+    }
+
+    /// [`Inner::read_blocks`] once the blocks are found: `ids` (all found,
+    /// `found` where) split among reader threads.
+    fn read_found<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        ids: &[BlockId],
+        found: &[Found],
+        tokens: &[u32],
+        out: &mut [u8],
+        out_tokens: usize,
+    ) -> Result<usize> {
+        let n = ids.len();
+        let readers = reader_threads(n, self.layout.block_bytes(), self.opts.get_readers);
+        let per = n.div_ceil(readers);
+        let b = self.layout.block_size as usize;
+        let bounds: Vec<usize> = (0..n).step_by(per).chain([n]).collect();
+        let runs = self.layout.split_runs_mut(out, out_tokens, &bounds);
         // The first block found missing so far: no range reads past it.
         let stop = AtomicUsize::new(n);
         let stop = &stop;
-        let mut ranges = runs.into_iter().enumerate().map(|(r, runs)| {
-            let at = r * per;
-            let end = (at + per).min(n);
-            (at, &ids[at..end], &tokens[at * b..end * b], runs)
+        let mut ranges = bounds.windows(2).zip(runs).map(|(w, runs)| {
+            let (at, end) = (w[0], w[1]);
+            let range = Range {
+                at,
+                ids: &ids[at..end],
+                found: &found[at..end],
+                tokens: &tokens[at * b..end * b],
+            };
+            (range, runs)
         });
-        let (_, ids0, tokens0, runs0) = ranges.next().expect("n > 0");
+        let (range0, runs0) = ranges.next().expect("n > 0");
         let results: Vec<(usize, Result<usize>)> = std::thread::scope(|scope| {
             let spawned: Vec<_> = ranges
-                .map(|(at, ids, tokens, runs)| {
-                    let len = ids.len();
-                    let work = move || self.read_range(&mut None, at, ids, tokens, runs, stop);
+                .map(|(range, runs)| {
+                    let len = range.ids.len();
+                    let work = move || self.read_range(&mut None, &range, runs, stop);
                     let handle = std::thread::Builder::new()
                         .name("kvstore-read".into())
                         .spawn_scoped(scope, work);
@@ -251,8 +320,8 @@ impl Inner {
                 })
                 .collect();
             let mut results = vec![(
-                ids0.len(),
-                self.read_range(snap, 0, ids0, tokens0, runs0, stop),
+                range0.ids.len(),
+                self.read_range(snap, &range0, runs0, stop),
             )];
             for (len, handle) in spawned {
                 let res = match handle {
@@ -278,36 +347,52 @@ impl Inner {
         Ok(served)
     }
 
-    /// One reader's range of [`Inner::read_blocks`]: `ids` (block `at` on),
-    /// in order, into `runs` (their part of every run of the output); how many
-    /// were served before the first that was not.
+    /// One reader's range of [`Inner::read_found`], in order, into `runs`
+    /// (its part of every run of the output); how many were served before
+    /// the first that was not. `snap` is `None` on a spawned thread, taken
+    /// only if a block moved since it was found.
     fn read_range<'s>(
         &'s self,
         snap: &mut Option<Snap<'s>>,
-        at: usize,
-        ids: &[BlockId],
-        tokens: &[u32],
+        range: &Range<'_>,
         mut runs: Vec<&mut [u8]>,
         stop: &AtomicUsize,
     ) -> Result<usize> {
         let (b, chunk) = (self.layout.block_size as usize, self.layout.chunk_bytes());
         let mut scratch = Vec::new();
-        for (j, id) in ids.iter().enumerate() {
-            if stop.load(Ordering::Relaxed) < at + j {
+        for (j, id) in range.ids.iter().enumerate() {
+            let at = range.at + j;
+            if stop.load(Ordering::Relaxed) < at {
                 return Ok(j);
             }
             let mut chunks: Vec<&mut [u8]> = runs
                 .iter_mut()
                 .map(|r| &mut r[j * chunk..(j + 1) * chunk])
                 .collect();
-            let block_tokens = &tokens[j * b..(j + 1) * b];
-            let found = self.read_block(snap, id, block_tokens, &mut chunks, &mut scratch);
-            if !matches!(found, Ok(true)) {
-                stop.fetch_min(at + j, Ordering::Relaxed);
-                return found.map(|_| j);
+            let block_tokens = &range.tokens[j * b..(j + 1) * b];
+            let fetched = self.fetch(
+                snap,
+                id,
+                Some(range.found[j]),
+                block_tokens,
+                &mut chunks,
+                &mut scratch,
+            );
+            let served = fetched.and_then(|f| match f {
+                // Past a block another range found missing it is read (the
+                // miss came too late) but not promoted: no reader wants it.
+                Fetched::Disk if stop.load(Ordering::Relaxed) > at => {
+                    self.promote_block(id, block_tokens, &chunks).map(|()| true)
+                }
+                Fetched::Miss => Ok(false),
+                Fetched::Hot | Fetched::Disk => Ok(true),
+            });
+            if !matches!(served, Ok(true)) {
+                stop.fetch_min(at, Ordering::Relaxed);
+                return served.map(|_| j);
             }
         }
-        Ok(ids.len())
+        Ok(range.ids.len())
     }
 
     /// Lands block `id` in `chunks`: from the hot tier, else from its record
@@ -321,15 +406,48 @@ impl Inner {
         chunks: &mut [&mut [u8]],
         scratch: &mut Vec<u8>,
     ) -> Result<bool> {
+        Ok(
+            match self.fetch(snap, id, None, block_tokens, chunks, scratch)? {
+                Fetched::Hot => true,
+                Fetched::Disk => {
+                    self.promote_block(id, block_tokens, chunks)?;
+                    true
+                }
+                Fetched::Miss => false,
+            },
+        )
+    }
+
+    /// [`Inner::read_block`] without the promotion; `found`, where the block
+    /// was seen, spares a lookup (looked up in `snap` when it is `None`, or
+    /// the block moved since).
+    fn fetch<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        id: &BlockId,
+        found: Option<Found>,
+        block_tokens: &[u32],
+        chunks: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+    ) -> Result<Fetched> {
         if let Some(arena) = &self.arena {
             if arena.get(id, block_tokens, chunks) {
                 self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
-                return Ok(true);
+                return Ok(Fetched::Hot);
             }
         }
+        // Evicted from the hot tier since it was found there: looked up.
+        let mut seen = match found {
+            Some(Found::At(loc)) => Some(loc),
+            Some(Found::Hot) | None => None,
+        };
         for attempt in 0..2 {
-            let Some(loc) = self.find(snap, id)? else {
-                return Ok(false);
+            let loc = match seen.take() {
+                Some(loc) => loc,
+                None => match self.find(snap, id)? {
+                    Some(loc) => loc,
+                    None => return Ok(Fetched::Miss),
+                },
             };
             match self.read_record(&loc, id, Some(block_tokens), chunks, scratch) {
                 Ok(()) => {
@@ -339,15 +457,10 @@ impl Inner {
                     self.counters
                         .disk_hit_blocks
                         .fetch_add(1, Ordering::Relaxed);
-                    if let Some(arena) = &self.arena {
-                        // Promote: the next reader, in any process, gets it from memory.
-                        let chunks: Vec<&[u8]> = chunks.iter().map(|c| &**c).collect();
-                        arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
-                    }
-                    return Ok(true);
+                    return Ok(Fetched::Disk);
                 }
                 Err(ReadFail::Gone) if attempt == 0 => {
-                    // Compacted away since our snapshot: look it up afresh.
+                    // Compacted away since it was found: look it up afresh.
                     *snap = None;
                     self.known.forget(id);
                     self.readers
@@ -365,11 +478,26 @@ impl Inner {
                         self.known.forget(id);
                         self.quarantine(id, &loc, &reason)?;
                     }
-                    return Ok(false);
+                    return Ok(Fetched::Miss);
                 }
             }
         }
-        Ok(false)
+        Ok(Fetched::Miss)
+    }
+
+    /// Promotes a block read from its record: the next reader, in any
+    /// process, gets it from memory.
+    fn promote_block(
+        &self,
+        id: &BlockId,
+        block_tokens: &[u32],
+        chunks: &[&mut [u8]],
+    ) -> Result<()> {
+        if let Some(arena) = &self.arena {
+            let chunks: Vec<&[u8]> = chunks.iter().map(|c| &**c).collect();
+            arena.insert(id, block_tokens, &chunks, 0, 0, now_ms())?;
+        }
+        Ok(())
     }
 
     pub(super) fn reader(&self, segment: u64) -> std::io::Result<Arc<File>> {

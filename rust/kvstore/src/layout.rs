@@ -249,13 +249,6 @@ impl Layout {
         out
     }
 
-    /// Bytes of one (layer, K/V) run of a `total_tokens` buffer of
-    /// [`Layout::block_runs`]: `[T, H, D]`, or with fp8 storage `T / B` runs
-    /// of blocks with their scales.
-    pub fn run_stride(&self, total_tokens: usize) -> usize {
-        self.run_geometry(total_tokens, 0).0
-    }
-
     /// (bytes per `[T, H, D]` run, offset of block `i` in a run, bytes of it).
     fn run_geometry(&self, total_tokens: usize, i: usize) -> (usize, usize, usize) {
         let (b, chunk) = (self.block_size as usize, self.chunk_bytes());

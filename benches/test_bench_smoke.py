@@ -57,7 +57,7 @@ def test_full_script_tiny(benchmark, tmp_path: Path) -> None:
     argv = [*SMALL, "--dir", str(tmp_path), "--json", str(out)]
     res = benchmark.pedantic(bs.main, args=(argv,), rounds=1, iterations=1)
     sections = {r.section for r in res.rows}
-    assert {"limits", "put", "get", "restore", "lookup", "zstd"} <= sections
+    assert {"limits", "put", "get", "restore", "lookup", "compression"} <= sections
     for r in res.rows:
         assert math.isfinite(r.value) and r.value > 0, r
         if r.limit is not None:

@@ -47,8 +47,7 @@ impl Inner {
         while n < blocks {
             self.hash_to(&mut ids, tokens, blocks, extra);
             let id = &ids[n];
-            let hot = self.arena.as_ref().is_some_and(|a| a.contains(id));
-            if !hot && self.find(&mut snap, id)?.is_none() {
+            if !self.holds(&mut snap, id)? {
                 break;
             }
             n += 1;

@@ -38,27 +38,19 @@ impl Inner {
         let bb = self.layout.block_bytes();
         let mut block = vec![0u8; bb];
         let mut scratch = Vec::new();
-        let mut served = 0;
         // One snapshot per call, so the cache notices a newer generation.
         let mut snap = Some(self.snapshot()?);
-        for (i, id) in ids.iter().enumerate() {
-            let found = if i < first {
-                // Before `start`: the prefix must hold it, the caller has its KV.
-                self.arena.as_ref().is_some_and(|a| a.contains(id))
-                    || self.find(&mut snap, id)?.is_some()
-            } else {
+        let mut served = self.held_prefix(&mut snap, &ids[..first])?;
+        if served == first {
+            for (i, id) in ids.iter().enumerate().skip(first) {
                 let mut runs = self.layout.block_runs_mut(&mut block, b, 0);
                 let block_tokens = &tokens[i * b..(i + 1) * b];
-                let ok = self.read_block(&mut snap, id, block_tokens, &mut runs, &mut scratch)?;
-                if ok {
-                    paged.scatter(&self.layout, &mut runs, layers, blocks[i - first]);
+                if !self.read_block(&mut snap, id, block_tokens, &mut runs, &mut scratch)? {
+                    break;
                 }
-                ok
-            };
-            if !found {
-                break;
+                paged.scatter(&self.layout, &mut runs, layers, blocks[i - first]);
+                served += 1;
             }
-            served += 1;
         }
         drop(snap);
         if served < first {

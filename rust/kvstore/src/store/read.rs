@@ -170,6 +170,26 @@ impl Inner {
         self.committed(snap, id)
     }
 
+    /// Whether block `id` is stored: in the hot tier, committed, or pending
+    /// in this handle (`find`).
+    pub(super) fn holds<'s>(&'s self, snap: &mut Option<Snap<'s>>, id: &BlockId) -> Result<bool> {
+        Ok(self.arena.as_ref().is_some_and(|a| a.contains(id)) || self.find(snap, id)?.is_some())
+    }
+
+    /// How many leading blocks of `ids` are stored (`holds`): for a get from
+    /// `start`, the blocks before it, whose KV the caller has, must be.
+    pub(super) fn held_prefix<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        ids: &[BlockId],
+    ) -> Result<usize> {
+        let mut n = 0;
+        while n < ids.len() && self.holds(snap, &ids[n])? {
+            n += 1;
+        }
+        Ok(n)
+    }
+
     pub(super) fn get_from(
         &self,
         tokens: &[u32],
@@ -192,18 +212,9 @@ impl Inner {
         }
         let (first, usable) = (start / b, tokens.len().min(start + out_tokens) / b);
         let ids = self.keyer.chain(&tokens[..usable * b], b, extra);
-        let mut served = 0;
         // One snapshot per call, so the cache notices a newer generation.
         let mut snap = Some(self.snapshot()?);
-        for id in &ids[..first] {
-            // Before `start`: the prefix must hold it, the caller has its KV.
-            if !(self.arena.as_ref().is_some_and(|a| a.contains(id))
-                || self.find(&mut snap, id)?.is_some())
-            {
-                break;
-            }
-            served += 1;
-        }
+        let mut served = self.held_prefix(&mut snap, &ids[..first])?;
         if served == first {
             served += self.read_blocks(
                 &mut snap,

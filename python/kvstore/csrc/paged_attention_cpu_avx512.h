@@ -210,7 +210,7 @@ struct TileRows {
   const char* next_k[kTile];  // prefetched while the scores are computed
   const char* next_v[kTile];
   int64_t n;
-  int64_t next_n;  // rows of next_k / next_v to prefetch in this step (<= 0: none)
+  int64_t next_n;
   int64_t row_bytes;
   alignas(64) float kmul[kTile];  // per token: what multiplies its score
   alignas(64) float vmul[kTile];  // fp8: the token's V scale
@@ -561,9 +561,7 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
   TileRows<C> t{};
   t.row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < kTile; ++j) t.kmul[j] = p.scale;  // kDot: q is not pre-scaled
-  // Pool block and offset of each token of three tiles: this one, the next (already
-  // prefetched) and the one after (being prefetched), by tile index % 3.
-  int64_t tile_blk[3][kTile], tile_off[3][kTile];
+  int64_t blk[kTile], off[kTile], next_blk[kTile], next_off[kTile];
   for (int64_t unit = begin; unit < end;) {
     const int64_t s = unit / (P * H);
     const int64_t part = (unit / H) % P;
@@ -593,33 +591,16 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
     }
 
     TokenCursor cur{table, p.block_size, start / p.block_size, start % p.block_size};
-    // Tokens of the tile that starts at c (0 past the partition).
-    const auto tile_tokens = [&](int64_t c) { return c < stop ? min64(kTile, stop - c) : 0; };
-    const int64_t nh = h1 - h0;
-    for (int64_t i = 0; i < 2; ++i) {
-      for (int64_t j = 0; j < tile_tokens(start + i * kTile); ++j) {
-        cur.next(tile_blk[i][j], tile_off[i][j]);
-        if (i == 1) {
-          // The second tile is prefetched here, at once (the loop below prefetches two
-          // tiles ahead); the first is read as it comes.
-          const int64_t at = tile_off[1][j] * row_stride + h0 * D;
-          const char* kr = reinterpret_cast<const char*>(kc + tile_blk[1][j] * p.k_block_stride + at);
-          const char* vr = reinterpret_cast<const char*>(vc + tile_blk[1][j] * p.v_block_stride + at);
-          for (int64_t b = 0; b < nh * t.row_bytes; b += 64) {
-            _mm_prefetch(kr + b, _MM_HINT_T1);
-            _mm_prefetch(vr + b, _MM_HINT_T1);
-          }
-        }
+    const int64_t first_n = min64(kTile, stop - start);
+    for (int64_t j = 0; j < first_n; ++j) cur.next(next_blk[j], next_off[j]);
+    for (int64_t c0 = start; c0 < stop; c0 += kTile) {
+      t.n = min64(kTile, stop - c0);
+      t.next_n = c0 + kTile < stop ? min64(kTile, stop - (c0 + kTile)) : 0;
+      for (int64_t j = 0; j < t.n; ++j) {
+        blk[j] = next_blk[j];
+        off[j] = next_off[j];
       }
-    }
-    for (int64_t c0 = start, tile = 0; c0 < stop; c0 += kTile, ++tile) {
-      t.n = tile_tokens(c0);
-      const int64_t* blk = tile_blk[tile % 3];
-      const int64_t* off = tile_off[tile % 3];
-      int64_t* ahead_blk = tile_blk[(tile + 2) % 3];
-      int64_t* ahead_off = tile_off[(tile + 2) % 3];
-      const int64_t ahead_tokens = tile_tokens(c0 + 2 * kTile);
-      for (int64_t j = 0; j < ahead_tokens; ++j) cur.next(ahead_blk[j], ahead_off[j]);
+      for (int64_t j = 0; j < t.next_n; ++j) cur.next(next_blk[j], next_off[j]);
       for (int64_t h = h0; h < h1; ++h) {
         for (int64_t j = 0; j < t.n; ++j) {
           t.k[j] = kc + blk[j] * p.k_block_stride + off[j] * row_stride + h * D;
@@ -630,21 +611,11 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
             t.vmul[j] = p.value_scales[blk[j] * p.v_scale_stride + h];
           }
         }
-        // The rows of the tile after next (ahead_tokens tokens x nh heads) in address
-        // order, token by token and head by head within a token, 16 rows to each head's
-        // step: the step of the s-th head prefetches rows 16 s .. 16 s + 15 of that
-        // order. Each step's prefetches then fill whole lines of few pages in ascending
-        // order (4 KiB of K and of V at H 8, D 128, bfloat16), not one head's rows from
-        // every page of the block (a 256-byte row out of each 2 KiB); two tiles ahead,
-        // so that a row is asked for at least a tile before it is read.
-        const int64_t first = (h - h0) * kTile;
-        t.next_n = min64(kTile, ahead_tokens * nh - first);
         for (int64_t j = 0; j < t.next_n; ++j) {
-          const int64_t r = first + j, tok = r / nh, head = h0 + r % nh;
-          t.next_k[j] = reinterpret_cast<const char*>(kc + ahead_blk[tok] * p.k_block_stride +
-                                                      ahead_off[tok] * row_stride + head * D);
-          t.next_v[j] = reinterpret_cast<const char*>(vc + ahead_blk[tok] * p.v_block_stride +
-                                                      ahead_off[tok] * row_stride + head * D);
+          t.next_k[j] = reinterpret_cast<const char*>(kc + next_blk[j] * p.k_block_stride +
+                                                      next_off[j] * row_stride + h * D);
+          t.next_v[j] = reinterpret_cast<const char*>(vc + next_blk[j] * p.v_block_stride +
+                                                      next_off[j] * row_stride + h * D);
         }
         const int64_t i_h = (h - h0) * G;
         int64_t g = 0;

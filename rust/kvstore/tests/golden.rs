@@ -17,8 +17,12 @@ fn hex(b: &[u8]) -> String {
 #[test]
 fn segment_header_bytes() {
     assert_eq!(
-        hex(&format::encode_segment_header(0x0102030405060708)),
+        hex(&format::encode_segment_header_of(0x0102030405060708, 1)),
         "4b56535453454700010000002000000008070605040302016623baef00000000"
+    );
+    assert_eq!(
+        hex(&format::encode_segment_header(0x0102030405060708)),
+        "4b5653545345470002000000200000000807060504030201954342fc00000000"
     );
 }
 
@@ -103,8 +107,8 @@ fn write_v1_fixture() {
     }
 }
 
-#[test]
-fn reads_v1_fixture() {
+/// A copy of the v1 fixture store (opening may recover, so write, it).
+fn v1_fixture_copy() -> tempfile::TempDir {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/v1");
     let tmp = tempfile::tempdir().unwrap();
     // Copy: opening may recover (and so write) the store.
@@ -120,6 +124,37 @@ fn reads_v1_fixture() {
             }
         }
     }
+    tmp
+}
+
+/// The version each segment file's header names.
+fn segment_versions(root: &Path) -> Vec<u32> {
+    let mut v: Vec<u32> = std::fs::read_dir(root.join("segments"))
+        .unwrap()
+        .map(|e| {
+            let b = std::fs::read(e.unwrap().path()).unwrap();
+            format::decode_segment_header(&b).unwrap().1
+        })
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// Every fixture sequence reads back bit-exact from `s`.
+fn check_fixture_kv(s: &Store) {
+    let l = fixture_layout();
+    for (tokens, kv) in fixture_data() {
+        let full = tokens.len() / 4 * 4;
+        let mut out = vec![0u8; l.kv_bytes(tokens.len()).unwrap()];
+        let m = s.get_into(&tokens, b"", &mut out, tokens.len()).unwrap();
+        assert_eq!(m, full);
+        assert_eq!(out, kv, "fixture KV differs");
+    }
+}
+
+#[test]
+fn reads_v1_fixture() {
+    let tmp = v1_fixture_copy();
     let m = Manifest::decode(&std::fs::read(tmp.path().join("MANIFEST")).unwrap()).unwrap();
     assert_eq!(m.format_version, 1);
     assert_eq!(m.fingerprint, FIXTURE_MODEL);
@@ -143,6 +178,82 @@ fn reads_v1_fixture() {
         "compressed records are in the fixture"
     );
     assert!(s.verify(&|_, _| {}).unwrap().damaged.is_empty());
+    assert_eq!(
+        segment_versions(tmp.path()),
+        vec![1, 1],
+        "reads do not rewrite"
+    );
+}
+
+/// Opening a v1 store upgrades its MANIFEST (this build writes version-2
+/// segments into it); `compact` rewrites its segments as version 2, and the
+/// KV stays bit-exact.
+#[test]
+fn compact_rewrites_v1_segments_as_v2() {
+    let tmp = v1_fixture_copy();
+    let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+    assert_eq!(s.manifest().unwrap().format_version, format::FORMAT_VERSION);
+    let m = Manifest::decode(&std::fs::read(tmp.path().join("MANIFEST")).unwrap()).unwrap();
+    assert_eq!(m.format_version, 2);
+    let before = s.stats().unwrap().blocks;
+    let r = s.compact(&|_, _| {}).unwrap();
+    assert_eq!(
+        (r.segments_rewritten, r.records_moved, r.records_dropped),
+        (2, 9, 0)
+    );
+    assert_eq!(segment_versions(tmp.path()), vec![2]);
+    assert_eq!(s.stats().unwrap().blocks, before);
+    check_fixture_kv(&s);
+    assert!(s.verify(&|_, _| {}).unwrap().damaged.is_empty());
+    // Nothing left to upgrade: a second compaction rewrites nothing.
+    assert_eq!(s.compact(&|_, _| {}).unwrap().segments_rewritten, 0);
+    drop(s);
+    let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+    check_fixture_kv(&s);
+    assert_eq!(
+        s.session_tokens("fixture-session").unwrap(),
+        fixture_data()[0].0
+    );
+}
+
+/// A version-2 segment as this build writes it: its header, then each
+/// record's zero padding, meta and payload, the payload on a 4 KiB boundary.
+#[test]
+fn v2_segment_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (t, kv) = &fixture_data()[1];
+    {
+        let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+        s.put(t, kv, t.len(), b"").unwrap();
+    }
+    let bytes = std::fs::read(tmp.path().join("segments/0000000000000001.kvseg")).unwrap();
+    let l = fixture_layout();
+    let meta_len = record::meta_len(&l);
+    assert_eq!(
+        hex(&bytes[..32]),
+        "4b5653545345470002000000200000000100000000000000248eaf1f00000000"
+    );
+    let mut at = 32;
+    for k in 0..3 {
+        let pad = format::pad_before(2, at as u64, meta_len) as usize;
+        assert!(bytes[at..at + pad].iter().all(|&b| b == 0), "record {k}");
+        let payload = at + pad + meta_len;
+        assert_eq!(payload % 4096, 0, "record {k}");
+        let h = record::decode_header(&bytes[at + pad..payload], 4, 1 << 20).unwrap();
+        assert_eq!(h.stored_len, l.block_bytes() as u64);
+        // The payload is the block's KV, layer run after layer run.
+        let runs = l.block_runs(kv, t.len(), k);
+        assert_eq!(
+            &bytes[payload..payload + l.block_bytes()],
+            &runs.concat()[..]
+        );
+        at = payload + l.block_bytes();
+    }
+    assert_eq!(at, bytes.len());
+    assert_eq!(
+        (bytes.len(), format!("{:08x}", crc32c::crc32c(&bytes))),
+        (12416, "a18bd3b4".to_string())
+    );
 }
 
 /// The block of the exponent-plane golden record: bf16 `[2, 2, 8, 2, 16]`,

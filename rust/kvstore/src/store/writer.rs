@@ -17,6 +17,9 @@ use std::io::IoSlice;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+/// The padding before a record's meta (always less than a page).
+static ZEROS: [u8; format::PAYLOAD_ALIGN as usize] = [0; format::PAYLOAD_ALIGN as usize];
+
 /// The segment this handle appends to.
 pub(super) struct Active {
     pub(super) segment: u64,
@@ -71,12 +74,25 @@ impl Writer {
         }
     }
 
-    /// Whether a record of `len` bytes starts a new segment file.
-    pub(super) fn rolls(&self, len: u64, segment_bytes: u64) -> bool {
+    /// Whether a record of `len` bytes (and the padding before its meta of
+    /// `meta_len` bytes) starts a new segment file.
+    pub(super) fn rolls(&self, len: u64, meta_len: usize, segment_bytes: u64) -> bool {
         match &self.active {
-            Some(a) => a.len + len > segment_bytes && a.len > format::SEGMENT_HEADER_LEN as u64,
+            Some(a) => {
+                let pad = format::pad_before(format::SEGMENT_VERSION, a.len, meta_len);
+                a.len + pad + len > segment_bytes && a.len > format::SEGMENT_HEADER_LEN as u64
+            }
             None => true,
         }
+    }
+
+    /// At most the bytes of segment file a record of `len` bytes with
+    /// `meta_len` bytes of meta takes when appended next (its padding
+    /// included, wherever it lands).
+    pub(super) fn room_for(&self, len: u64, meta_len: usize) -> u64 {
+        let at = |offset| format::pad_before(format::SEGMENT_VERSION, offset, meta_len);
+        let fresh = at(format::SEGMENT_HEADER_LEN as u64);
+        len + self.active.as_ref().map_or(fresh, |a| at(a.len).max(fresh))
     }
 }
 
@@ -86,15 +102,21 @@ impl Inner {
     /// is pending and sealing the full one). Returns where it landed; the
     /// caller decides when it is published.
     pub(super) fn append(&self, w: &mut Writer, record: &Encoded<'_>) -> Result<Location> {
-        let record_len = record.record_len();
-        if w.rolls(record_len, self.opts.segment_bytes) {
+        let meta_len = record.meta_len();
+        if w.rolls(record.record_len(), meta_len, self.opts.segment_bytes) {
             self.commit_pending(w)?;
             self.seal_active(w)?;
             w.active = Some(self.new_segment()?);
         }
         let active = w.active.as_mut().expect("active segment");
         let offset = active.len;
-        if let Err(e) = fs::write_all_at(&active.file, &mut record.slices(), offset) {
+        // Zeros first, so that the payload starts on a 4 KiB boundary of
+        // the file (readable with O_DIRECT); they are part of the record.
+        let pad = format::pad_before(format::SEGMENT_VERSION, offset, meta_len);
+        let record_len = pad + record.record_len();
+        let mut slices = record.slices();
+        slices.insert(0, IoSlice::new(&ZEROS[..pad as usize]));
+        if let Err(e) = fs::write_all_at(&active.file, &mut slices, offset) {
             // Whatever reached the file past `len` is garbage the next record
             // overwrites, and recovery truncates: nothing was published.
             if e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {

@@ -72,11 +72,19 @@ pub const FORMAT_VERSION: u32 = 2;
 /// The oldest MANIFEST format version this build opens.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 
+/// Version-2 payloads of at least this many bytes start on a
+/// [`PAYLOAD_ALIGN`] boundary; smaller ones are not aligned (their padding
+/// would cost more than a sixteenth of them, and they are too small for
+/// direct reads to pay).
+pub const ALIGN_MIN_PAYLOAD: u64 = 16 * PAYLOAD_ALIGN;
+
 /// Zero bytes before the meta of a record that starts at `offset` of a
-/// segment of `version`, with `meta_len` bytes of header and token ids:
-/// what puts its payload on a [`PAYLOAD_ALIGN`] boundary (none in version 1).
-pub fn pad_before(version: u32, offset: u64, meta_len: usize) -> u64 {
-    if version < 2 {
+/// segment of `version`, with `meta_len` bytes of header and token ids and
+/// a payload of `stored_len` bytes: what puts the payload on a
+/// [`PAYLOAD_ALIGN`] boundary (none in version 1, none for a payload under
+/// [`ALIGN_MIN_PAYLOAD`]).
+pub fn pad_before(version: u32, offset: u64, meta_len: usize, stored_len: u64) -> u64 {
+    if version < 2 || stored_len < ALIGN_MIN_PAYLOAD {
         return 0;
     }
     let meta_end = offset + meta_len as u64;
@@ -87,8 +95,14 @@ pub fn pad_before(version: u32, offset: u64, meta_len: usize) -> u64 {
 /// placed as a segment of `version` requires (`None`: the segment header is
 /// unreadable, so either version's placement is accepted; the record's own
 /// checks still apply).
-pub fn placement_ok(version: Option<u32>, offset: u64, pad: u64, meta_len: usize) -> bool {
-    let v2 = pad == pad_before(2, offset, meta_len);
+pub fn placement_ok(
+    version: Option<u32>,
+    offset: u64,
+    pad: u64,
+    meta_len: usize,
+    stored_len: u64,
+) -> bool {
+    let v2 = pad == pad_before(2, offset, meta_len, stored_len);
     match version {
         Some(SEGMENT_VERSION_V1) => pad == 0,
         Some(_) => v2,
@@ -312,19 +326,24 @@ mod tests {
 
     #[test]
     fn padding_puts_payloads_on_the_boundary() {
+        let big = ALIGN_MIN_PAYLOAD;
         for meta in [80usize, 144, 4096, 5000] {
             for offset in [32u64, 4095, 4096, 4097, 1 << 20, (1 << 20) + 123] {
-                let pad = pad_before(2, offset, meta);
+                let pad = pad_before(2, offset, meta, big);
                 assert!(pad < PAYLOAD_ALIGN);
                 assert_eq!((offset + pad + meta as u64) % PAYLOAD_ALIGN, 0);
-                assert!(placement_ok(Some(2), offset, pad, meta));
-                assert!(placement_ok(None, offset, pad, meta));
-                assert_eq!(pad_before(1, offset, meta), 0);
-                assert!(placement_ok(Some(1), offset, 0, meta));
+                assert!(placement_ok(Some(2), offset, pad, meta, big));
+                assert!(placement_ok(None, offset, pad, meta, big));
+                assert_eq!(pad_before(1, offset, meta, big), 0);
+                assert!(placement_ok(Some(1), offset, 0, meta, big));
                 // Misplaced: an unaligned payload in version 2, padding in 1.
-                assert!(!placement_ok(Some(2), offset, pad + 1, meta));
-                assert!(!placement_ok(Some(2), offset + 1, pad, meta));
-                assert_eq!(placement_ok(Some(1), offset, pad, meta), pad == 0);
+                assert!(!placement_ok(Some(2), offset, pad + 1, meta, big));
+                assert!(!placement_ok(Some(2), offset + 1, pad, meta, big));
+                assert_eq!(placement_ok(Some(1), offset, pad, meta, big), pad == 0);
+                // Small payloads are never padded.
+                assert_eq!(pad_before(2, offset, meta, big - 1), 0);
+                assert!(placement_ok(Some(2), offset, 0, meta, big - 1));
+                assert!(!placement_ok(Some(2), offset, pad.max(1), meta, big - 1));
             }
         }
     }

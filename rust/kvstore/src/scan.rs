@@ -274,23 +274,21 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
         ))
     }
 
-    /// The padding a record starting at `pos` has: per the segment's
-    /// version, or, when that is unknown, none if a record magic is there.
+    /// The padding a record starting at `pos` may have: none where a record
+    /// magic is (or in version 1), else what aligns a large payload.
     fn pad_at(&self, pos: u64) -> io::Result<u64> {
-        let v2 = format::pad_before(2, pos, self.meta_len);
-        Ok(match self.version {
-            Some(v) => format::pad_before(v, pos, self.meta_len),
-            None if v2 == 0 || self.len - pos < RECORD_MAGIC.len() as u64 => v2,
-            None => {
-                let mut head = [0u8; RECORD_MAGIC.len()];
-                self.r.read_exact_at(&mut head, pos)?;
-                if head == RECORD_MAGIC {
-                    0
-                } else {
-                    v2
-                }
+        let most = format::pad_before(2, pos, self.meta_len, u64::MAX);
+        if most == 0 || self.version == Some(format::SEGMENT_VERSION_V1) {
+            return Ok(0);
+        }
+        if self.len - pos >= RECORD_MAGIC.len() as u64 {
+            let mut head = [0u8; RECORD_MAGIC.len()];
+            self.r.read_exact_at(&mut head, pos)?;
+            if head == RECORD_MAGIC {
+                return Ok(0);
             }
-        })
+        }
+        Ok(most)
     }
 
     /// What the record starting at `pos` (its padding first) is.
@@ -314,11 +312,25 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
             }
         }
         Ok(match self.examine_meta(pos + pad)? {
-            Step::Record(rec) => Step::Record(ScannedRecord {
-                offset: pos,
-                record_len: pad + rec.record_len,
-                ..rec
-            }),
+            Step::Record(rec) => {
+                let stored = rec.header.stored_len;
+                if format::placement_ok(self.version, pos, pad, self.meta_len, stored) {
+                    Step::Record(ScannedRecord {
+                        offset: pos,
+                        record_len: pad + rec.record_len,
+                        ..rec
+                    })
+                } else {
+                    Step::Bad {
+                        reason: format!(
+                            "record at offset {pos} is not placed as its segment's version \
+                             requires"
+                        ),
+                        resume: rec.offset + rec.record_len,
+                        block_id: Some(rec.header.block_id),
+                    }
+                }
+            }
             other => other,
         })
     }
@@ -404,8 +416,9 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
                 .position(|w| w == RECORD_MAGIC)
             {
                 let j = i + k;
-                if format::placement_ok(self.version, base + j as u64, 0, self.meta_len)
-                    && record::decode_checked(&self.window[j..j + RECORD_HEADER_LEN], self.layout).is_ok()
+                let at = base + j as u64;
+                if record::decode_checked(&self.window[j..j + RECORD_HEADER_LEN], self.layout)
+                    .is_ok_and(|h| format::placement_ok(self.version, at, 0, self.meta_len, h.stored_len))
                     && matches!(self.read_meta(base + j as u64)?, Some(Ok(_)))
                 {
                     return Ok(Some(base + j as u64));
@@ -435,6 +448,19 @@ mod tests {
         Layout::new(1, 1, 4, DType::Float16, 2).unwrap()
     }
 
+    /// 128 KiB blocks: payloads a version-2 segment aligns (and the
+    /// "compressed" ones, half as large, too).
+    fn big_layout() -> Layout {
+        Layout::new(1, 1, 8192, DType::Float16, 4).unwrap()
+    }
+
+    fn scan_big(bytes: &[u8]) -> (ScanReport, Vec<ScannedRecord>) {
+        let mut found = Vec::new();
+        let report = scan_segment(bytes, &big_layout(), |r| found.push(r)).unwrap();
+        check_coverage(&report, &found);
+        (report, found)
+    }
+
     struct Built {
         bytes: Vec<u8>,
         /// (offset, length, block id) per record.
@@ -443,7 +469,7 @@ mod tests {
 
     fn payload(seed: u8, n: usize) -> Vec<u8> {
         (0..n)
-            .map(|i| seed.wrapping_mul(31).wrapping_add(i as u8 * 7))
+            .map(|i| seed.wrapping_mul(31).wrapping_add((i as u8).wrapping_mul(7)))
             .collect()
     }
 
@@ -481,7 +507,7 @@ mod tests {
                 raw_crc,
             );
             let offset = bytes.len() as u64;
-            let pad = format::pad_before(version, offset, meta.len());
+            let pad = format::pad_before(version, offset, meta.len(), stored.len() as u64);
             bytes.resize(bytes.len() + pad as usize, 0);
             bytes.extend_from_slice(&meta);
             bytes.extend_from_slice(&stored);
@@ -546,9 +572,9 @@ mod tests {
 
     #[test]
     fn version_2_records_are_padded_checked_and_found() {
-        let l = layout();
+        let l = big_layout();
         let b = segment_of(&l, 5, 2);
-        let (report, found) = scan(&b.bytes);
+        let (report, found) = scan_big(&b.bytes);
         assert!(report.is_clean(), "{report:?}");
         for (rec, (off, len, id)) in found.iter().zip(&b.records) {
             assert_eq!((rec.offset, rec.record_len, rec.header.block_id), (*off, *len, *id));
@@ -560,11 +586,13 @@ mod tests {
         // its meta starts (placed as version 2 wants: no padding needed).
         for k in [0usize, 2, 4] {
             let (off, len, _) = b.records[k];
-            let meta = off + format::pad_before(2, off, meta_len_of(&l));
-            for at in (off..off + len).step_by(7).chain([off, meta - 1, meta, off + len - 1]) {
+            let meta = off + format::pad_before(2, off, meta_len_of(&l), u64::MAX);
+            let meta_end = meta + meta_len_of(&l) as u64;
+            let some = (off..meta_end).step_by(97).chain((meta_end..off + len).step_by(7919));
+            for at in some.chain([off, meta - 1, meta, meta_end, off + len - 1]) {
                 let mut bad = b.bytes.clone();
                 bad[at as usize] ^= 0x20;
-                let (report, found) = scan(&bad);
+                let (report, found) = scan_big(&bad);
                 assert_eq!(report.damaged.len(), 1, "flip at {at}: {report:?}");
                 assert_eq!(report.damaged[0].start, off, "flip at {at}");
                 assert_eq!(report.torn_tail, None);
@@ -579,34 +607,41 @@ mod tests {
         }
         // Torn anywhere in the last record, its padding included.
         let (off, len, _) = b.records[4];
-        for cut in (off + 1..off + len).step_by(13) {
-            let (report, found) = scan(&b.bytes[..cut as usize]);
+        for cut in (off + 1..off + len).step_by(1009) {
+            let (report, found) = scan_big(&b.bytes[..cut as usize]);
             assert_eq!((found.len(), report.torn_tail), (4, Some(off)), "cut at {cut}");
             assert!(report.damaged.is_empty(), "cut at {cut}: {report:?}");
         }
         // A damaged header: both placements are accepted, records found.
         let mut bad = b.bytes.clone();
         bad[9] ^= 1;
-        let (report, found) = scan(&bad);
+        let (report, found) = scan_big(&bad);
         assert_eq!((report.segment, found.len()), (None, 5));
+        // Small payloads are not padded: a version-2 segment of them holds
+        // its records back to back.
+        let small = segment_of(&layout(), 3, 2);
+        let (report, found) = scan(&small.bytes);
+        assert!(report.is_clean());
+        assert_eq!(found[1].offset, found[0].offset + found[0].record_len);
+        assert_eq!(found[0].record_len, segment(&layout(), 1).records[0].1);
     }
 
     #[test]
     fn misaligned_record_in_version_2_is_damage() {
-        let l = layout();
+        let l = big_layout();
         let b = segment_of(&l, 3, 2);
         let (off, len, _) = b.records[1];
-        let pad = format::pad_before(2, off, meta_len_of(&l)) as usize;
+        let pad = format::pad_before(2, off, meta_len_of(&l), u64::MAX) as usize;
         // Record 1 without its padding, back to back after record 0 (as in
         // version 1): sound bytes, misplaced.
         let mut bytes = b.bytes[..off as usize].to_vec();
         bytes.extend_from_slice(&b.bytes[off as usize + pad..(off + len) as usize]);
-        let (report, found) = scan(&bytes);
+        let (report, found) = scan_big(&bytes);
         assert_eq!(found.len(), 1, "{report:?}");
         assert_eq!(report.damaged.len(), 1, "{report:?}");
         // The same bytes in a version-1 segment are a record.
         bytes[..SEGMENT_HEADER_LEN].copy_from_slice(&encode_segment_header(7));
-        let (_, found) = scan(&bytes);
+        let (_, found) = scan_big(&bytes);
         assert_eq!(found.len(), 2);
     }
 

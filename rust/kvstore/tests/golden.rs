@@ -216,18 +216,31 @@ fn compact_rewrites_v1_segments_as_v2() {
     );
 }
 
+/// 128 KiB blocks: payloads a version-2 segment aligns.
+fn v2_layout() -> Layout {
+    Layout::new(2, 1, 1024, DType::Float16, 16).unwrap()
+}
+
 /// A version-2 segment as this build writes it: its header, then each
-/// record's zero padding, meta and payload, the payload on a 4 KiB boundary.
+/// record's zero padding, meta and payload, a large payload on a 4 KiB
+/// boundary; small payloads (the fixture layout's) back to back.
 #[test]
 fn v2_segment_bytes() {
+    let l = v2_layout();
+    let t: Vec<u32> = (0..48).map(|i| 7000 + i).collect();
+    let kv: Vec<u8> = (0..l.kv_bytes(t.len()).unwrap())
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3])
+        .collect();
     let tmp = tempfile::tempdir().unwrap();
-    let (t, kv) = &fixture_data()[1];
     {
-        let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
-        s.put(t, kv, t.len(), b"").unwrap();
+        let o = Options {
+            layout: Some(l),
+            ..fixture_opts(Codec::Raw)
+        };
+        let s = Store::open(tmp.path(), o).unwrap();
+        s.put(&t, &kv, t.len(), b"").unwrap();
     }
     let bytes = std::fs::read(tmp.path().join("segments/0000000000000001.kvseg")).unwrap();
-    let l = fixture_layout();
     let meta_len = record::meta_len(&l);
     assert_eq!(
         hex(&bytes[..32]),
@@ -235,14 +248,17 @@ fn v2_segment_bytes() {
     );
     let mut at = 32;
     for k in 0..3 {
-        let pad = format::pad_before(2, at as u64, meta_len) as usize;
-        assert!(bytes[at..at + pad].iter().all(|&b| b == 0), "record {k}");
+        let pad = format::pad_before(2, at as u64, meta_len, l.block_bytes() as u64) as usize;
+        assert!(
+            pad > 0 && bytes[at..at + pad].iter().all(|&b| b == 0),
+            "record {k}"
+        );
         let payload = at + pad + meta_len;
         assert_eq!(payload % 4096, 0, "record {k}");
-        let h = record::decode_header(&bytes[at + pad..payload], 4, 1 << 20).unwrap();
+        let h = record::decode_header(&bytes[at + pad..payload], 16, 1 << 20).unwrap();
         assert_eq!(h.stored_len, l.block_bytes() as u64);
         // The payload is the block's KV, layer run after layer run.
-        let runs = l.block_runs(kv, t.len(), k);
+        let runs = l.block_runs(&kv, t.len(), k);
         assert_eq!(
             &bytes[payload..payload + l.block_bytes()],
             &runs.concat()[..]
@@ -252,8 +268,31 @@ fn v2_segment_bytes() {
     assert_eq!(at, bytes.len());
     assert_eq!(
         (bytes.len(), format!("{:08x}", crc32c::crc32c(&bytes))),
-        (12416, "a18bd3b4".to_string())
+        (405504, "3a960127".to_string())
     );
+    assert_eq!(
+        hex(&bytes[4096 - meta_len..4096 - meta_len + 80]),
+        concat!(
+            "4b565243010000001000000000000000000002000000000000000200000000007e709a2a",
+            "ef3d8f143725ba60492ff3700c50e223371d9ef631ee4348c28d7eb4bb31ecf0bb31ecf0",
+            "d28bd07200000000"
+        )
+    );
+
+    // Small payloads: no padding, as in version 1.
+    let tmp = tempfile::tempdir().unwrap();
+    let (t, kv) = &fixture_data()[1];
+    {
+        let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+        s.put(t, kv, t.len(), b"").unwrap();
+    }
+    let bytes = std::fs::read(tmp.path().join("segments/0000000000000001.kvseg")).unwrap();
+    let fl = fixture_layout();
+    assert_eq!(
+        bytes.len(),
+        32 + 3 * (record::meta_len(&fl) + fl.block_bytes())
+    );
+    assert_eq!(&bytes[8..12], &2u32.to_le_bytes());
 }
 
 /// The block of the exponent-plane golden record: bf16 `[2, 2, 8, 2, 16]`,

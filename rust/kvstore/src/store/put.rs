@@ -236,7 +236,7 @@ impl Inner {
                 });
                 for (&i, rec) in window.iter().zip(encoded) {
                     let res = rec.and_then(|rec| {
-                        let room = w.room_for(rec.record_len(), rec.meta_len());
+                        let room = w.room_for(&rec);
                         self.ensure_disk_room(w, room, &keep)?;
                         self.append(w, &rec)
                     });

@@ -538,8 +538,8 @@ impl Inner {
 
     /// The padding of the record at `loc`, once its lengths are checked
     /// against the layout and its placement against its segment's version
-    /// (a version-2 payload starts on a 4 KiB boundary: one that does not is
-    /// misplaced, and a miss).
+    /// (a large version-2 payload starts on a 4 KiB boundary: one that does
+    /// not is misplaced, and a miss).
     fn placed(&self, loc: &Location, file: &SegmentFile) -> Result<u64, ReadFail> {
         let raw_len = self.layout.block_bytes() as u64;
         let meta_len = record::meta_len(&self.layout);
@@ -548,7 +548,7 @@ impl Inner {
             .checked_sub(meta_len as u64 + loc.stored_len)
             .filter(|&p| loc.stored_len <= raw_len && p < format::PAYLOAD_ALIGN)
             .ok_or_else(|| ReadFail::Damaged("index entry has impossible lengths".into()))?;
-        if !format::placement_ok(file.version, loc.offset, pad, meta_len) {
+        if !format::placement_ok(file.version, loc.offset, pad, meta_len, loc.stored_len) {
             return Err(ReadFail::Damaged(format!(
                 "record at offset {} is not placed as its segment's version requires \
                  (payload not on a {}-byte boundary)",

@@ -74,26 +74,38 @@ impl Writer {
         }
     }
 
-    /// Whether a record of `len` bytes (and the padding before its meta of
-    /// `meta_len` bytes) starts a new segment file.
-    pub(super) fn rolls(&self, len: u64, meta_len: usize, segment_bytes: u64) -> bool {
+    /// Whether `record` (and the padding before it) starts a new segment file.
+    pub(super) fn rolls(&self, record: &Encoded<'_>, segment_bytes: u64) -> bool {
         match &self.active {
             Some(a) => {
-                let pad = format::pad_before(format::SEGMENT_VERSION, a.len, meta_len);
-                a.len + pad + len > segment_bytes && a.len > format::SEGMENT_HEADER_LEN as u64
+                let len = pad_at(a.len, record) + record.record_len();
+                a.len + len > segment_bytes && a.len > format::SEGMENT_HEADER_LEN as u64
             }
             None => true,
         }
     }
 
-    /// At most the bytes of segment file a record of `len` bytes with
-    /// `meta_len` bytes of meta takes when appended next (its padding
-    /// included, wherever it lands).
-    pub(super) fn room_for(&self, len: u64, meta_len: usize) -> u64 {
-        let at = |offset| format::pad_before(format::SEGMENT_VERSION, offset, meta_len);
-        let fresh = at(format::SEGMENT_HEADER_LEN as u64);
-        len + self.active.as_ref().map_or(fresh, |a| at(a.len).max(fresh))
+    /// At most the bytes of segment file `record` takes when appended next
+    /// (its padding included, wherever it lands).
+    pub(super) fn room_for(&self, record: &Encoded<'_>) -> u64 {
+        let fresh = pad_at(format::SEGMENT_HEADER_LEN as u64, record);
+        record.record_len()
+            + self
+                .active
+                .as_ref()
+                .map_or(fresh, |a| pad_at(a.len, record).max(fresh))
     }
+}
+
+/// The padding `record` has when it starts at `offset` of a segment this
+/// build writes.
+fn pad_at(offset: u64, record: &Encoded<'_>) -> u64 {
+    format::pad_before(
+        format::SEGMENT_VERSION,
+        offset,
+        record.meta_len(),
+        record.stored_len(),
+    )
 }
 
 impl Inner {
@@ -102,8 +114,7 @@ impl Inner {
     /// is pending and sealing the full one). Returns where it landed; the
     /// caller decides when it is published.
     pub(super) fn append(&self, w: &mut Writer, record: &Encoded<'_>) -> Result<Location> {
-        let meta_len = record.meta_len();
-        if w.rolls(record.record_len(), meta_len, self.opts.segment_bytes) {
+        if w.rolls(record, self.opts.segment_bytes) {
             self.commit_pending(w)?;
             self.seal_active(w)?;
             w.active = Some(self.new_segment()?);
@@ -112,7 +123,7 @@ impl Inner {
         let offset = active.len;
         // Zeros first, so that the payload starts on a 4 KiB boundary of
         // the file (readable with O_DIRECT); they are part of the record.
-        let pad = format::pad_before(format::SEGMENT_VERSION, offset, meta_len);
+        let pad = pad_at(offset, record);
         let record_len = pad + record.record_len();
         let mut slices = record.slices();
         slices.insert(0, IoSlice::new(&ZEROS[..pad as usize]));

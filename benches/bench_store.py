@@ -1013,6 +1013,14 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
                     }
                 )
             check_equal(seqs, b.outs)
+    # Warm (the buffered handle's gets left every page cached): the page-cache
+    # check each direct-capable read makes (cachestat) against none.
+    warm: dict[str, list[float]] = {"get_cold": [], "get_cold_buffered": []}
+    with stage("warm get(out=), direct reads on / off", quiet):
+        for _ in range(max(b.warm_runs, 1)):
+            for key, handle in (("get_cold", st), ("get_cold_buffered", st_buffered)):
+                warm[key].append(gibps(nbytes, get_into(handle, seqs, b.outs)))
+    check_equal(seqs, b.outs)
     st_buffered.close()
     meta["cold_cache"] = cold
     meta["cold_method"] = cold[-1]["method"]
@@ -1078,6 +1086,18 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             f"above; process CPU time / wall time "
             f"{100 * max(cpu['get_cold_buffered'], default=0):.0f}% of one core",
             samples=rd["get_cold_buffered"],
+        )
+    )
+    res.add(
+        Row(
+            G,
+            "get(out=), warm page cache, direct reads on vs off (alternated)",
+            max(warm["get_cold"]),
+            "GiB/s",
+            max(warm["get_cold_buffered"]),
+            "the same gets with KVSTORE_DIRECT_READS=0",
+            note="info: the cost of the page-cache check (cachestat) per record",
+            samples=warm["get_cold"],
         )
     )
     if lim_buffered:

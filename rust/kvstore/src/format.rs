@@ -3,16 +3,18 @@
 //! contract; `tests/golden.rs` pins its bytes.
 //!
 //! A segment file is a 32-byte header followed by records. In a version-2
-//! segment (written since format version 2) each record begins with zero
-//! bytes, as many as put its payload on a 4 KiB boundary of the file, so a
-//! payload can be read with `O_DIRECT` straight into the destination; in a
-//! version-1 segment records are back to back (no padding).
+//! segment (written since format version 2) a record whose payload is 64 KiB
+//! or more ([`ALIGN_MIN_PAYLOAD`]) begins with zero bytes, as many as put its
+//! payload on a 4 KiB boundary of the file, so that the payload can be read
+//! with `O_DIRECT` straight into the destination; smaller records, and every
+//! record of a version-1 segment, have no padding.
 //!
 //! ```text
 //! segment header (32 B)            record (pad + 80 B header + 4·n tokens + payload)
 //!  0 magic      b"KVSTSEG\0"          0 padding    p zero bytes, p < 4096, such that
 //!  8 version    u32 = 2 (or 1)                      offset + p + 80 + 4·n ≡ 0 (mod 4096)
-//! 12 hdr len    u32 = 32                            (version 1: p = 0)
+//! 12 hdr len    u32 = 32                            (p = 0 in version 1, and for
+//!                                                   payloads under 64 KiB)
 //! 16 segment no u64                 p+0 magic      b"KVRC"
 //! 24 crc32c     u32 of bytes 0..24 p+4 version    u16 = 1
 //! 28 reserved   u32 = 0            p+6 flags      u16 (bit 0 zstd, bit 1 byte-plane shuffle,
@@ -27,14 +29,15 @@
 //!                                 p+72 header crc u32 crc32c of bytes p+0..p+72 then the tokens
 //!                                 p+76 reserved   u32 = 0
 //!                                 p+80 tokens     n × u32
-//!                                   .. payload    stored len bytes (version 2: 4 KiB-aligned)
+//!                                   .. payload    stored len bytes (version 2, ≥ 64 KiB: 4 KiB-aligned)
 //! ```
 //!
 //! The padding belongs to the record that follows it: an index entry's
 //! offset is where the padding starts and its length counts it, so a
 //! record's bytes are one range of the file and the padding is checked (it
-//! must be zeros) with the record. The padding is a function of the offset,
-//! so a scanner finds the next record where the last one ended.
+//! must be zeros) with the record. A padded record starts with a zero byte,
+//! an unpadded one with its magic, and the padding is a function of the
+//! offset: so a scanner finds the next record where the last one ended.
 //!
 //! All integers are little-endian by explicit encoding. A compressed payload is
 //! one zstd frame (any decoder reads it); with the shuffle flag the decoded

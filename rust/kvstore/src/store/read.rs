@@ -44,9 +44,11 @@ const MAX_READERS: usize = 4;
 const BYTES_PER_READER: usize = 1 << 20;
 
 /// Reader threads for a get of `blocks` blocks of `block_bytes` each: one
-/// per core, at most [`MAX_READERS`], each with [`BYTES_PER_READER`] or more;
-/// `forced` (the `get_readers` option) overrides all but the block count.
-fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>) -> usize {
+/// per core (or, with `direct` reads, whose threads mostly wait on the
+/// device, as many as keep it busy whatever the cores), at most
+/// [`MAX_READERS`], each with [`BYTES_PER_READER`] or more; `forced` (the
+/// `get_readers` option) overrides all but the block count.
+fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>, direct: bool) -> usize {
     static CORES: OnceLock<usize> = OnceLock::new();
     if let Some(n) = forced {
         return n.min(blocks).max(1);
@@ -54,7 +56,8 @@ fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>) -> u
     let cores = *CORES
         .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
     let by_size = blocks.saturating_mul(block_bytes) / BYTES_PER_READER;
-    cores.min(MAX_READERS).min(by_size).min(blocks).max(1)
+    let threads = if direct { MAX_READERS } else { cores };
+    threads.min(MAX_READERS).min(by_size).min(blocks).max(1)
 }
 
 /// Segment files a handle keeps open for reads.
@@ -308,7 +311,12 @@ impl Inner {
         out_tokens: usize,
     ) -> Result<usize> {
         let n = ids.len();
-        let readers = reader_threads(n, self.layout.block_bytes(), self.opts.get_readers);
+        let readers = reader_threads(
+            n,
+            self.layout.block_bytes(),
+            self.opts.get_readers,
+            self.opts.direct_reads,
+        );
         let per = n.div_ceil(readers);
         let b = self.layout.block_size as usize;
         let bounds: Vec<usize> = (0..n).step_by(per).chain([n]).collect();

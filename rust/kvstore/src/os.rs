@@ -245,9 +245,10 @@ pub(crate) fn cached_pages(file: &std::fs::File, offset: u64, len: u64) -> Optio
         off: u64,
         len: u64,
     }
-    /// `struct cachestat` of the kernel's uapi.
+    /// `struct cachestat` of the kernel's uapi (its field names).
     #[repr(C)]
     #[derive(Default)]
+    #[allow(clippy::struct_field_names)]
     struct CacheStat {
         nr_cache: u64,
         nr_dirty: u64,

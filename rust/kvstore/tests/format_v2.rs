@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 mod support;
 use support::{kv_for, prefix_matches, seq};
 
-/// 128 KiB blocks: whole pages, the size O_DIRECT reads in place.
+/// 128 KiB blocks: whole pages, the size `O_DIRECT` reads in place.
 fn layout() -> Layout {
     Layout::new(2, 8, 128, DType::Float16, 16).unwrap()
 }

@@ -292,10 +292,9 @@ pub fn describe(l: &Layout) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn manifest_round_trip_and_damage() {
-        let m = Manifest {
-            format_version: FORMAT_VERSION,
+    fn manifest(format_version: u32) -> Manifest {
+        Manifest {
+            format_version,
             fingerprint: "m".into(),
             num_layers: 1,
             num_kv_heads: 2,
@@ -305,7 +304,12 @@ mod tests {
             created_unix: 1,
             store_id: "00".into(),
             storage: None,
-        };
+        }
+    }
+
+    #[test]
+    fn manifest_round_trip_and_damage() {
+        let m = manifest(FORMAT_VERSION);
         let b = m.encode();
         assert_eq!(Manifest::decode(&b).unwrap(), m);
         let mut bad = b.clone();
@@ -353,18 +357,7 @@ mod tests {
 
     #[test]
     fn manifest_versions() {
-        let mut m = Manifest {
-            format_version: 1,
-            fingerprint: "m".into(),
-            num_layers: 1,
-            num_kv_heads: 2,
-            head_dim: 4,
-            dtype: "float16".into(),
-            block_size: 16,
-            created_unix: 1,
-            store_id: "00".into(),
-            storage: None,
-        };
+        let mut m = manifest(1);
         assert_eq!(Manifest::decode(&m.encode()).unwrap().format_version, 1);
         m.format_version = 3;
         assert!(Manifest::decode(&m.encode()).is_err());

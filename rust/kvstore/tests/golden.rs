@@ -159,14 +159,7 @@ fn reads_v1_fixture() {
     assert_eq!(m.format_version, 1);
     assert_eq!(m.fingerprint, FIXTURE_MODEL);
     let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
-    let l = fixture_layout();
-    for (tokens, kv) in fixture_data() {
-        let full = tokens.len() / 4 * 4;
-        let mut out = vec![0u8; l.kv_bytes(tokens.len()).unwrap()];
-        let m = s.get_into(&tokens, b"", &mut out, tokens.len()).unwrap();
-        assert_eq!(m, full);
-        assert_eq!(out, kv, "fixture KV differs");
-    }
+    check_fixture_kv(&s);
     assert_eq!(
         s.session_tokens("fixture-session").unwrap(),
         fixture_data()[0].0

@@ -325,6 +325,20 @@ def index_blocks(path: Path | str) -> dict[bytes, Location]:
         env.close()
 
 
+PAYLOAD_ALIGN = 4096
+
+
+def payload_offset(loc: Location) -> int:
+    """Where the record at `loc` has its payload (its last `stored_len` bytes;
+    on a PAYLOAD_ALIGN boundary in a version-2 segment)."""
+    return loc.offset + loc.record_len - loc.stored_len
+
+
+def meta_offset(loc: Location, block_size: int) -> int:
+    """Where the record at `loc` has its header (after its padding, if any)."""
+    return payload_offset(loc) - RECORD_HEADER_LEN - 4 * block_size
+
+
 def segment_file(path: Path | str, segment: int) -> Path:
     return Path(path) / "segments" / f"{segment:016x}.kvseg"
 
@@ -350,6 +364,10 @@ def read_record(path: Path | str, loc: Location) -> Record:
     with open(segment_file(path, loc.segment), "rb") as f:
         f.seek(loc.offset)
         data = f.read(loc.record_len)
+    # A version-2 record starts with the zeros that put its payload on a
+    # 4 KiB boundary: they end where the meta (and its magic) starts.
+    pad = len(data) - len(data.lstrip(b"\0")) if data[:4] != b"KVRC" else 0
+    data = data[pad:]
     magic, version, flags, n, _res, stored_len, raw_len = struct.unpack_from("<4sHHIIQQ", data, 0)
     block_id = data[32:64]
     stored_crc, raw_crc, header_crc = struct.unpack_from("<III", data, 64)

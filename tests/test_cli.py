@@ -48,6 +48,31 @@ def fill(path: Path, n_seqs: int = 20, length: int = 64) -> list[np.ndarray]:
     return seqs
 
 
+def test_info_shows_v1_segments_until_compact(tmp_path: Path) -> None:
+    """The format-1 fixture store: info names its version-1 segments; compact
+    rewrites them as version 2; the KV reads the same before and after."""
+    import shutil
+
+    src = Path(__file__).resolve().parents[1] / "rust/kvstore/tests/fixtures/v1"
+    store = tmp_path / "s"
+    shutil.copytree(src, store, ignore=shutil.ignore_patterns("LOCK", "lock.mdb"))
+    store.chmod(0o700)
+    info = json.loads(cli("info", store, "--json").stdout)
+    assert (info["manifest"]["format_version"], info["segments_v1"]) == (2, 2)
+    assert "2 segments of version 1" in cli("info", store).stdout
+    # The fixture's first sequence: tokens 0..7, KV bytes (31 * i) mod 256
+    # (rust/kvstore/tests/golden.rs, fixture_data).
+    tokens = list(range(8))
+    want = bytes(31 * i % 256 for i in range(2 * 2 * 8 * 1 * 4 * 2))
+    with kvstore.open(store) as s:
+        assert np.asarray(s.get(tokens)).tobytes() == want
+    cli("compact", store)
+    info = json.loads(cli("info", store, "--json").stdout)
+    assert (info["segments_v1"], info["segments"]) == (0, 1)
+    with kvstore.open(store) as s:
+        assert np.asarray(s.get(tokens)).tobytes() == want
+
+
 def test_info_ls_stats_human_and_json(tmp_path: Path) -> None:
     fill(tmp_path)
     info = json.loads(cli("info", tmp_path, "--json").stdout)
@@ -57,6 +82,9 @@ def test_info_ls_stats_human_and_json(tmp_path: Path) -> None:
     assert info["page_kind"] == "none"
     human = cli("info", tmp_path).stdout
     assert MODEL in human and "block_size=4" in human
+
+    assert info["manifest"]["format_version"] == kvstore.FORMAT_VERSION == 2
+    assert info["segments_v1"] == 0
 
     segs = json.loads(cli("ls", tmp_path, "--json").stdout)
     assert sum(s["live_records"] for s in segs) == 20 * 16

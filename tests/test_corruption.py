@@ -21,8 +21,10 @@ from conftest import (
     block_record,
     index_blocks,
     kv_for,
+    meta_offset,
     needs_cli,
     open_index,
+    payload_offset,
     run_cli,
     segment_file,
     seq,
@@ -165,8 +167,7 @@ def test_flipped_payload_byte(tmp_path, compression):
     path = tmp_path / "s"
     _build(path, compression)
     bid, loc = block_record(path, LAYOUT, SEQS[1], 2)
-    payload_at = loc.offset + RECORD_HEADER_LEN + 4 * B
-    _flip(path, loc.segment, payload_at + loc.stored_len // 2)
+    _flip(path, loc.segment, payload_offset(loc) + loc.stored_len // 2)
     _cli_verify(path, {bid.hex()})
     ids, _ = _verify_ids(path, compression)
     assert ids == {bid.hex()}
@@ -186,7 +187,7 @@ def test_flipped_header_byte(tmp_path, compression, at):
     path = tmp_path / "s"
     _build(path, compression)
     bid, loc = block_record(path, LAYOUT, SEQS[2], 1)
-    _flip(path, loc.segment, loc.offset + at, mask=0x01)
+    _flip(path, loc.segment, meta_offset(loc, B) + at, mask=0x01)
     ids, _ = _verify_ids(path, compression)
     assert ids == {bid.hex()}, f"flip at header byte {at}"
     _check_reads(path, compression, {2: 1})
@@ -197,7 +198,7 @@ def test_flipped_header_byte_cli(tmp_path, compression):
     path = tmp_path / "s"
     _build(path, compression)
     bid, loc = block_record(path, LAYOUT, SEQS[2], 0)
-    _flip(path, loc.segment, loc.offset + 40)  # inside the block id
+    _flip(path, loc.segment, meta_offset(loc, B) + 40)  # inside the block id
     _cli_verify(path, {bid.hex()})
     _check_reads(path, compression, {2: 0})
     _repair(path, compression, 2)
@@ -226,7 +227,7 @@ def test_truncated_segment_mid_header(tmp_path, compression):
     bid_a, loc_a = block_record(path, LAYOUT, SEQS[3], 2)
     bid_b, _ = block_record(path, LAYOUT, SEQS[3], 3)
     # cut inside block 2's header: blocks 2 and 3 of the last sequence are gone
-    os.truncate(segment_file(path, loc_a.segment), loc_a.offset + 20)
+    os.truncate(segment_file(path, loc_a.segment), meta_offset(loc_a, B) + 20)
     ids, _ = _verify_ids(path, compression)
     assert ids == {bid_a.hex(), bid_b.hex()}
     _check_reads(path, compression, {3: 2})
@@ -240,8 +241,8 @@ def test_zeroed_range(tmp_path, compression):
     bid1, loc1 = block_record(path, LAYOUT, SEQS[0], 1)
     bid2, loc2 = block_record(path, LAYOUT, SEQS[0], 2)
     assert loc2.offset == loc1.offset + loc1.record_len  # back to back
-    start = loc1.offset + RECORD_HEADER_LEN + 4 * B + loc1.stored_len // 2
-    _zero(path, loc1.segment, start, loc2.offset + 40)
+    start = payload_offset(loc1) + loc1.stored_len // 2
+    _zero(path, loc1.segment, start, meta_offset(loc2, B) + 40)
     _cli_verify(path, {bid1.hex(), bid2.hex()})
     ids, _ = _verify_ids(path, compression)
     assert ids == {bid1.hex(), bid2.hex()}
@@ -315,7 +316,7 @@ def test_misplaced_record_same_block_id(tmp_path):
     crc = crc32c(bytes(meta[RECORD_HEADER_LEN:]), crc32c(bytes(meta[:72])))
     struct.pack_into("<I", meta, 72, crc)
     with open(segment_file(path, loc_b.segment), "r+b") as f:
-        f.seek(loc_b.offset)
+        f.seek(meta_offset(loc_b, B))
         f.write(bytes(meta))
     env = open_index(path, readonly=False)
     try:
@@ -350,7 +351,7 @@ def test_cli_verify_lists_segment_and_offset(tmp_path):
     path = tmp_path / "s"
     _build(path, None)
     bid, loc = block_record(path, LAYOUT, SEQS[1], 3)
-    _flip(path, loc.segment, loc.offset + RECORD_HEADER_LEN + 4 * B + 5)
+    _flip(path, loc.segment, payload_offset(loc) + 5)
     p = run_cli("verify", path, "--json")
     assert p.returncode == 1
     doc = json.loads(p.stdout)

@@ -26,6 +26,7 @@ from conftest import (
     block_record,
     crc32c,
     kv_for,
+    meta_offset,
     open_index,
     read_record,
     run_child,
@@ -348,7 +349,7 @@ def _forge_header(path: Path, loc, **fields) -> None:
     crc = crc32c(bytes(meta[RECORD_HEADER_LEN:]), crc32c(bytes(meta[:72])))
     struct.pack_into("<I", meta, 72, crc)
     with open(segment_file(path, loc.segment), "r+b") as f:
-        f.seek(loc.offset)
+        f.seek(meta_offset(loc, len(rec.tokens)))
         f.write(bytes(meta))
 
 
@@ -444,7 +445,7 @@ def test_zstd_bomb_record(tmp_path, bomb):
     crc = crc32c(bytes(meta[RECORD_HEADER_LEN:]), crc32c(bytes(meta[:72])))
     struct.pack_into("<I", meta, 72, crc)
     with open(segment_file(path, loc.segment), "r+b") as f:
-        f.seek(loc.offset)
+        f.seek(meta_offset(loc, len(rec.tokens)))
         f.write(bytes(meta) + payload)
     code = FORGE_CHILD.replace('durability="sync")', 'durability="sync", compression="zstd")')
     code = code.replace("kv_for(layout, tokens)", 'kv_for(layout, tokens, kind="lowent")')

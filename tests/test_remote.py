@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 from conftest import (
-    RECORD_HEADER_LEN,
     assert_kv_equal,
     block_record,
     kv_for,
+    payload_offset,
     run_child,
     segment_file,
     seq,
@@ -568,7 +568,7 @@ def test_cli_push_does_not_spread_bit_rot(clean, tmp_path):
         ids = a.block_ids(tokens)
     _, loc = block_record(tmp_path / "a", LAYOUT, tokens, 2)
     with open(segment_file(tmp_path / "a", loc.segment), "r+b") as f:
-        at = loc.offset + RECORD_HEADER_LEN + 4 * B + loc.stored_len // 2
+        at = payload_offset(loc) + loc.stored_len // 2
         f.seek(at)
         byte = f.read(1)[0]
         f.seek(at)

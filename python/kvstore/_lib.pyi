@@ -117,6 +117,7 @@ class Stats(TypedDict):
     blocks: int
     sessions: int
     segments: int
+    segments_v1: int
     disk_bytes: int
     live_bytes: int
     dead_bytes: int

@@ -126,6 +126,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             "manifest": m,
             "blocks": st["blocks"],
             "segments": st["segments"],
+            "segments_v1": st["segments_v1"],
             "disk_bytes": st["disk_bytes"],
             "live_bytes": st["live_bytes"],
             "hot_bytes": st["hot_bytes"],
@@ -154,7 +155,16 @@ def cmd_info(args: argparse.Namespace) -> int:
                             ),
                         ),
                         ("block bytes", human_bytes(s.layout.block_bytes)),
-                        ("format version", m["format_version"]),
+                        (
+                            "format version",
+                            f"{m['format_version']}"
+                            + (
+                                f" ({st['segments_v1']} segments of version 1: "
+                                "`kvstore compact` rewrites them)"
+                                if st["segments_v1"]
+                                else ""
+                            ),
+                        ),
                         ("created", created.isoformat(timespec="seconds")),
                         ("store id", m["store_id"]),
                         ("blocks", st["blocks"]),

@@ -106,9 +106,14 @@ impl StoreDir {
             store_id: crate::id::hex(&rnd),
             storage: (layout.storage != Storage::Exact).then(|| layout.storage.name().to_string()),
         };
+        self.write_manifest(&m)
+    }
+
+    /// Replaces the MANIFEST (atomically) with `m` and returns it.
+    pub fn write_manifest(&self, m: &Manifest) -> Result<Manifest> {
         let path = self.manifest_path();
         fs::write_atomic(&path, &m.encode()).ctx(|| format!("writing {}", path.display()))?;
-        Ok(m)
+        Ok(m.clone())
     }
 
     /// Takes the store's LOCK, waiting while another process creates,

@@ -84,6 +84,51 @@ pub fn open_existing(path: &Path, write: bool) -> io::Result<File> {
     Ok(f)
 }
 
+/// Opens an existing regular file for reads with `O_DIRECT` (as
+/// [`open_existing`] otherwise); `None` where the file system refuses the
+/// flag (tmpfs: `EINVAL`).
+pub fn open_direct(path: &Path) -> io::Result<Option<File>> {
+    let flags =
+        rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::DIRECT;
+    match OpenOptions::new()
+        .read(true)
+        .custom_flags(flags.bits() as i32)
+        .open(path)
+    {
+        Ok(f) if f.metadata()?.is_file() => Ok(Some(f)),
+        Ok(_) => Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// (memory, file offset) alignment that `O_DIRECT` reads of `file` need
+/// (`statx` `STATX_DIOALIGN`, Linux 6.1); `None` when the file system says
+/// it has no direct I/O. Before 6.1 the kernel does not say: a page for
+/// both, which every device accepts.
+pub fn direct_alignment(file: &File) -> Option<(usize, u64)> {
+    use rustix::fs::{statx, AtFlags, StatxFlags};
+    let page = crate::format::PAYLOAD_ALIGN;
+    match statx(file, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN) {
+        Ok(st) if StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::DIOALIGN) => {
+            let (mem, off) = (
+                st.stx_dio_mem_align as usize,
+                u64::from(st.stx_dio_offset_align),
+            );
+            (mem > 0 && off > 0).then_some((mem, off))
+        }
+        _ => Some((page as usize, page)),
+    }
+}
+
+/// Whether the page cache holds every page of `file`'s bytes
+/// `offset..offset + len` (`cachestat`, Linux 6.5). Where the kernel cannot
+/// tell, yes: the buffered read, as before direct reads.
+pub fn cached(file: &File, offset: u64, len: u64) -> bool {
+    let pages = len.div_ceil(rustix::param::page_size() as u64);
+    crate::os::cached_pages(file, offset, len).is_none_or(|n| n >= pages)
+}
+
 /// Reads a small file whole (a MANIFEST), refusing a symlink or anything
 /// larger than `limit` bytes.
 pub fn read_small(path: &Path, limit: u64) -> io::Result<Vec<u8>> {

@@ -56,6 +56,7 @@ mod pages;
 mod progress;
 mod remote;
 mod repair;
+mod segfile;
 mod store;
 
 pub use arena::ArenaStats;

@@ -233,6 +233,52 @@ unsafe fn copy_crc32c_sse42<const N: usize>(
     c.map(|crc| !(crc as u32))
 }
 
+/// Pages of `file`'s bytes `offset..offset + len` that the page cache holds
+/// (`cachestat(2)`, Linux 6.5: a count, with no side effect on the cache,
+/// unlike a read with `RWF_NOWAIT`, which starts readahead); `None` where
+/// the kernel lacks the call.
+pub(crate) fn cached_pages(file: &std::fs::File, offset: u64, len: u64) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    /// `struct cachestat_range` of the kernel's uapi.
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    /// `struct cachestat` of the kernel's uapi (its field names).
+    #[repr(C)]
+    #[derive(Default)]
+    #[allow(clippy::struct_field_names)]
+    struct CacheStat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    /// The same number on every architecture (the unified syscall table).
+    const SYS_CACHESTAT: libc::c_long = 451;
+    if len == 0 {
+        return Some(0);
+    }
+    let range = Range { off: offset, len };
+    let mut st = CacheStat::default();
+    // SAFETY: `file` is an open descriptor for the duration of the call;
+    // `range` and `st` are valid, initialised `#[repr(C)]` structs of the
+    // kernel's layout that outlive the call (the kernel reads one, writes
+    // the other); flags must be 0.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &raw const range,
+            &raw mut st,
+            0 as libc::c_uint,
+        )
+    };
+    (rc == 0).then_some(st.nr_cache)
+}
+
 /// What `ofd_lock` asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum OfdLock {

@@ -251,7 +251,13 @@ pub struct Encoded<'a> {
 }
 
 impl Encoded<'_> {
-    /// Bytes of the whole record.
+    /// Bytes of header and token ids, before the payload.
+    pub fn meta_len(&self) -> usize {
+        self.meta.len()
+    }
+
+    /// Bytes of the whole record (without the padding a segment puts
+    /// before it: see [`crate::format::pad_before`]).
     pub fn record_len(&self) -> u64 {
         self.meta.len() as u64 + self.stored_len()
     }

@@ -9,6 +9,13 @@
 //! record magic whose header decodes and whose header checksum holds. A file
 //! that ends inside a record (a torn append) ends the scan.
 //!
+//! In a version-2 segment a record starts with the zero padding that puts
+//! its payload on a 4 KiB boundary; the padding is a function of where the
+//! record starts, so the scan knows how much to expect, checks it is zeros
+//! and counts it in the record. A record found by resynchronising must be
+//! placed so too (its payload aligned), or it is not a version-2 record.
+//! When the segment header is unreadable, either placement is accepted.
+//!
 //! The scan reads the file's length once, at the start. Scan a sealed segment,
 //! or hold the writer's lock on an active one: bytes a live writer appends
 //! meanwhile are not seen, and a record it is halfway through looks torn.
@@ -133,6 +140,7 @@ pub fn scan_segment<R: ReadAt + ?Sized>(
         layout,
         len,
         meta_len,
+        version: None,
         header: [0u8; RECORD_HEADER_LEN],
         meta: Vec::new(),
         chunk: Vec::new(),
@@ -160,6 +168,8 @@ struct Scanner<'a, R: ?Sized> {
     layout: &'a Layout,
     len: u64,
     meta_len: usize,
+    /// The segment's version, when its header decodes.
+    version: Option<u32>,
     header: [u8; RECORD_HEADER_LEN],
     meta: Vec<u8>,
     chunk: Vec<u8>,
@@ -180,8 +190,9 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
         self.r.read_exact_at(&mut h, 0)?;
         let mut pos = SEGMENT_HEADER_LEN as u64;
         let mut step = match format::decode_segment_header(&h) {
-            Ok(n) => {
+            Ok((n, version)) => {
                 report.segment = Some(n);
+                self.version = Some(version);
                 report.valid_len = pos;
                 None
             }
@@ -263,7 +274,69 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
         ))
     }
 
+    /// The padding a record starting at `pos` may have: none where a record
+    /// magic is (or in version 1), else what aligns a large payload.
+    fn pad_at(&self, pos: u64) -> io::Result<u64> {
+        let most = format::pad_before(2, pos, self.meta_len, u64::MAX);
+        if most == 0 || self.version == Some(format::SEGMENT_VERSION_V1) {
+            return Ok(0);
+        }
+        if self.len - pos >= RECORD_MAGIC.len() as u64 {
+            let mut head = [0u8; RECORD_MAGIC.len()];
+            self.r.read_exact_at(&mut head, pos)?;
+            if head == RECORD_MAGIC {
+                return Ok(0);
+            }
+        }
+        Ok(most)
+    }
+
+    /// What the record starting at `pos` (its padding first) is.
     fn examine(&mut self, pos: u64) -> io::Result<Step> {
+        let remaining = self.len - pos;
+        let pad = self.pad_at(pos)?;
+        if pad > 0 {
+            let n = pad.min(remaining) as usize;
+            self.chunk.resize(n, 0);
+            self.r.read_exact_at(&mut self.chunk[..n], pos)?;
+            if self.chunk[..n].iter().any(|&b| b != 0) {
+                return Ok(Step::Bad {
+                    reason: format!("record padding is not zeros (at offset {pos})"),
+                    resume: pos + 1,
+                    block_id: None,
+                });
+            }
+            if remaining <= pad {
+                // The file ends in the padding: an append torn before its record.
+                return Ok(Step::Torn);
+            }
+        }
+        Ok(match self.examine_meta(pos + pad)? {
+            Step::Record(rec) => {
+                let stored = rec.header.stored_len;
+                if format::placement_ok(self.version, pos, pad, self.meta_len, stored) {
+                    Step::Record(ScannedRecord {
+                        offset: pos,
+                        record_len: pad + rec.record_len,
+                        ..rec
+                    })
+                } else {
+                    Step::Bad {
+                        reason: format!(
+                            "record at offset {pos} is not placed as its segment's version \
+                             requires"
+                        ),
+                        resume: rec.offset + rec.record_len,
+                        block_id: Some(rec.header.block_id),
+                    }
+                }
+            }
+            other => other,
+        })
+    }
+
+    /// [`Scanner::examine`] of the record whose meta starts at `pos`.
+    fn examine_meta(&mut self, pos: u64) -> io::Result<Step> {
         let remaining = self.len - pos;
         let header = match self.read_meta(pos)? {
             Some(Ok(h)) => h,
@@ -343,7 +416,9 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
                 .position(|w| w == RECORD_MAGIC)
             {
                 let j = i + k;
-                if record::decode_checked(&self.window[j..j + RECORD_HEADER_LEN], self.layout).is_ok()
+                let at = base + j as u64;
+                if record::decode_checked(&self.window[j..j + RECORD_HEADER_LEN], self.layout)
+                    .is_ok_and(|h| format::placement_ok(self.version, at, 0, self.meta_len, h.stored_len))
                     && matches!(self.read_meta(base + j as u64)?, Some(Ok(_)))
                 {
                     return Ok(Some(base + j as u64));
@@ -359,7 +434,11 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::encode_segment_header;
+    use crate::format::encode_segment_header_of;
+    /// The scanner's version-1 cases: records back to back.
+    fn encode_segment_header(segment: u64) -> [u8; SEGMENT_HEADER_LEN] {
+        encode_segment_header_of(segment, 1)
+    }
     use crate::record::{encode_meta as encode_record_meta, FLAG_SHUFFLE, FLAG_ZSTD};
     use crate::layout::DType;
     use std::cell::Cell;
@@ -367,6 +446,19 @@ mod tests {
     /// 1 layer, 1 head, `head_dim` 4, fp16, 2 tokens: 32-byte blocks.
     fn layout() -> Layout {
         Layout::new(1, 1, 4, DType::Float16, 2).unwrap()
+    }
+
+    /// 128 KiB blocks: payloads a version-2 segment aligns (and the
+    /// "compressed" ones, half as large, too).
+    fn big_layout() -> Layout {
+        Layout::new(1, 1, 8192, DType::Float16, 4).unwrap()
+    }
+
+    fn scan_big(bytes: &[u8]) -> (ScanReport, Vec<ScannedRecord>) {
+        let mut found = Vec::new();
+        let report = scan_segment(bytes, &big_layout(), |r| found.push(r)).unwrap();
+        check_coverage(&report, &found);
+        (report, found)
     }
 
     struct Built {
@@ -377,14 +469,21 @@ mod tests {
 
     fn payload(seed: u8, n: usize) -> Vec<u8> {
         (0..n)
-            .map(|i| seed.wrapping_mul(31).wrapping_add(i as u8 * 7))
+            .map(|i| seed.wrapping_mul(31).wrapping_add((i as u8).wrapping_mul(7)))
             .collect()
     }
 
-    /// A segment with `n` records; every third one "compressed" (the scanner
-    /// checks the stored bytes only, so any shorter payload will do).
+    /// A version-1 segment with `n` records; every third one "compressed"
+    /// (the scanner checks the stored bytes only, so any shorter payload
+    /// will do).
     fn segment(layout: &Layout, n: u8) -> Built {
-        let mut bytes = encode_segment_header(7).to_vec();
+        segment_of(layout, n, 1)
+    }
+
+    /// [`segment`] of `version`: in version 2 each record starts with the
+    /// zeros that align its payload.
+    fn segment_of(layout: &Layout, n: u8, version: u32) -> Built {
+        let mut bytes = encode_segment_header_of(7, version).to_vec();
         let mut records = Vec::new();
         let raw_len = layout.block_bytes();
         for k in 0..n {
@@ -408,6 +507,8 @@ mod tests {
                 raw_crc,
             );
             let offset = bytes.len() as u64;
+            let pad = format::pad_before(version, offset, meta.len(), stored.len() as u64);
+            bytes.resize(bytes.len() + pad as usize, 0);
             bytes.extend_from_slice(&meta);
             bytes.extend_from_slice(&stored);
             records.push((offset, bytes.len() as u64 - offset, id));
@@ -467,6 +568,85 @@ mod tests {
         }
         assert_eq!(found[2].header.flags, FLAG_ZSTD | FLAG_SHUFFLE);
         assert_eq!(found[1].tokens, vec![100, 101]);
+    }
+
+    #[test]
+    fn version_2_records_are_padded_checked_and_found() {
+        let l = big_layout();
+        let b = segment_of(&l, 5, 2);
+        let (report, found) = scan_big(&b.bytes);
+        assert!(report.is_clean(), "{report:?}");
+        for (rec, (off, len, id)) in found.iter().zip(&b.records) {
+            assert_eq!((rec.offset, rec.record_len, rec.header.block_id), (*off, *len, *id));
+            let payload = rec.offset + rec.record_len - rec.header.stored_len;
+            assert_eq!(payload % format::PAYLOAD_ALIGN, 0);
+        }
+        // Every byte of a record, padding included, is checked. Damaged
+        // padding is damage, and the sound record after it is found where
+        // its meta starts (placed as version 2 wants: no padding needed).
+        for k in [0usize, 2, 4] {
+            let (off, len, _) = b.records[k];
+            let meta = off + format::pad_before(2, off, meta_len_of(&l), u64::MAX);
+            let meta_end = meta + meta_len_of(&l) as u64;
+            let some = (off..meta_end).step_by(97).chain((meta_end..off + len).step_by(7919));
+            for at in some.chain([off, meta - 1, meta, meta_end, off + len - 1]) {
+                let mut bad = b.bytes.clone();
+                bad[at as usize] ^= 0x20;
+                let (report, found) = scan_big(&bad);
+                assert_eq!(report.damaged.len(), 1, "flip at {at}: {report:?}");
+                assert_eq!(report.damaged[0].start, off, "flip at {at}");
+                assert_eq!(report.torn_tail, None);
+                assert!(found.iter().all(|r| r.offset != off), "flip at {at}");
+                if at < meta {
+                    assert_eq!(found.len(), 5, "flip at {at}: {report:?}");
+                    assert!(found.iter().any(|r| r.offset == meta), "flip at {at}");
+                } else {
+                    assert_eq!(found.len(), 4, "flip at {at}: {report:?}");
+                }
+            }
+        }
+        // Torn anywhere in the last record, its padding included.
+        let (off, len, _) = b.records[4];
+        for cut in (off + 1..off + len).step_by(1009) {
+            let (report, found) = scan_big(&b.bytes[..cut as usize]);
+            assert_eq!((found.len(), report.torn_tail), (4, Some(off)), "cut at {cut}");
+            assert!(report.damaged.is_empty(), "cut at {cut}: {report:?}");
+        }
+        // A damaged header: both placements are accepted, records found.
+        let mut bad = b.bytes.clone();
+        bad[9] ^= 1;
+        let (report, found) = scan_big(&bad);
+        assert_eq!((report.segment, found.len()), (None, 5));
+        // Small payloads are not padded: a version-2 segment of them holds
+        // its records back to back.
+        let small = segment_of(&layout(), 3, 2);
+        let (report, found) = scan(&small.bytes);
+        assert!(report.is_clean());
+        assert_eq!(found[1].offset, found[0].offset + found[0].record_len);
+        assert_eq!(found[0].record_len, segment(&layout(), 1).records[0].1);
+    }
+
+    #[test]
+    fn misaligned_record_in_version_2_is_damage() {
+        let l = big_layout();
+        let b = segment_of(&l, 3, 2);
+        let (off, len, _) = b.records[1];
+        let pad = format::pad_before(2, off, meta_len_of(&l), u64::MAX) as usize;
+        // Record 1 without its padding, back to back after record 0 (as in
+        // version 1): sound bytes, misplaced.
+        let mut bytes = b.bytes[..off as usize].to_vec();
+        bytes.extend_from_slice(&b.bytes[off as usize + pad..(off + len) as usize]);
+        let (report, found) = scan_big(&bytes);
+        assert_eq!(found.len(), 1, "{report:?}");
+        assert_eq!(report.damaged.len(), 1, "{report:?}");
+        // The same bytes in a version-1 segment are a record.
+        bytes[..SEGMENT_HEADER_LEN].copy_from_slice(&encode_segment_header(7));
+        let (_, found) = scan_big(&bytes);
+        assert_eq!(found.len(), 2);
+    }
+
+    fn meta_len_of(l: &Layout) -> usize {
+        RECORD_HEADER_LEN + 4 * l.block_size as usize
     }
 
     #[test]

@@ -17,8 +17,12 @@ fn hex(b: &[u8]) -> String {
 #[test]
 fn segment_header_bytes() {
     assert_eq!(
-        hex(&format::encode_segment_header(0x0102030405060708)),
+        hex(&format::encode_segment_header_of(0x0102030405060708, 1)),
         "4b56535453454700010000002000000008070605040302016623baef00000000"
+    );
+    assert_eq!(
+        hex(&format::encode_segment_header(0x0102030405060708)),
+        "4b5653545345470002000000200000000807060504030201954342fc00000000"
     );
 }
 
@@ -103,8 +107,8 @@ fn write_v1_fixture() {
     }
 }
 
-#[test]
-fn reads_v1_fixture() {
+/// A copy of the v1 fixture store (opening may recover, so write, it).
+fn v1_fixture_copy() -> tempfile::TempDir {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/v1");
     let tmp = tempfile::tempdir().unwrap();
     // Copy: opening may recover (and so write) the store.
@@ -120,10 +124,24 @@ fn reads_v1_fixture() {
             }
         }
     }
-    let m = Manifest::decode(&std::fs::read(tmp.path().join("MANIFEST")).unwrap()).unwrap();
-    assert_eq!(m.format_version, 1);
-    assert_eq!(m.fingerprint, FIXTURE_MODEL);
-    let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+    tmp
+}
+
+/// The version each segment file's header names.
+fn segment_versions(root: &Path) -> Vec<u32> {
+    let mut v: Vec<u32> = std::fs::read_dir(root.join("segments"))
+        .unwrap()
+        .map(|e| {
+            let b = std::fs::read(e.unwrap().path()).unwrap();
+            format::decode_segment_header(&b).unwrap().1
+        })
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// Every fixture sequence reads back bit-exact from `s`.
+fn check_fixture_kv(s: &Store) {
     let l = fixture_layout();
     for (tokens, kv) in fixture_data() {
         let full = tokens.len() / 4 * 4;
@@ -132,6 +150,16 @@ fn reads_v1_fixture() {
         assert_eq!(m, full);
         assert_eq!(out, kv, "fixture KV differs");
     }
+}
+
+#[test]
+fn reads_v1_fixture() {
+    let tmp = v1_fixture_copy();
+    let m = Manifest::decode(&std::fs::read(tmp.path().join("MANIFEST")).unwrap()).unwrap();
+    assert_eq!(m.format_version, 1);
+    assert_eq!(m.fingerprint, FIXTURE_MODEL);
+    let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+    check_fixture_kv(&s);
     assert_eq!(
         s.session_tokens("fixture-session").unwrap(),
         fixture_data()[0].0
@@ -143,6 +171,121 @@ fn reads_v1_fixture() {
         "compressed records are in the fixture"
     );
     assert!(s.verify(&|_, _| {}).unwrap().damaged.is_empty());
+    assert_eq!(
+        segment_versions(tmp.path()),
+        vec![1, 1],
+        "reads do not rewrite"
+    );
+}
+
+/// Opening a v1 store upgrades its MANIFEST (this build writes version-2
+/// segments into it); `compact` rewrites its segments as version 2, and the
+/// KV stays bit-exact.
+#[test]
+fn compact_rewrites_v1_segments_as_v2() {
+    let tmp = v1_fixture_copy();
+    let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+    assert_eq!(s.manifest().unwrap().format_version, format::FORMAT_VERSION);
+    let m = Manifest::decode(&std::fs::read(tmp.path().join("MANIFEST")).unwrap()).unwrap();
+    assert_eq!(m.format_version, 2);
+    let before = s.stats().unwrap().blocks;
+    let r = s.compact(&|_, _| {}).unwrap();
+    assert_eq!(
+        (r.segments_rewritten, r.records_moved, r.records_dropped),
+        (2, 9, 0)
+    );
+    assert_eq!(segment_versions(tmp.path()), vec![2]);
+    assert_eq!(s.stats().unwrap().blocks, before);
+    check_fixture_kv(&s);
+    assert!(s.verify(&|_, _| {}).unwrap().damaged.is_empty());
+    // Nothing left to upgrade: a second compaction rewrites nothing.
+    assert_eq!(s.compact(&|_, _| {}).unwrap().segments_rewritten, 0);
+    drop(s);
+    let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+    check_fixture_kv(&s);
+    assert_eq!(
+        s.session_tokens("fixture-session").unwrap(),
+        fixture_data()[0].0
+    );
+}
+
+/// 128 KiB blocks: payloads a version-2 segment aligns.
+fn v2_layout() -> Layout {
+    Layout::new(2, 1, 1024, DType::Float16, 16).unwrap()
+}
+
+/// A version-2 segment as this build writes it: its header, then each
+/// record's zero padding, meta and payload, a large payload on a 4 KiB
+/// boundary; small payloads (the fixture layout's) back to back.
+#[test]
+fn v2_segment_bytes() {
+    let l = v2_layout();
+    let t: Vec<u32> = (0..48).map(|i| 7000 + i).collect();
+    let kv: Vec<u8> = (0..l.kv_bytes(t.len()).unwrap())
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3])
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    {
+        let o = Options {
+            layout: Some(l),
+            ..fixture_opts(Codec::Raw)
+        };
+        let s = Store::open(tmp.path(), o).unwrap();
+        s.put(&t, &kv, t.len(), b"").unwrap();
+    }
+    let bytes = std::fs::read(tmp.path().join("segments/0000000000000001.kvseg")).unwrap();
+    let meta_len = record::meta_len(&l);
+    assert_eq!(
+        hex(&bytes[..32]),
+        "4b5653545345470002000000200000000100000000000000248eaf1f00000000"
+    );
+    let mut at = 32;
+    for k in 0..3 {
+        let pad = format::pad_before(2, at as u64, meta_len, l.block_bytes() as u64) as usize;
+        assert!(
+            pad > 0 && bytes[at..at + pad].iter().all(|&b| b == 0),
+            "record {k}"
+        );
+        let payload = at + pad + meta_len;
+        assert_eq!(payload % 4096, 0, "record {k}");
+        let h = record::decode_header(&bytes[at + pad..payload], 16, 1 << 20).unwrap();
+        assert_eq!(h.stored_len, l.block_bytes() as u64);
+        // The payload is the block's KV, layer run after layer run.
+        let runs = l.block_runs(&kv, t.len(), k);
+        assert_eq!(
+            &bytes[payload..payload + l.block_bytes()],
+            &runs.concat()[..]
+        );
+        at = payload + l.block_bytes();
+    }
+    assert_eq!(at, bytes.len());
+    assert_eq!(
+        (bytes.len(), format!("{:08x}", crc32c::crc32c(&bytes))),
+        (405504, "3a960127".to_string())
+    );
+    assert_eq!(
+        hex(&bytes[4096 - meta_len..4096 - meta_len + 80]),
+        concat!(
+            "4b565243010000001000000000000000000002000000000000000200000000007e709a2a",
+            "ef3d8f143725ba60492ff3700c50e223371d9ef631ee4348c28d7eb4bb31ecf0bb31ecf0",
+            "d28bd07200000000"
+        )
+    );
+
+    // Small payloads: no padding, as in version 1.
+    let tmp = tempfile::tempdir().unwrap();
+    let (t, kv) = &fixture_data()[1];
+    {
+        let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+        s.put(t, kv, t.len(), b"").unwrap();
+    }
+    let bytes = std::fs::read(tmp.path().join("segments/0000000000000001.kvseg")).unwrap();
+    let fl = fixture_layout();
+    assert_eq!(
+        bytes.len(),
+        32 + 3 * (record::meta_len(&fl) + fl.block_bytes())
+    );
+    assert_eq!(&bytes[8..12], &2u32.to_le_bytes());
 }
 
 /// The block of the exponent-plane golden record: bf16 `[2, 2, 8, 2, 16]`,

@@ -179,16 +179,13 @@ fn a_damaged_block_is_not_landed_and_ends_the_hit() {
         .unwrap()
         .unwrap()
         .path();
-    // Records are back to back after the 32-byte header: the second block's
-    // payload gets one byte flipped (see tests/store.rs).
-    let meta = 80 + 4 * B as u64; // header and token ids
-    let record = meta + l.block_bytes() as u64;
+    // The second block's payload gets one byte flipped (see tests/store.rs).
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(seg)
         .unwrap();
-    let at = 32 + record + meta + 5;
+    let at = support::payload_offset(&l, 1) + 5;
     let mut byte = [0u8];
     f.read_exact_at(&mut byte, at).unwrap();
     f.write_all_at(&[!byte[0]], at).unwrap();

@@ -175,6 +175,11 @@ fn fuzz_seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
             "valid",
             format::encode_segment_header(1).to_vec(),
         ),
+        (
+            "segment_header",
+            "valid_v1",
+            format::encode_segment_header_of(1, 1).to_vec(),
+        ),
         ("record_header", "raw", record(&l, 3, false)),
         ("record_header", "zstd", record(&l, 4, true)),
         ("manifest", "valid", manifest.encode()),

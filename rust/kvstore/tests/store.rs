@@ -152,14 +152,13 @@ fn damaged_payload_is_a_miss_and_is_stored_again() {
         let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
         s.put(&t, &kv, 12, b"").unwrap();
     }
-    // Records are back to back after the 32-byte segment header; damage the
-    // second block's payload.
-    let record = 80 + 4 * 4 + l.block_bytes() as u64;
+    // Damage the second block's payload.
     let f = OpenOptions::new()
         .write(true)
         .open(segment_file(dir.path()))
         .unwrap();
-    f.write_all_at(&[0xff], 32 + record + 80 + 16 + 5).unwrap();
+    f.write_all_at(&[0xff], support::payload_offset(&l, 1) + 5)
+        .unwrap();
     drop(f);
     let s = Store::open(dir.path(), opts(Durability::Sync)).unwrap();
     let report = s.verify(NO_PROGRESS).unwrap();
@@ -242,7 +241,7 @@ fn torn_tail_of_dead_writer_is_truncated() {
         after < torn_len,
         "recovery truncated the torn tail ({torn_len} -> {after})"
     );
-    assert_eq!(after, 32 + 2 * (80 + 16 + l.block_bytes() as u64));
+    assert_eq!(after, support::record_end(&l, 1));
     let (m, out) = get(&s, &t);
     assert_eq!(m, 8);
     assert_prefix_eq(&l, &out, 8, &t, m);
@@ -557,9 +556,8 @@ fn rebuild_index_from_segments() {
         .collect();
     assert_eq!(segs.len(), 1);
     let f = OpenOptions::new().write(true).open(&segs[0]).unwrap();
-    let record = 80 + 4 * 4 + l.block_bytes() as u64;
-    let victim_offset = 32 + 5 * record; // the 6th record: seqs[1]'s third block
-    f.write_all_at(&[0xAA; 8], victim_offset + 80 + 16 + 10)
+    // The 6th record: seqs[1]'s third block.
+    f.write_all_at(&[0xAA; 8], support::payload_offset(&l, 5) + 10)
         .unwrap();
     // Garble the index.
     let data = dir.path().join("index").join("data.mdb");

@@ -11,7 +11,6 @@ use crate::id::BlockId;
 use crate::index::{Location, SegmentState};
 use crate::record;
 use std::collections::HashMap;
-use std::io::IoSliceMut;
 
 #[derive(Clone, Debug, Default)]
 /// What `compact` (or the compaction of `gc`) did.
@@ -38,8 +37,9 @@ struct Copier {
 }
 
 impl Inner {
-    /// Rewrites the live records of sealed segments that hold dead bytes into
-    /// new segments, then deletes the old files. Deleting is safe while others
+    /// Rewrites the live records of sealed segments that hold dead bytes, or
+    /// are of format version 1, into new (version-2) segments, then deletes
+    /// the old files. Deleting is safe while others
     /// read: a reader that has a segment open keeps reading it (POSIX unlink),
     /// and one that has not finds it gone and looks the block up again.
     pub(super) fn compact(&self, progress: Progress<'_>, all: bool) -> Result<CompactReport> {
@@ -48,17 +48,20 @@ impl Inner {
             let mut w = self.writer.lock().expect("writer lock");
             self.commit_pending(&mut w)?;
         }
-        self.compact_locked(progress, all)
+        self.compact_locked(progress, all, true)
     }
 
     /// Compaction proper: the caller holds the compaction lock and has
     /// committed its own pending blocks. Victims are rewritten one at a time,
     /// each deleted as soon as nothing points into it, so the disk holds at
-    /// most one victim's live bytes twice.
+    /// most one victim's live bytes twice. `upgrade` rewrites version-1
+    /// segments too (`kvstore compact`; the compaction of gc and of a put
+    /// making room leaves them, their records read as they are).
     pub(super) fn compact_locked(
         &self,
         progress: Progress<'_>,
         all: bool,
+        upgrade: bool,
     ) -> Result<CompactReport> {
         let mut report = CompactReport::default();
         let (blocks, segments) = {
@@ -68,8 +71,9 @@ impl Inner {
         let victims: Vec<u64> = segments
             .iter()
             .filter(|(_, i)| i.state == SegmentState::Sealed)
-            .filter(|(_, i)| {
+            .filter(|(s, i)| {
                 all || i.committed_len > i.live_bytes + format::SEGMENT_HEADER_LEN as u64
+                    || (upgrade && i.live_records > 0 && self.segment_version(*s) == Some(1))
             })
             .map(|(s, _)| *s)
             .collect();
@@ -186,13 +190,19 @@ impl Inner {
         Ok(retire)
     }
 
+    /// The version segment `seg`'s header names (`None`: unreadable).
+    fn segment_version(&self, seg: u64) -> Option<u32> {
+        self.reader(seg).ok()?.version
+    }
+
     pub(super) fn record_tokens_at(&self, loc: &Location) -> Result<Vec<u32>> {
-        let f = self
-            .reader(loc.segment)
-            .ctx(|| format!("segment {}", loc.segment))?;
-        let mut meta = vec![0u8; record::meta_len(&self.layout)];
-        fs::read_exact_at(&f, &mut [IoSliceMut::new(&mut meta)], loc.offset)
-            .ctx(|| "reading record".into())?;
+        let meta = self.record_meta(loc).map_err(|fail| Error::Io {
+            context: format!(
+                "reading the record at {} in segment {}",
+                loc.offset, loc.segment
+            ),
+            source: std::io::Error::other(fail.damage().unwrap_or_default()),
+        })?;
         Ok(record::tokens(&meta).collect())
     }
 

@@ -38,7 +38,7 @@ impl Inner {
         Ok(GcReport {
             blocks_evicted,
             bytes_evicted,
-            compact: self.compact_locked(progress, false)?,
+            compact: self.compact_locked(progress, false, false)?,
         })
     }
 

@@ -60,7 +60,6 @@ use crate::progress::Progress;
 use read::Touched;
 use stats::Counters;
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
@@ -82,7 +81,7 @@ struct Inner {
     closing: AtomicBool,
     /// Open segment files for reads, dropped when the generation advances
     /// (a compaction may have deleted some: their space must be freed).
-    readers: RwLock<HashMap<u64, Arc<File>>>,
+    readers: RwLock<HashMap<u64, Arc<crate::segfile::SegmentFile>>>,
     known: Known,
     /// Last-use times of blocks this handle served, not yet in the index.
     touched: Mutex<Touched>,
@@ -494,7 +493,17 @@ impl Inner {
         // opening a new store at once agree on one MANIFEST.
         let lock = dir.lock()?;
         let manifest = if let Some(m) = dir.read_manifest()? {
-            m
+            if m.format_version < format::FORMAT_VERSION {
+                // This build writes version-2 segments into it from now on:
+                // a build that reads only version 1 must refuse it. (Under
+                // the LOCK; the rest of the MANIFEST is as it was.)
+                dir.write_manifest(&Manifest {
+                    format_version: format::FORMAT_VERSION,
+                    ..m
+                })?
+            } else {
+                m
+            }
         } else {
             let (Some(fp), Some(layout), true) = (&opts.fingerprint, &opts.layout, opts.create)
             else {

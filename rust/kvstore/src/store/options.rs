@@ -82,6 +82,11 @@ pub struct Options {
     /// included (never more than the blocks); `None`: one per core, at most
     /// 4, each with 1 MiB or more to read. For tests and tuning.
     pub get_readers: Option<usize>,
+    /// Read payloads the page cache does not hold with `O_DIRECT` where the
+    /// file system allows it (version-2 segments). Default: on, unless the
+    /// environment variable `KVSTORE_DIRECT_READS` is `0` (for benchmarks
+    /// that compare both ways in one run). For tests and tuning.
+    pub direct_reads: bool,
 }
 
 impl Default for Options {
@@ -102,6 +107,7 @@ impl Default for Options {
             index_bytes: crate::index::DEFAULT_MAP_SIZE,
             remote: None,
             get_readers: None,
+            direct_reads: std::env::var_os("KVSTORE_DIRECT_READS").is_none_or(|v| v != "0"),
         }
     }
 }

@@ -236,7 +236,8 @@ impl Inner {
                 });
                 for (&i, rec) in window.iter().zip(encoded) {
                     let res = rec.and_then(|rec| {
-                        self.ensure_disk_room(w, rec.record_len(), &keep)?;
+                        let room = w.room_for(&rec);
+                        self.ensure_disk_room(w, room, &keep)?;
                         self.append(w, &rec)
                     });
                     match res {
@@ -270,7 +271,8 @@ impl Inner {
     }
 
     /// Keeps the store within `disk_bytes` with room for a record of
-    /// `record_len` bytes (and a new segment's header, if one starts),
+    /// `record_len` bytes, its padding included (and a new segment's
+    /// header, if one starts),
     /// evicting and compacting first if needed, sparing `keep`.
     fn ensure_disk_room(
         &self,
@@ -332,7 +334,7 @@ impl Inner {
             .compaction_lock()
             .map_err(|_| full("another process is compacting; retry".into()))?;
         self.evict(Some(limit.saturating_sub(need) / 4 * 3), None, keep)?;
-        self.compact_locked(&|_, _| {}, false)?;
+        self.compact_locked(&|_, _| {}, false, false)?;
         let used = self.disk_used(w)?;
         if used + need > limit {
             return Err(full(format!(

@@ -6,13 +6,12 @@
 use super::{Durability, Inner};
 use crate::clock::{now_ms, now_us};
 use crate::error::{Error, Result};
-use crate::fs;
+use crate::format;
 use crate::id::BlockId;
 use crate::index::Location;
 use crate::record::{self, Mismatch};
+use crate::segfile::SegmentFile;
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::IoSliceMut;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -45,9 +44,11 @@ const MAX_READERS: usize = 4;
 const BYTES_PER_READER: usize = 1 << 20;
 
 /// Reader threads for a get of `blocks` blocks of `block_bytes` each: one
-/// per core, at most [`MAX_READERS`], each with [`BYTES_PER_READER`] or more;
-/// `forced` (the `get_readers` option) overrides all but the block count.
-fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>) -> usize {
+/// per core (or, with `direct` reads, whose threads mostly wait on the
+/// device, as many as keep it busy whatever the cores), at most
+/// [`MAX_READERS`], each with [`BYTES_PER_READER`] or more; `forced` (the
+/// `get_readers` option) overrides all but the block count.
+fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>, direct: bool) -> usize {
     static CORES: OnceLock<usize> = OnceLock::new();
     if let Some(n) = forced {
         return n.min(blocks).max(1);
@@ -55,7 +56,8 @@ fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>) -> u
     let cores = *CORES
         .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
     let by_size = blocks.saturating_mul(block_bytes) / BYTES_PER_READER;
-    cores.min(MAX_READERS).min(by_size).min(blocks).max(1)
+    let threads = if direct { MAX_READERS } else { cores };
+    threads.min(MAX_READERS).min(by_size).min(blocks).max(1)
 }
 
 /// Segment files a handle keeps open for reads.
@@ -102,6 +104,15 @@ enum Fetched {
     /// From its record: the caller decides whether to promote it.
     Disk,
     Miss,
+}
+
+/// A record's padding must be zeros: anything else is damage (the bytes of
+/// a record are one range, and every one of them is checked).
+fn check_padding(pad: &[u8]) -> Result<(), ReadFail> {
+    if pad.iter().any(|&b| b != 0) {
+        return Err(ReadFail::Damaged("record padding is not zeros".into()));
+    }
+    Ok(())
 }
 
 impl ReadFail {
@@ -300,7 +311,12 @@ impl Inner {
         out_tokens: usize,
     ) -> Result<usize> {
         let n = ids.len();
-        let readers = reader_threads(n, self.layout.block_bytes(), self.opts.get_readers);
+        let readers = reader_threads(
+            n,
+            self.layout.block_bytes(),
+            self.opts.get_readers,
+            self.opts.direct_reads,
+        );
         let per = n.div_ceil(readers);
         let b = self.layout.block_size as usize;
         let bounds: Vec<usize> = (0..n).step_by(per).chain([n]).collect();
@@ -511,11 +527,14 @@ impl Inner {
         Ok(())
     }
 
-    pub(super) fn reader(&self, segment: u64) -> std::io::Result<Arc<File>> {
+    pub(super) fn reader(&self, segment: u64) -> std::io::Result<Arc<SegmentFile>> {
         if let Some(f) = self.readers.read().expect("reader cache").get(&segment) {
             return Ok(f.clone());
         }
-        let f = Arc::new(fs::open_existing(&self.dir.segment_path(segment), false)?);
+        let f = Arc::new(SegmentFile::open(
+            &self.dir.segment_path(segment),
+            self.opts.direct_reads,
+        )?);
         let mut readers = self.readers.write().expect("reader cache");
         if readers.len() >= MAX_OPEN_SEGMENTS {
             // Bounded: reads in flight keep their own `Arc`.
@@ -523,6 +542,53 @@ impl Inner {
         }
         readers.insert(segment, f.clone());
         Ok(f)
+    }
+
+    /// The padding of the record at `loc`, once its lengths are checked
+    /// against the layout and its placement against its segment's version
+    /// (a large version-2 payload starts on a 4 KiB boundary: one that does
+    /// not is misplaced, and a miss).
+    fn placed(&self, loc: &Location, file: &SegmentFile) -> Result<u64, ReadFail> {
+        let raw_len = self.layout.block_bytes() as u64;
+        let meta_len = record::meta_len(&self.layout);
+        let pad = loc
+            .record_len
+            .checked_sub(meta_len as u64 + loc.stored_len)
+            .filter(|&p| loc.stored_len <= raw_len && p < format::PAYLOAD_ALIGN)
+            .ok_or_else(|| ReadFail::Damaged("index entry has impossible lengths".into()))?;
+        if !format::placement_ok(file.version, loc.offset, pad, meta_len, loc.stored_len) {
+            return Err(ReadFail::Damaged(format!(
+                "record at offset {} is not placed as its segment's version requires \
+                 (payload not on a {}-byte boundary)",
+                loc.offset,
+                format::PAYLOAD_ALIGN
+            )));
+        }
+        Ok(pad)
+    }
+
+    /// The open segment file of `loc` (`Gone` when it is not there).
+    fn segment_file(&self, loc: &Location) -> Result<Arc<SegmentFile>, ReadFail> {
+        match self.reader(loc.segment) {
+            Ok(f) => Ok(f),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(ReadFail::Gone),
+            Err(e) => Err(ReadFail::Damaged(format!(
+                "segment {} unreadable: {e}",
+                loc.segment
+            ))),
+        }
+    }
+
+    /// The meta bytes (header and token ids) of the record at `loc`, its
+    /// padding checked to be zeros; the header is not checked here.
+    pub(super) fn record_meta(&self, loc: &Location) -> Result<Vec<u8>, ReadFail> {
+        let file = self.segment_file(loc)?;
+        let pad = self.placed(loc, &file)?;
+        let mut head = vec![0u8; pad as usize + record::meta_len(&self.layout)];
+        file.read(&mut head, &mut [], loc.offset)
+            .map_err(|e| ReadFail::Damaged(format!("read failed: {e}")))?;
+        check_padding(&head[..pad as usize])?;
+        Ok(head.split_off(pad as usize))
     }
 
     /// Reads the record at `loc` into `out` (the block's `2L` runs) and checks
@@ -537,43 +603,25 @@ impl Inner {
         scratch: &mut Vec<u8>,
     ) -> Result<(), ReadFail> {
         let raw_len = self.layout.block_bytes() as u64;
-        let meta_len = record::meta_len(&self.layout);
-        if loc.stored_len > raw_len || loc.record_len != meta_len as u64 + loc.stored_len {
-            return Err(ReadFail::Damaged(
-                "index entry has impossible lengths".into(),
-            ));
-        }
-        let file = match self.reader(loc.segment) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(ReadFail::Gone),
-            Err(e) => {
-                return Err(ReadFail::Damaged(format!(
-                    "segment {} unreadable: {e}",
-                    loc.segment
-                )))
-            }
-        };
-        let mut meta = vec![0u8; meta_len];
+        let file = self.segment_file(loc)?;
+        let pad = self.placed(loc, &file)? as usize;
+        // Padding and meta in one buffer, read with the payload.
+        let mut head = vec![0u8; pad + record::meta_len(&self.layout)];
         // A raw payload lands straight in `out`; a compressed one is decoded
         // from `scratch`.
         let raw = loc.stored_len == raw_len;
         let read = if raw {
-            let mut bufs: Vec<IoSliceMut<'_>> = Vec::with_capacity(out.len() + 1);
-            bufs.push(IoSliceMut::new(&mut meta));
-            bufs.extend(out.iter_mut().map(|c| IoSliceMut::new(c)));
-            fs::read_exact_at(&file, &mut bufs, loc.offset)
+            file.read(&mut head, out, loc.offset)
         } else {
             scratch.resize(loc.stored_len as usize, 0);
-            fs::read_exact_at(
-                &file,
-                &mut [IoSliceMut::new(&mut meta), IoSliceMut::new(scratch)],
-                loc.offset,
-            )
+            file.read(&mut head, &mut [&mut scratch[..]], loc.offset)
         };
         if let Err(e) = read {
             return Err(ReadFail::Damaged(format!("read failed: {e}")));
         }
-        let header = match record::check_read(&self.layout, &meta, id, loc.stored_len, tokens) {
+        check_padding(&head[..pad])?;
+        let meta = &head[pad..];
+        let header = match record::check_read(&self.layout, meta, id, loc.stored_len, tokens) {
             Ok(h) => h,
             Err(Mismatch::Damaged(r)) => return Err(ReadFail::Damaged(r)),
             Err(Mismatch::OtherTokens) => return Err(ReadFail::OtherTokens),

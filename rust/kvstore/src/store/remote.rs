@@ -5,7 +5,6 @@
 
 use super::Inner;
 use crate::error::{Error, Result};
-use crate::fs;
 use crate::id::{BlockId, ROOT};
 use crate::index::Location;
 use crate::layout::Layout;
@@ -13,7 +12,6 @@ use crate::progress::Progress;
 use crate::record::{self, Mismatch};
 use crate::remote::keys::{decode_session, encode_session, GROUP};
 use crate::remote::{Item, PushReport, Remote};
-use std::io::IoSliceMut;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -350,9 +348,7 @@ impl Inner {
 
     /// The token ids of block `id`'s record at `loc` (header checked).
     fn record_tokens(&self, id: &BlockId, loc: &Location) -> Option<Vec<u32>> {
-        let mut meta = vec![0u8; record::meta_len(&self.layout)];
-        let file = self.reader(loc.segment).ok()?;
-        fs::read_exact_at(&file, &mut [IoSliceMut::new(&mut meta)], loc.offset).ok()?;
+        let meta = self.record_meta(loc).ok()?;
         record::check_read(&self.layout, &meta, id, loc.stored_len, None).ok()?;
         Some(record::tokens(&meta).collect())
     }
@@ -362,14 +358,16 @@ impl Inner {
     /// rot is not spread to other hosts).
     fn record_bytes(&self, id: &BlockId, loc: &Location) -> Option<Vec<u8>> {
         let meta_len = record::meta_len(&self.layout);
-        if loc.stored_len > self.layout.block_bytes() as u64
-            || loc.record_len != meta_len as u64 + loc.stored_len
-        {
+        // Without the padding of a version-2 segment: a record on the
+        // server is meta then payload.
+        let mut rec = self.record_meta(loc).ok()?;
+        if rec.len() != meta_len || loc.stored_len > self.layout.block_bytes() as u64 {
             return None;
         }
-        let mut rec = vec![0u8; loc.record_len as usize];
+        let at = loc.offset + (loc.record_len - loc.stored_len);
+        rec.resize(meta_len + loc.stored_len as usize, 0);
         let file = self.reader(loc.segment).ok()?;
-        fs::read_exact_at(&file, &mut [IoSliceMut::new(&mut rec)], loc.offset).ok()?;
+        file.read(&mut rec[meta_len..], &mut [], at).ok()?;
         let tokens: Vec<u32> = record::tokens(&rec[..meta_len]).collect();
         let b = self.layout.block_size as usize;
         let mut scratch = vec![0u8; self.layout.block_bytes()];

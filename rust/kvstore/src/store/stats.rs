@@ -46,6 +46,9 @@ pub struct Stats {
     pub sessions: u64,
     /// Segment files in the index.
     pub segments: u64,
+    /// Of those, segments of format version 1 (records not aligned for
+    /// direct reads; `compact` rewrites them as version 2).
+    pub segments_v1: u64,
     /// Bytes of segment files on disk.
     pub disk_bytes: u64,
     /// Record bytes of the blocks in the index.
@@ -144,6 +147,10 @@ impl Inner {
             blocks,
             sessions: self.index.sessions(&txn, &self.tag)?.len() as u64,
             segments: segs.len() as u64,
+            segments_v1: segs
+                .iter()
+                .filter(|(s, _)| self.reader(*s).is_ok_and(|f| f.version == Some(1)))
+                .count() as u64,
             disk_bytes,
             live_bytes,
             dead_bytes: committed.saturating_sub(live_bytes + headers),

@@ -91,8 +91,8 @@ impl Inner {
                         fs::read_exact_at(&f, &mut [IoSliceMut::new(&mut h)], 0).map(|()| h)
                     });
                     match header.map(|h| format::decode_segment_header(&h)) {
-                        Ok(Ok(n)) if n == *seg => {}
-                        Ok(Ok(n)) => report
+                        Ok(Ok((n, _))) if n == *seg => {}
+                        Ok(Ok((n, _))) => report
                             .problems
                             .push(format!("segment {seg:016x} says it is segment {n:016x}")),
                         Ok(Err(r)) => report.problems.push(format!("segment {seg:016x}: {r}")),

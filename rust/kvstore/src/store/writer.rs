@@ -17,6 +17,9 @@ use std::io::IoSlice;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+/// The padding before a record's meta (always less than a page).
+static ZEROS: [u8; format::PAYLOAD_ALIGN as usize] = [0; format::PAYLOAD_ALIGN as usize];
+
 /// The segment this handle appends to.
 pub(super) struct Active {
     pub(super) segment: u64,
@@ -71,13 +74,38 @@ impl Writer {
         }
     }
 
-    /// Whether a record of `len` bytes starts a new segment file.
-    pub(super) fn rolls(&self, len: u64, segment_bytes: u64) -> bool {
+    /// Whether `record` (and the padding before it) starts a new segment file.
+    pub(super) fn rolls(&self, record: &Encoded<'_>, segment_bytes: u64) -> bool {
         match &self.active {
-            Some(a) => a.len + len > segment_bytes && a.len > format::SEGMENT_HEADER_LEN as u64,
+            Some(a) => {
+                let len = pad_at(a.len, record) + record.record_len();
+                a.len + len > segment_bytes && a.len > format::SEGMENT_HEADER_LEN as u64
+            }
             None => true,
         }
     }
+
+    /// At most the bytes of segment file `record` takes when appended next
+    /// (its padding included, wherever it lands).
+    pub(super) fn room_for(&self, record: &Encoded<'_>) -> u64 {
+        let fresh = pad_at(format::SEGMENT_HEADER_LEN as u64, record);
+        record.record_len()
+            + self
+                .active
+                .as_ref()
+                .map_or(fresh, |a| pad_at(a.len, record).max(fresh))
+    }
+}
+
+/// The padding `record` has when it starts at `offset` of a segment this
+/// build writes.
+fn pad_at(offset: u64, record: &Encoded<'_>) -> u64 {
+    format::pad_before(
+        format::SEGMENT_VERSION,
+        offset,
+        record.meta_len(),
+        record.stored_len(),
+    )
 }
 
 impl Inner {
@@ -86,15 +114,20 @@ impl Inner {
     /// is pending and sealing the full one). Returns where it landed; the
     /// caller decides when it is published.
     pub(super) fn append(&self, w: &mut Writer, record: &Encoded<'_>) -> Result<Location> {
-        let record_len = record.record_len();
-        if w.rolls(record_len, self.opts.segment_bytes) {
+        if w.rolls(record, self.opts.segment_bytes) {
             self.commit_pending(w)?;
             self.seal_active(w)?;
             w.active = Some(self.new_segment()?);
         }
         let active = w.active.as_mut().expect("active segment");
         let offset = active.len;
-        if let Err(e) = fs::write_all_at(&active.file, &mut record.slices(), offset) {
+        // Zeros first, so that the payload starts on a 4 KiB boundary of
+        // the file (readable with O_DIRECT); they are part of the record.
+        let pad = pad_at(offset, record);
+        let record_len = pad + record.record_len();
+        let mut slices = record.slices();
+        slices.insert(0, IoSlice::new(&ZEROS[..pad as usize]));
+        if let Err(e) = fs::write_all_at(&active.file, &mut slices, offset) {
             // Whatever reached the file past `len` is garbage the next record
             // overwrites, and recovery truncates: nothing was published.
             if e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {

@@ -27,6 +27,28 @@ pub fn kv_for(l: &Layout, tokens: &[u32]) -> Vec<u8> {
     out
 }
 
+/// Offset of record `k`'s payload in a segment whose raw records of layout
+/// `l` were appended in order after its header: in a version-2 segment each
+/// large payload starts on a 4 KiB boundary, after zero padding.
+pub fn payload_offset(l: &Layout, k: usize) -> u64 {
+    use kvstore::format;
+    let meta = kvstore::record::meta_len(l);
+    let mut end = format::SEGMENT_HEADER_LEN as u64;
+    let mut payload = 0;
+    for _ in 0..=k {
+        let stored = l.block_bytes() as u64;
+        payload =
+            end + format::pad_before(format::SEGMENT_VERSION, end, meta, stored) + meta as u64;
+        end = payload + l.block_bytes() as u64;
+    }
+    payload
+}
+
+/// Where record `k` of [`payload_offset`]'s segment ends.
+pub fn record_end(l: &Layout, k: usize) -> u64 {
+    payload_offset(l, k) + l.block_bytes() as u64
+}
+
 /// Whether the first `m` tokens of `got`, a `[L, 2, t, H, D]` buffer, are
 /// exactly the reference KV of `tokens[..m]`.
 pub fn prefix_matches(l: &Layout, got: &[u8], t: usize, tokens: &[u32], m: usize) -> bool {

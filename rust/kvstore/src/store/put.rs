@@ -6,11 +6,12 @@
 use super::writer::Writer;
 use super::{Durability, Inner};
 use crate::clock::{now_ms, now_us};
+use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::format;
 use crate::id::{BlockId, ROOT};
 use crate::index::Location;
-use crate::record::{self, Codec};
+use crate::record;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 

@@ -228,6 +228,14 @@ impl Encoded<'_> {
         }
     }
 
+    /// Hands the payload's buffer back to the encoder once the record is
+    /// written (see `codec::recycle`).
+    pub fn recycle(self) {
+        if let Some(z) = self.compressed {
+            codec::recycle(z);
+        }
+    }
+
     /// The record as buffers to write in order.
     pub fn slices(&self) -> Vec<IoSlice<'_>> {
         let mut bufs = Vec::with_capacity(self.raw.len() + 1);
@@ -273,7 +281,12 @@ pub fn encode<'a>(
     };
     let (flags, compressed) = match compressed {
         Some(z) if (z.len() as u64) < raw_len => (flags, Some(z)),
-        _ => (0, None),
+        other => {
+            if let Some(z) = other {
+                codec::recycle(z);
+            }
+            (0, None)
+        }
     };
     let (stored_len, stored_crc) = match &compressed {
         Some(z) => (z.len() as u64, crc32c::crc32c(z)),

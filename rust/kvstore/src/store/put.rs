@@ -238,7 +238,9 @@ impl Inner {
                 for (&i, rec) in window.iter().zip(encoded) {
                     let res = rec.and_then(|rec| {
                         self.ensure_disk_room(w, rec.record_len(), &keep)?;
-                        self.append(w, &rec)
+                        let loc = self.append(w, &rec)?;
+                        rec.recycle();
+                        Ok(loc)
                     });
                     match res {
                         Ok(loc) => {

@@ -52,16 +52,28 @@ pub(crate) fn zstd_error(e: std::io::Error) -> Error {
 }
 
 thread_local! {
-    /// One compression context per thread, reused: making one costs about as
-    /// much as compressing a small block.
-    static EXPONENT_CCTX: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
-        const { std::cell::RefCell::new(None) };
+    /// One decompression context per thread, reused.
     static DCTX: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
         const { std::cell::RefCell::new(None) };
-    /// The planes of the block being encoded (high bytes, then low), reused
-    /// so that a block costs no allocation or zeroing but its output.
-    static PLANES: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
+
+/// What encoding an exponent payload needs besides its output: a zstd
+/// context (making one costs about as much as compressing a small block)
+/// and the block's planes (high bytes, then low).
+struct ExponentScratch {
+    cctx: zstd::bulk::Compressor<'static>,
+    planes: Vec<u8>,
+}
+
+/// Idle [`ExponentScratch`]es. Shared rather than per thread: a put's
+/// encoder threads live for one window of blocks, and per-thread state was
+/// made and faulted in again for each window (4% of the put's CPU time).
+/// One per thread encoding at once is taken; at most [`SCRATCH_MAX`] are
+/// kept.
+static SCRATCH: Mutex<Vec<ExponentScratch>> = Mutex::new(Vec::new());
+
+/// More than the cores of the machines this runs on encode at once.
+const SCRATCH_MAX: usize = 16;
 
 /// Payload buffers handed back once their record is written, for the next
 /// blocks' encoding. A fresh buffer of a block's size is mapped anew by the
@@ -128,32 +140,34 @@ fn exponent_compressor() -> std::io::Result<zstd::bulk::Compressor<'static>> {
 /// runs: the zstd frame of the high bytes, then the low bytes.
 pub(crate) fn encode_exponent(chunks: &[&[u8]]) -> Result<Vec<u8>> {
     let n: usize = chunks.iter().map(|c| c.len() / 2).sum();
-    PLANES.with(|planes| {
-        let mut planes = planes.borrow_mut();
-        if planes.len() < 2 * n {
-            planes.resize(2 * n, 0);
+    let idle = SCRATCH.lock().ok().and_then(|mut s| s.pop());
+    let mut scratch = match idle {
+        Some(s) => s,
+        None => ExponentScratch {
+            cctx: exponent_compressor().map_err(zstd_error)?,
+            planes: Vec::new(),
+        },
+    };
+    if scratch.planes.len() < 2 * n {
+        scratch.planes.resize(2 * n, 0);
+    }
+    let (high, low) = scratch.planes[..2 * n].split_at_mut(n);
+    let mut at = 0;
+    for c in chunks {
+        let m = c.len() / 2;
+        split_planes(c, &mut low[at..at + m], &mut high[at..at + m]);
+        at += m;
+    }
+    let mut out = spare_buffer(zstd::zstd_safe::compress_bound(n) + n);
+    let res = scratch.cctx.compress_to_buffer(&*high, &mut out);
+    out.extend_from_slice(low);
+    if let Ok(mut idle) = SCRATCH.lock() {
+        if idle.len() < SCRATCH_MAX {
+            idle.push(scratch);
         }
-        let (high, low) = planes[..2 * n].split_at_mut(n);
-        let mut at = 0;
-        for c in chunks {
-            let m = c.len() / 2;
-            split_planes(c, &mut low[at..at + m], &mut high[at..at + m]);
-            at += m;
-        }
-        let mut out = spare_buffer(zstd::zstd_safe::compress_bound(n) + n);
-        EXPONENT_CCTX.with(|cell| -> Result<()> {
-            let mut cell = cell.borrow_mut();
-            let cctx = match &mut *cell {
-                Some(c) => c,
-                None => cell.insert(exponent_compressor().map_err(zstd_error)?),
-            };
-            cctx.compress_to_buffer(&*high, &mut out)
-                .map_err(zstd_error)?;
-            Ok(())
-        })?;
-        out.extend_from_slice(low);
-        Ok(out)
-    })
+    }
+    res.map_err(zstd_error)?;
+    Ok(out)
 }
 
 /// Elements split per step: their words stay in a stack buffer in L1.

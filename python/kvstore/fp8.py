@@ -10,7 +10,8 @@ so a buffer of `T` tokens (a multiple of B) is `[L, 2, T / B, B*H*D + 4*H]` byte
 `quantize` is the paged-attention ops' own quantizer (`ops.write_kv` into an fp8
 cache, tokens in order from offset 0; see `kvstore.ops` for the scale policy and the
 error bound): a block read from the store into an fp8 `BlockPool` is copied byte for
-byte with its scales, as if `write_kv` had written it there.
+byte with its scales, as if `write_kv` had written it there; and an fp8 pool's
+blocks are saved the same way back (`join`, `Store.put_fp8`), never quantized twice.
 """
 
 from __future__ import annotations

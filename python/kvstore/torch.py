@@ -648,7 +648,8 @@ class BlockPool:
             if not bool((self.scales.index_select(2, idx) == 1).all()):
                 raise InvalidInput(
                     "save: these fp8 blocks have per-block scales (from write_kv) and the "
-                    "store keeps raw e4m3 values only: save the unquantized KV instead"
+                    "store keeps raw e4m3 values only: save into a store with storage='fp8' "
+                    "(it keeps the scales) or save the unquantized KV"
                 )
         kv = self.gather(seq, n).cpu()
         return store.put(toks[:n], kv, extra=extra)

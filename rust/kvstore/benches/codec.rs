@@ -67,7 +67,7 @@ fn cpu_time(iters: u64, mut f: impl FnMut()) -> Duration {
     for _ in 0..iters {
         f();
     }
-    thread_cpu() - t0
+    thread_cpu().saturating_sub(t0)
 }
 
 fn encode_decode(c: &mut Criterion) {
@@ -118,8 +118,8 @@ fn encode_decode(c: &mut Criterion) {
                 &level,
                 |b, _| {
                     run(b, &mut || {
-                        check_decode(&l, meta, stored, &id, &tokens, &mut out, &mut scratch)
-                    })
+                        check_decode(&l, meta, stored, &id, &tokens, &mut out, &mut scratch);
+                    });
                 },
             );
         }

@@ -84,8 +84,9 @@ static SPARE: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 
 /// Two of the put's encoding windows (`ENCODE_WINDOW` in `store/put.rs`):
 /// as many buffers as a put holds in flight, so keeping them idle does not
-/// raise the peak memory.
+/// raise the peak memory; and, for large blocks, at most [`SPARE_BYTES`].
 const SPARE_MAX: usize = 32;
+const SPARE_BYTES: usize = 32 << 20;
 
 /// An empty buffer with room for `capacity` bytes, a spare one if any.
 fn spare_buffer(capacity: usize) -> Vec<u8> {
@@ -103,7 +104,8 @@ fn spare_buffer(capacity: usize) -> Vec<u8> {
 /// written (dropped when enough are kept).
 pub(crate) fn recycle(buf: Vec<u8>) {
     if let Ok(mut spare) = SPARE.lock() {
-        if spare.len() < SPARE_MAX {
+        let kept: usize = spare.iter().map(Vec::capacity).sum();
+        if spare.len() < SPARE_MAX && kept + buf.capacity() <= SPARE_BYTES {
             spare.push(buf);
         }
     }

@@ -638,8 +638,10 @@ def run(
     compression: bool = True,
     quiet: bool = False,
     restore_tokens: int = 4096,
+    only_compression: bool = False,
 ) -> Results:
-    """Runs every measurement and returns the rows. Cleans up its temp dir."""
+    """Runs every measurement and returns the rows. Cleans up its temp dir.
+    `only_compression`: the compression rows and their peers (puts, warm gets) only."""
     base = Path(base_dir) if base_dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=base))
@@ -658,6 +660,7 @@ def run(
             compression,
             quiet,
             restore_tokens,
+            only_compression,
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -706,6 +709,7 @@ def _run(
     compression: bool,
     quiet: bool,
     restore_tokens: int,
+    only_compression: bool = False,
 ) -> None:
     b = _prepare(res, tmp, size_gib, repeat, warm_runs, blocks_per_seq, cold_method, quiet)
     put_batch = _put_rows(b)
@@ -713,7 +717,8 @@ def _run(
     b.outs_raw = [aligned_empty(s.nbytes) for s in b.seqs]
     b.outs = [as_kv(o, BIG, len(s.tokens)) for o, s in zip(b.outs_raw, b.seqs, strict=True)]
     with open_store(b.read_store, BIG, durability="sync") as st:
-        _cold_get_rows(b, st, segs, idx)
+        if not only_compression:
+            _cold_get_rows(b, st, segs, idx)
         warm_get_out = _warm_get_rows(b, st, segs)
     b.staging = []
     gc.collect()
@@ -721,9 +726,10 @@ def _run(
     res.meta["loadavg_after_gets"] = os.getloadavg()
     rm(b.read_store)
     os.sync()
-    if restore_tokens:
+    if restore_tokens and not only_compression:
         _restore_rows(b, restore_tokens)
-    _lookup_rows(b, lookup_tokens, lookup_runs)
+    if not only_compression:
+        _lookup_rows(b, lookup_tokens, lookup_runs)
     if compression:
         _compression_rows(b, put_batch, warm_get_out)
 
@@ -1524,6 +1530,11 @@ def main(argv: Sequence[str] | None = None) -> Results:
         help="how to empty the page cache (auto: drop_caches if permitted)",
     )
     p.add_argument("--no-compression", action="store_true", help="skip the zstd measurements")
+    p.add_argument(
+        "--only-compression",
+        action="store_true",
+        help="the compression rows and the puts and warm gets they compare with, nothing else",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     a = p.parse_args(argv)
     res = run(
@@ -1538,6 +1549,7 @@ def main(argv: Sequence[str] | None = None) -> Results:
         not a.no_compression,
         a.quiet,
         a.restore_tokens,
+        a.only_compression,
     )
     res.meta["argv"] = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
     print_table(res)

@@ -70,6 +70,19 @@ def test_full_script_tiny(benchmark, tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
 
 
+def test_only_compression_tiny(tmp_path: Path) -> None:
+    """--only-compression: the compression rows and the puts and warm gets they are
+    compared with, none of the cold, restore or lookup rows."""
+    res = bs.main([*SMALL, "--dir", str(tmp_path), "--only-compression"])
+    sections = {r.section for r in res.rows}
+    assert sections == {"limits", "put", "get", "compression"}, sections
+    puts = [r.what for r in res.rows if r.section == "compression" and r.what.startswith("put")]
+    codecs = {w.split()[1].rstrip(",") for w in puts}
+    assert codecs == {"zstd", "exponent"}, codecs
+    refs = {r.limit for r in res.rows if r.section == "compression" and r.unit == "GiB/s"}
+    assert all(x is not None and math.isfinite(x) and x > 0 for x in refs), refs
+
+
 def test_plan_blocks() -> None:
     bb = bs.BIG.block_bytes
     assert bb == 2 << 20

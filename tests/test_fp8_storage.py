@@ -10,8 +10,8 @@ import pytest
 import kvstore
 
 torch = pytest.importorskip("torch")
-from kvstore import fp8  # noqa: E402
-from kvstore.torch import BlockPool  # noqa: E402
+from kvstore import fp8, ops  # noqa: E402
+from kvstore.torch import BlockPool, BlockTable  # noqa: E402
 
 B, L, H, D = 8, 2, 2, 16
 MODEL = "fp8-test@1"
@@ -41,6 +41,20 @@ def reference_scales(kv: torch.Tensor, tokens: int) -> torch.Tensor:
     return s
 
 
+def assert_within_fp8_error(got: torch.Tensor, kv: torch.Tensor, n: int, dtype: str) -> None:
+    """`got` (the first n tokens) is `kv` within kvstore.ops' stated bound
+    |x - q| <= 2**-4 |x| + 2**-9 s, in float64, plus half an ulp of `dtype` (the
+    result is rounded to it); and it is lossy (some value moved)."""
+    x = kv[:, :, :n].double()
+    s_tok = reference_scales(kv, n).repeat_interleave(B, dim=2)[:, :, :, :, None]
+    err = (got.double() - x).abs()
+    bound = 2.0**-4 * x.abs() + 2.0**-9 * s_tok
+    ulp = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}[dtype]
+    assert bool((err <= bound + ulp * x.abs()).all()), float((err - bound).max())
+    # A test that could not fail otherwise: fp8 moved some values.
+    assert bool((err > 0).any())
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_round_trip_within_stated_error(tmp_path, dtype):
     n = 5 * B
@@ -52,17 +66,8 @@ def test_round_trip_within_stated_error(tmp_path, dtype):
         values, scales = s.get_fp8(list(range(n)))
         ref_s = reference_scales(kv, n)
         torch.testing.assert_close(scales.double(), ref_s, rtol=0, atol=0)
-        # kvstore.ops' bound: |x - q| <= 2**-4 |x| + 2**-9 s, in float64.
-        x = kv[:, :, :n].double()
-        s_tok = ref_s.repeat_interleave(B, dim=2)[:, :, :, :, None]
-        err = (got.double() - x).abs()
-        bound = 2.0**-4 * x.abs() + 2.0**-9 * s_tok
-        # The result is rounded to the request dtype too: half an ulp of it.
-        ulp = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}[dtype]
-        assert bool((err <= bound + ulp * x.abs()).all()), float((err - bound).max())
+        assert_within_fp8_error(got, kv, n, dtype)
         assert bool((got[0, 1, :, 0] == 0).all())
-        # It is lossy (a test that could not fail otherwise): some values moved.
-        assert bool((err > 0).any())
         # get(out=) agrees, with a partial block's room left alone.
         out = torch.full((L, 2, n + 3, H, D), 7.0, dtype=kv.dtype)
         assert s.get(list(range(n + 3)), out=out) == n
@@ -115,20 +120,7 @@ def test_fp8_pool_loads_without_quantizing_again(tmp_path):
         seq = loaded.load(s, toks)
         assert seq.length == n
         # The pool's own quantizer over the same KV, token by token from offset 0.
-        mine = BlockPool(pool_layout, 8, device="cpu")
-        own = mine.new_sequence()
-        own.reserve(n)
-        slots = own.slot_mapping(0, n)
-        for layer in range(L):
-            kvstore.ops.write_kv(
-                kv[layer, 0],
-                kv[layer, 1],
-                mine.key_cache(layer),
-                mine.value_cache(layer),
-                slots,
-                mine.key_scales(layer),
-                mine.value_scales(layer),
-            )
+        mine, own = fp8_pool_of(kv, n)
         a = torch.tensor(seq.blocks, dtype=torch.int64)
         b = torch.tensor(own.blocks, dtype=torch.int64)
         assert torch.equal(
@@ -145,6 +137,106 @@ def test_fp8_pool_loads_without_quantizing_again(tmp_path):
     exact = kvstore.open(tmp_path / "x", layout=layout(storage="exact"), model=MODEL)
     with exact, pytest.raises(kvstore.InvalidInput):
         BlockPool(pool_layout, 8, device="cpu").load(exact, toks)
+
+
+def fp8_pool_of(kv: torch.Tensor, n: int) -> tuple[BlockPool, BlockTable]:
+    """A CPU fp8 pool holding the first n tokens of `kv`, written by `ops.write_kv`
+    token by token from offset 0 (the pool's own quantizer and scales)."""
+    pool = BlockPool(kvstore.Layout(L, H, D, "float8_e4m3fn", B), 8, device="cpu")
+    seq = pool.new_sequence()
+    seq.reserve(n)
+    slots = seq.slot_mapping(0, n)
+    for layer in range(L):
+        ops.write_kv(
+            kv[layer, 0, :n],
+            kv[layer, 1, :n],
+            pool.key_cache(layer),
+            pool.value_cache(layer),
+            slots,
+            pool.key_scales(layer),
+            pool.value_scales(layer),
+        )
+    seq.length = n
+    return pool, seq
+
+
+def pool_blocks(pool: BlockPool, seq: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes `[L, 2, nb, B, H, D]` and scales `[L, 2, nb, H]` of `seq`'s blocks."""
+    idx = torch.tensor(seq.blocks, dtype=torch.int64)
+    return pool.kv.view(torch.uint8).index_select(2, idx), pool.scales.index_select(2, idx)
+
+
+def test_fp8_pool_saves_bytes_and_scales_as_they_are(tmp_path):
+    n = 4 * B
+    kv = kv_of(n + 3)
+    toks = list(range(n + 3))
+    pool, seq = fp8_pool_of(kv, n + 3)
+    assert bool((pool.scales != 1).any()), "write_kv chose scales: the case save refused"
+    want_bytes, want_scales = pool_blocks(pool, seq)
+    with kvstore.open(tmp_path / "s", layout=layout(), model=MODEL, array="torch") as s:
+        # The partial last block is not stored.
+        assert pool.save(s, seq, toks) == n
+        assert s.lookup(toks) == n
+        values, scales = s.get_fp8(toks)
+        assert torch.equal(values.view(torch.uint8), want_bytes[:, :, : n // B])
+        assert torch.equal(scales, want_scales[:, :, : n // B])
+        # A put of the unquantized KV into another fp8 store stores the same bytes
+        # (the store's quantizer is write_kv's): one id, one content, either way.
+        with kvstore.open(tmp_path / "q", layout=layout(), model=MODEL) as q:
+            q.put(toks, kv)
+            qv, qs = q.get_fp8(toks)
+            assert q.block_ids(toks) == s.block_ids(toks)
+        assert torch.equal(qv.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(qs, scales)
+        # The store's dequantized get is those bytes times those scales.
+        deq = values.float() * scales[:, :, :, None, :, None]
+        assert torch.equal(s.get(toks), deq.reshape(L, 2, n, H, D).to(torch.bfloat16))
+        # And an fp8 pool loads them back bit for bit.
+        back = BlockPool(pool.layout, 8, device="cpu")
+        table = back.load(s, toks)
+        assert table.length == n
+        got_bytes, got_scales = pool_blocks(back, table)
+        assert torch.equal(got_bytes, want_bytes[:, :, : n // B])
+        assert torch.equal(got_scales, want_scales[:, :, : n // B])
+    # Another shape's fp8 store is refused, as is a forged scale.
+    other = kvstore.Layout(L, H, 2 * D, "bfloat16", B, "fp8")
+    with kvstore.open(tmp_path / "o", layout=other, model=MODEL) as o:
+        with pytest.raises(kvstore.InvalidInput):
+            pool.save(o, seq, toks)
+        assert o.lookup(toks) == 0
+    with kvstore.open(tmp_path / "s", layout=layout(), model=MODEL) as s:
+        bad = want_scales.clone()
+        bad[0, 0, 0, 0] = float("nan")
+        with pytest.raises(kvstore.InvalidInput, match="scales"):
+            s.put_fp8(list(range(100, 100 + n)), want_bytes.view(torch.float8_e4m3fn), bad)
+        assert s.lookup(list(range(100, 100 + n))) == 0
+
+
+@pytest.mark.parametrize("hot", [False, True])
+def test_bf16_pool_loads_dequantized_from_an_fp8_store(tmp_path, hot):
+    n = 5 * B
+    kv = kv_of(n)
+    toks = list(range(n))
+    opts = {"hot_bytes": 4 << 20, "hot_dir": tmp_path} if hot else {}
+    with kvstore.open(tmp_path / "s", layout=layout(), model=MODEL, array="torch", **opts) as s:
+        s.put(toks, kv)
+        pool = BlockPool(kvstore.Layout(L, H, D, "bfloat16", B), 16, device="cpu")
+        table = pool.load(s, toks)
+        assert table.length == n
+        # Not through the hot tier's raw copy, which holds the stored (fp8) form.
+        assert pool.hot_loads == 0
+        got = pool.gather(table)
+        assert_within_fp8_error(got, kv, n, "bfloat16")
+        assert torch.equal(got, s.get(toks))
+        # Keyed by the fp8 store's ids: an exact store of the same KV shares nothing.
+        with kvstore.open(tmp_path / "e", layout=layout(storage="exact"), model=MODEL) as e:
+            e.put(toks, kv)
+            exact = pool.load(e, toks)
+            assert not set(exact.blocks) & set(table.blocks)
+            assert torch.equal(pool.gather(exact), kv)
+        # A pool of another dtype is refused rather than converted.
+        with pytest.raises(kvstore.InvalidInput):
+            BlockPool(kvstore.Layout(L, H, D, "float16", B), 8, device="cpu").load(s, toks)
 
 
 def test_sessions_and_numpy(tmp_path):

@@ -10,7 +10,8 @@ so a buffer of `T` tokens (a multiple of B) is `[L, 2, T / B, B*H*D + 4*H]` byte
 `quantize` is the paged-attention ops' own quantizer (`ops.write_kv` into an fp8
 cache, tokens in order from offset 0; see `kvstore.ops` for the scale policy and the
 error bound): a block read from the store into an fp8 `BlockPool` is copied byte for
-byte with its scales, as if `write_kv` had written it there.
+byte with its scales, as if `write_kv` had written it there; and an fp8 pool's
+blocks are saved the same way back (`join`, `Store.put_fp8`), never quantized twice.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import InvalidInput
 from .layout import Layout
 
 
@@ -43,6 +45,35 @@ def split(buf: Any, layout: Layout, tokens: int) -> tuple[Any, Any]:
     values = runs[..., : B * H * D].view(torch.float8_e4m3fn).view(L, 2, nb, B, H, D)
     scales = runs[..., B * H * D :].view(torch.float32).view(L, 2, nb, H)
     return values, scales
+
+
+def join(values: Any, scales: Any, layout: Layout) -> np.ndarray:
+    """The stored form (uint8, flat) of fp8 blocks as they are, the inverse of `split`:
+    values `[L, 2, nb, B, H, D]` float8_e4m3fn and scales `[L, 2, nb, H]` float32 (e.g.
+    an fp8 `BlockPool`'s blocks), bytes and scales unchanged."""
+    import torch
+
+    L, H, D, B = layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size
+    nb = values.shape[2] if values.dim() == 6 else -1
+    if (
+        values.dtype != torch.float8_e4m3fn
+        or tuple(values.shape) != (L, 2, nb, B, H, D)
+        or scales.dtype != torch.float32
+        or tuple(scales.shape) != (L, 2, nb, H)
+    ):
+        raise InvalidInput(
+            f"fp8 blocks: expected float8_e4m3fn values [{L}, 2, nb, {B}, {H}, {D}] and "
+            f"float32 scales [{L}, 2, nb, {H}], got {values.dtype} {list(values.shape)} and "
+            f"{scales.dtype} {list(scales.shape)}"
+        )
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise InvalidInput("fp8 blocks: scales must be finite and not negative")
+    out = torch.empty(buffer_bytes(layout, nb * B), dtype=torch.uint8)
+    v, s = split(out, layout, nb * B)
+    # As bytes: float8 copies are not implemented everywhere.
+    v.view(torch.uint8).copy_(values.view(torch.uint8))
+    s.copy_(scales)
+    return out.numpy()
 
 
 def quantize(kv: Any, layout: Layout, tokens: int) -> np.ndarray:

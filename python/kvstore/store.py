@@ -231,6 +231,23 @@ class Store:
         n = max(self._raw.get_into(toks, ex, stored.numpy(), m, s) - s, 0)
         return fp8.split(stored, self.layout, n)
 
+    def put_fp8(
+        self, tokens: Any, values: Any, scales: Any, *, extra: bytes | str | None = None
+    ) -> int:
+        """fp8 storage only, the inverse of `get_fp8`: stores fp8 blocks as they are
+        (e.g. an fp8 `BlockPool`'s, whose scales `ops.write_kv` chose), without
+        dequantizing and quantizing again: values float8_e4m3fn `[L, 2, nb, B, H, D]`,
+        scales float32 `[L, 2, nb, H]`, the blocks of `tokens[: nb * B]`. Returns the
+        tokens covered, as `put`."""
+        if self.layout.storage != "fp8":
+            raise InvalidInput(f"put_fp8: expected a store with fp8 storage, got {self.layout}")
+        toks = tokens_array(tokens)
+        stored = fp8.join(values, scales, self.layout)
+        n = int(values.shape[2]) * self.layout.block_size
+        if len(toks) < n:
+            raise InvalidInput(f"tokens: expected at least {n} token ids, got {len(toks)}")
+        return self._raw.put(toks[:n], stored, n, extra_bytes(extra), 0)
+
     def _empty(self, tokens: int, like: Any) -> Any:
         family = self._array
         if like is not None:

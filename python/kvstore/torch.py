@@ -34,7 +34,10 @@ Blocks read from a store whose layout dtype is float8_e4m3fn are raw e4m3 values
 (that store keeps no scales), so they get scale 1; `save` of blocks whose scales are
 not all 1 raises InvalidInput rather than store values the store could not scale
 back. A store with `storage="fp8"` (see `kvstore.fp8`) keeps the scales: an fp8 pool
-loads its blocks' bytes and scales as they are, without quantizing again.
+loads its blocks' bytes and scales as they are, and saves them as they are
+(`Store.put_fp8`), never quantizing again. A pool of the store's own dtype (e.g.
+bfloat16) loads from such a store too: its blocks come dequantized (`Store.get`),
+keyed by the fp8 store's block ids, so they are never taken for exact KV.
 
 The store's block ids are salted, so tenants with different salts sharing one
 pool never reuse each other's blocks (as in the store itself); `namespace` (any
@@ -439,7 +442,11 @@ class BlockPool:
         multiple of block_size; 0 when nothing is found). Raises PoolFull when there
         are not enough free blocks (then nothing is held).
         """
-        if store.layout != self.layout and not self._takes_fp8_of(store.layout):
+        if (
+            store.layout != self.layout
+            and not self._takes_fp8_of(store.layout)
+            and not self._dequantizes(store.layout)
+        ):
             raise InvalidInput(f"store: expected layout {self.layout}, got {store.layout}")
         toks = tokens_array(tokens)
         b = self.layout.block_size
@@ -474,6 +481,18 @@ class BlockPool:
             == (mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.block_size)
         )
 
+    def _dequantizes(self, layout: Layout) -> bool:
+        """A pool that is not fp8 loads from a store with fp8 storage of its own dtype
+        and shape: the store dequantizes on the way (`Store.get`)."""
+        mine = self.layout
+        return (
+            layout.storage == "fp8"
+            and self.scales is None
+            and (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
+            == (mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.block_size)
+            and layout.dtype == mine.dtype
+        )
+
     def _take_fp8(self, values: Any, scales: Any, keys: list[BlockKey], first: int) -> list[int]:
         """Copies blocks `first ..` of a store's fp8 values `[L, 2, n, B, H, D]` and
         scales `[L, 2, n, H]` (`store.get_fp8`) into new blocks, bytes as they are."""
@@ -501,7 +520,8 @@ class BlockPool:
         extra: bytes | str | None,
     ) -> list[int]:
         """Reads blocks `first .. stop - 1` of `toks` from the store into new blocks."""
-        if store.layout.storage == "fp8":
+        fp8_store = store.layout.storage == "fp8"
+        if fp8_store and self.scales is not None:
             values, scales = store.get_fp8(toks[: stop * self.layout.block_size], extra=extra)
             return self._take_fp8(values, scales, keys, first)
         lay = self.layout
@@ -509,7 +529,8 @@ class BlockPool:
         # The store returns whole prefixes: read all `stop` blocks, copy the new ones.
         # The pool lock is not held during the read; the staging lock keeps the
         # pinned buffer to one reader at a time.
-        direct = self._read_hot_blocks(store, toks, keys, first, stop, extra)
+        # An fp8 store's hot tier holds the stored form: only get() dequantizes it.
+        direct = None if fp8_store else self._read_hot_blocks(store, toks, keys, first, stop, extra)
         if direct is not None:
             return direct
         with self._staging_lock:
@@ -606,17 +627,29 @@ class BlockPool:
 
     def save(self, store: Store, seq: BlockTable, tokens: Any, *, extra: Any = None) -> int:
         """Puts the KV of the full blocks of `seq` (token ids `tokens`, at least
-        `seq.length` of them) into `store`; returns the tokens covered."""
+        `seq.length` of them) into `store`; returns the tokens covered. An fp8 pool
+        saves into a store with fp8 storage its blocks' bytes and scales as they are."""
         toks = tokens_array(tokens)
         n = min(seq.length, len(toks)) // self.layout.block_size * self.layout.block_size
         if n == 0:
             return 0
+        if self.scales is not None and store.layout.storage == "fp8":
+            if not self._takes_fp8_of(store.layout):
+                raise InvalidInput(
+                    f"store: expected fp8 storage of {self.layout}, got {store.layout}"
+                )
+            idx = torch.tensor(seq.blocks[: n // self.layout.block_size], device=self.device)
+            # As bytes: index_select has no float8 kernel on the CPU.
+            values = self.kv.view(torch.uint8).index_select(2, idx).view(torch.float8_e4m3fn)
+            scales = self.scales.index_select(2, idx)
+            return store.put_fp8(toks[:n], values.cpu(), scales.cpu(), extra=extra)
         if self.scales is not None:
             idx = torch.tensor(seq.blocks[: n // self.layout.block_size], device=self.device)
             if not bool((self.scales.index_select(2, idx) == 1).all()):
                 raise InvalidInput(
                     "save: these fp8 blocks have per-block scales (from write_kv) and the "
-                    "store keeps raw e4m3 values only: save the unquantized KV instead"
+                    "store keeps raw e4m3 values only: save into a store with storage='fp8' "
+                    "(it keeps the scales) or save the unquantized KV"
                 )
         kv = self.gather(seq, n).cpu()
         return store.put(toks[:n], kv, extra=extra)

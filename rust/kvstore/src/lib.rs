@@ -34,7 +34,7 @@ macro_rules! internal_mods {
     )*};
 }
 
-internal_mods!(format, index, record, scan);
+internal_mods!(codec, format, index, record, scan);
 
 mod arena;
 mod arenas;
@@ -61,6 +61,7 @@ mod store;
 
 pub use arena::ArenaStats;
 pub use arenas::{arena_dirs, list_arenas, peek_arena, remove_arena_file, ArenaInfo};
+pub use codec::Codec;
 pub use error::{Error, Result};
 pub use format::{Manifest, FORMAT_VERSION};
 pub use id::{hex as block_id_hex, BlockId, Keyer};
@@ -69,7 +70,6 @@ pub use layout::{DType, Layout, Storage};
 pub use paged::{PagedLayout, PagedPart};
 pub use pages::PageKind;
 pub use progress::Progress;
-pub use record::Codec;
 pub use remote::{NodeReport, PushReport, RemoteOptions, RemoteStats, WriteMode};
 pub use repair::{rebuild_index, RebuildReport};
 pub use scan::DamagedRange;

@@ -1,8 +1,8 @@
 //! How a store is opened: durability mode, bounds, compression, hot tier.
 
+use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
-use crate::record::Codec;
 use std::path::PathBuf;
 use std::time::Duration;
 

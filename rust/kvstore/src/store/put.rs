@@ -6,11 +6,12 @@
 use super::writer::Writer;
 use super::{Durability, Inner};
 use crate::clock::{now_ms, now_us};
+use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::format;
 use crate::id::{BlockId, ROOT};
 use crate::index::Location;
-use crate::record::{self, Codec};
+use crate::record;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
@@ -238,7 +239,9 @@ impl Inner {
                     let res = rec.and_then(|rec| {
                         let room = w.room_for(&rec);
                         self.ensure_disk_room(w, room, &keep)?;
-                        self.append(w, &rec)
+                        let loc = self.append(w, &rec)?;
+                        rec.recycle();
+                        Ok(loc)
                     });
                     match res {
                         Ok(loc) => {

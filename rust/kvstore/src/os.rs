@@ -277,3 +277,56 @@ pub(crate) fn ofd_lock(file: &std::fs::File, how: OfdLock) -> std::io::Result<bo
         }
     }
 }
+
+/// Transposes an 8x8 tile of 2-byte elements: element `j` of `rows[i]`
+/// becomes element `i` of the result's row `j`. SSE2: 8 loads, 24 unpacks
+/// and 8 stores where the element-by-element copy takes 64 loads and 64
+/// stores.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn transpose_8x8_u16(rows: &[[u8; 16]; 8]) -> [[u8; 16]; 8] {
+    use std::arch::x86_64::{
+        __m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpackhi_epi32,
+        _mm_unpackhi_epi64, _mm_unpacklo_epi16, _mm_unpacklo_epi32, _mm_unpacklo_epi64,
+    };
+    let mut out = [[0u8; 16]; 8];
+    // SAFETY: SSE2 is part of the x86-64 baseline, so every CPU that runs
+    // this code has it. Each load reads one row's 16 bytes and each store
+    // writes one of `out`'s 16-byte rows; `loadu`/`storeu` take any alignment.
+    unsafe {
+        let a: [__m128i; 8] = rows.map(|r| _mm_loadu_si128(r.as_ptr().cast()));
+        let t = [
+            _mm_unpacklo_epi16(a[0], a[1]),
+            _mm_unpackhi_epi16(a[0], a[1]),
+            _mm_unpacklo_epi16(a[2], a[3]),
+            _mm_unpackhi_epi16(a[2], a[3]),
+            _mm_unpacklo_epi16(a[4], a[5]),
+            _mm_unpackhi_epi16(a[4], a[5]),
+            _mm_unpacklo_epi16(a[6], a[7]),
+            _mm_unpackhi_epi16(a[6], a[7]),
+        ];
+        let u = [
+            _mm_unpacklo_epi32(t[0], t[2]),
+            _mm_unpackhi_epi32(t[0], t[2]),
+            _mm_unpacklo_epi32(t[1], t[3]),
+            _mm_unpackhi_epi32(t[1], t[3]),
+            _mm_unpacklo_epi32(t[4], t[6]),
+            _mm_unpackhi_epi32(t[4], t[6]),
+            _mm_unpacklo_epi32(t[5], t[7]),
+            _mm_unpackhi_epi32(t[5], t[7]),
+        ];
+        let r = [
+            _mm_unpacklo_epi64(u[0], u[4]),
+            _mm_unpackhi_epi64(u[0], u[4]),
+            _mm_unpacklo_epi64(u[1], u[5]),
+            _mm_unpackhi_epi64(u[1], u[5]),
+            _mm_unpacklo_epi64(u[2], u[6]),
+            _mm_unpackhi_epi64(u[2], u[6]),
+            _mm_unpacklo_epi64(u[3], u[7]),
+            _mm_unpackhi_epi64(u[3], u[7]),
+        ];
+        for (o, v) in out.iter_mut().zip(r) {
+            _mm_storeu_si128(o.as_mut_ptr().cast(), v);
+        }
+    }
+    out
+}

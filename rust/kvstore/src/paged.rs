@@ -259,16 +259,12 @@ fn transpose_tiles(
     let (tn, tm) = (n / TILE * TILE, m / TILE * TILE);
     for i0 in (0..tn).step_by(TILE) {
         for j0 in (0..tm).step_by(TILE) {
-            let rows: [[u8; 16]; TILE] = std::array::from_fn(|jj| {
-                let at = (s + (j0 + jj) * ss + i0) * 2;
-                src[at..at + 16].try_into().expect("a tile's row")
-            });
-            for (ii, out) in tile_8x8_u16(&rows).iter().enumerate() {
-                let at = (d + (i0 + ii) * ds + j0) * 2;
-                dst[at..at + 16].copy_from_slice(out);
-            }
+            tile_8x8_u16(
+                (dst, (d + i0 * ds + j0) * 2, ds * 2),
+                (src, (s + j0 * ss + i0) * 2, ss * 2),
+            );
         }
-        for i in i0..i0 + TILE {
+        for i in (i0..i0 + TILE).filter(|_| tm < m) {
             row::<2>(dst, d + i * ds + tm, 1, src, s + tm * ss + i, ss, m - tm);
         }
     }
@@ -277,21 +273,23 @@ fn transpose_tiles(
     }
 }
 
-/// Element `j` of `rows[i]` to element `i` of row `j` (2-byte elements).
-fn tile_8x8_u16(rows: &[[u8; 16]; TILE]) -> [[u8; 16]; TILE] {
+/// An 8x8 tile of 2-byte elements, byte offsets and strides: the 16 bytes
+/// of `src`'s row `j` are element `j` of each of `dst`'s 8 rows.
+#[inline(always)]
+fn tile_8x8_u16(dst: (&mut [u8], usize, usize), src: (&[u8], usize, usize)) {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::os::transpose_8x8_u16(rows)
+        crate::os::transpose_8x8_u16(dst, src);
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        std::array::from_fn(|j| {
-            let mut out = [0u8; 16];
-            for (o, r) in out.chunks_exact_mut(2).zip(rows) {
-                o.copy_from_slice(&r[2 * j..2 * j + 2]);
+        let ((dst, d, ds), (src, s, ss)) = (dst, src);
+        for j in 0..TILE {
+            for i in 0..TILE {
+                let (to, from) = (d + i * ds + 2 * j, s + j * ss + 2 * i);
+                dst[to..to + 2].copy_from_slice(&src[from..from + 2]);
             }
-            out
-        })
+        }
     }
 }
 
@@ -420,14 +418,18 @@ mod tests {
 
     #[test]
     fn a_tile_transposes() {
-        let rows: [[u8; 16]; TILE] =
-            std::array::from_fn(|i| std::array::from_fn(|b| (i * 16 + b) as u8));
-        let out = tile_8x8_u16(&rows);
-        for (j, row) in out.iter().enumerate() {
-            for (i, e) in row.chunks_exact(2).enumerate() {
-                assert_eq!(e, &rows[i][2 * j..2 * j + 2], "({i}, {j})");
+        // Rows 40 bytes apart in `src`, 24 in `dst`, from offsets 3 and 5.
+        let src: Vec<u8> = (0..3 + 7 * 40 + 16).map(|i| (i * 7) as u8).collect();
+        let mut dst = vec![0xA5u8; 5 + 7 * 24 + 16];
+        tile_8x8_u16((&mut dst, 5, 24), (&src, 3, 40));
+        let mut want = vec![0xA5u8; dst.len()];
+        for j in 0..TILE {
+            for i in 0..TILE {
+                let (to, from) = (5 + i * 24 + 2 * j, 3 + j * 40 + 2 * i);
+                want[to..to + 2].copy_from_slice(&src[from..from + 2]);
             }
         }
+        assert!(dst == want);
     }
 
     fn layout(b: u32) -> Layout {

@@ -285,7 +285,7 @@ pub(crate) fn ofd_lock(file: &std::fs::File, how: OfdLock) -> std::io::Result<bo
 /// bounds. SSE2: 8 loads, 24 unpacks and 8 stores where the element by
 /// element copy takes 64 loads and 64 stores.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
+#[inline]
 pub(crate) fn transpose_8x8_u16(
     (dst, d, ds): (&mut [u8], usize, usize),
     (src, s, ss): (&[u8], usize, usize),

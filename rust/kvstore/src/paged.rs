@@ -275,7 +275,7 @@ fn transpose_tiles(
 
 /// An 8x8 tile of 2-byte elements, byte offsets and strides: the 16 bytes
 /// of `src`'s row `j` are element `j` of each of `dst`'s 8 rows.
-#[inline(always)]
+#[inline]
 fn tile_8x8_u16(dst: (&mut [u8], usize, usize), src: (&[u8], usize, usize)) {
     #[cfg(target_arch = "x86_64")]
     {

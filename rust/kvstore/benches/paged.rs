@@ -1,6 +1,8 @@
 //! `get_paged` (the engine's side of the vLLM connector's loads) against
 //! `get_into` of the same request into a contiguous buffer and
-//! memcpy of the same bytes, in the same run: a 2K-token request of
+//! memcpy of the same bytes, in the same run; on every core and on one
+//! thread, and on one thread with K laid out as V (no transpose: what K's
+//! transpose costs is the difference): a 2K-token request of
 //! `bench_vllm.py`'s layout (8 layers, 4 KV heads of 64, bf16, blocks of 32:
 //! 16 MiB), landing in random blocks of per-layer paged caches laid out as
 //! vLLM's CPU backend lays them (K `[H][D][B]`, V `[H][B][D]`; 1 GiB in
@@ -20,12 +22,19 @@ const TOKENS: usize = 2048;
 const CACHE_BLOCKS: usize = 512;
 
 fn paged() -> PagedLayout {
+    let mut p = untransposed();
+    p.parts[0].strides = [1, D * B, B];
+    p
+}
+
+/// `paged` with K laid out as V, `[H][B][D]`.
+fn untransposed() -> PagedLayout {
     PagedLayout {
         block_stride: 2 * B * H * D,
         parts: [
             PagedPart {
                 offset: 0,
-                strides: [1, D * B, B],
+                strides: [D, B * D, 1],
             },
             PagedPart {
                 offset: B * H * D,
@@ -41,18 +50,23 @@ fn bench(c: &mut Criterion) {
         tempfile::tempdir().expect("dir"),
         tempfile::tempdir().expect("dir"),
     );
-    let s = Store::open(
-        dir.path(),
-        Options {
-            fingerprint: Some("bench-paged@1".into()),
-            layout: Some(l),
-            durability: Durability::None,
-            hot_bytes: Some(64 << 20),
-            hot_dir: Some(hot.path().to_path_buf()),
-            ..Options::default()
-        },
-    )
-    .expect("open");
+    // Threads for the paged copies: as many as the cores (None), or one.
+    let open = |readers: Option<usize>| {
+        Store::open(
+            dir.path(),
+            Options {
+                fingerprint: Some("bench-paged@1".into()),
+                layout: Some(l),
+                durability: Durability::None,
+                hot_bytes: Some(64 << 20),
+                hot_dir: Some(hot.path().to_path_buf()),
+                get_readers: readers,
+                ..Options::default()
+            },
+        )
+        .expect("open")
+    };
+    let (s, one) = (open(None), open(Some(1)));
     let tokens: Vec<u32> = (1..=TOKENS as u32).collect();
     let nbytes = l.kv_bytes(TOKENS).expect("size");
     let kv: Vec<u8> = (0..nbytes).map(|i| (i * 7 + i / 4093) as u8).collect();
@@ -81,13 +95,26 @@ fn bench(c: &mut Criterion) {
                 .expect("get")
         });
     });
-    g.bench_function("get_paged (hot tier)", |b| {
-        b.iter(|| {
-            let mut spans: Vec<&mut [u8]> = caches.iter_mut().map(|c| &mut c[..]).collect();
-            s.get_paged(&tokens, 0, b"", &paged(), &mut spans, &blocks)
-                .expect("get")
+    let rows = [
+        ("get_paged (hot tier)", &s, paged()),
+        ("get_paged (hot tier, 1 thread)", &one, paged()),
+        (
+            "get_paged (hot tier, 1 thread, K as V)",
+            &one,
+            untransposed(),
+        ),
+    ];
+    for (name, store, layout) in rows {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let mut spans: Vec<&mut [u8]> = caches.iter_mut().map(|c| &mut c[..]).collect();
+                let got = store
+                    .get_paged(&tokens, 0, b"", &layout, &mut spans, &blocks)
+                    .expect("get");
+                assert_eq!(got, TOKENS);
+            });
         });
-    });
+    }
     g.finish();
 }
 

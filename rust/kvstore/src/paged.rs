@@ -43,14 +43,8 @@ impl PagedLayout {
         let Some(&last) = blocks.iter().max() else {
             return Ok(());
         };
-        let dims = dims(layout);
-        let end = self.parts.iter().try_fold(0usize, |end, p| {
-            let extent = (0..3).try_fold(p.offset, |at, a| {
-                (dims[a] - 1).checked_mul(p.strides[a])?.checked_add(at)
-            })?;
-            Some(end.max(extent.checked_add(1)?))
-        });
-        let need = end
+        let need = self
+            .extent(layout)
             .and_then(|e| last.checked_mul(self.block_stride)?.checked_add(e))
             .and_then(|e| e.checked_mul(layout.dtype.size()));
         match (need, spans.iter().min()) {
@@ -60,6 +54,55 @@ impl PagedLayout {
                  has {have:?}"
             )),
         }
+    }
+
+    /// Elements from a cache block's start to one past the last value of
+    /// its K or V (`None` on overflow).
+    fn extent(&self, layout: &Layout) -> Option<usize> {
+        let dims = dims(layout);
+        self.parts.iter().try_fold(0usize, |end, p| {
+            let extent = (0..3).try_fold(p.offset, |at, a| {
+                (dims[a] - 1).checked_mul(p.strides[a])?.checked_add(at)
+            })?;
+            Some(end.max(extent.checked_add(1)?))
+        })
+    }
+
+    /// Cuts `layers` (which `check` passed for `blocks`) into each cache
+    /// block's own bytes: for `blocks[k]`, one span per layer starting at the
+    /// block's first element, so that blocks are written apart (by several
+    /// threads, `scatter` with block 0). `None` where that cannot be: a
+    /// block's K or V reach past its `block_stride` (another block's bytes),
+    /// or a cache block is named twice.
+    pub(crate) fn block_spans<'a>(
+        &self,
+        layout: &Layout,
+        layers: &'a mut [&mut [u8]],
+        blocks: &[usize],
+    ) -> Option<Vec<Vec<&'a mut [u8]>>> {
+        if self.extent(layout)? > self.block_stride {
+            return None;
+        }
+        let mut order: Vec<usize> = (0..blocks.len()).collect();
+        order.sort_unstable_by_key(|&k| blocks[k]);
+        if order.windows(2).any(|w| blocks[w[0]] == blocks[w[1]]) {
+            return None;
+        }
+        let stride = self.block_stride * layout.dtype.size();
+        let mut out: Vec<Vec<&mut [u8]>> = blocks.iter().map(|_| Vec::new()).collect();
+        for layer in layers.iter_mut() {
+            // `rest` starts at byte `at` of the layer.
+            let (mut rest, mut at): (&mut [u8], usize) = (&mut **layer, 0);
+            for &k in &order {
+                let from = blocks[k] * stride;
+                let tail = std::mem::take(&mut rest).get_mut(from - at..)?;
+                let (mine, after) = tail.split_at_mut(stride.min(tail.len()));
+                at = from + mine.len();
+                out[k].push(mine);
+                rest = after;
+            }
+        }
+        Some(out)
     }
 
     /// Copies block `runs` (the canonical `2L` `[B, H, D]` runs of one block)
@@ -179,19 +222,81 @@ fn copy_sized<const E: usize>(
     }
 }
 
-/// Rows of `transpose`'s strips (columns of the source read at once).
+/// Rows of `transpose_strips`'s strips (columns of the source read at once).
 const TILE: usize = 8;
-/// Columns of `transpose`'s strips: a dst row of 64 two-byte elements is two
-/// whole cache lines, written at once.
+/// Columns of `transpose_strips`'s strips: a dst row of 64 two-byte elements
+/// is two whole cache lines, written at once.
 const STRIP: usize = 64;
 
 /// Copies an `n × m` matrix of `E`-byte elements whose rows are contiguous
 /// in `dst` and whose columns are contiguous in `src`: element `(i, j)` from
-/// `src` element `s + j * ss + i` to `dst` element `d + i * ds + j`. In
-/// strips of `TILE` rows: `TILE` elements of each column read at once, then
-/// each row of the strip written whole, so that `dst` (the paged cache, in
-/// main memory, on a load) is written in whole cache lines, in order.
+/// `src` element `s + j * ss + i` to `dst` element `d + i * ds + j`. Two-byte
+/// elements (bfloat16, float16: every cache vLLM's CPU backend keeps
+/// unquantized but float32) go in SIMD tiles, the others in strips.
 fn transpose<const E: usize>(
+    dst: (&mut [u8], usize, usize),
+    src: (&[u8], usize, usize),
+    n: usize,
+    m: usize,
+) {
+    if E == 2 {
+        transpose_tiles(dst, src, n, m);
+    } else {
+        transpose_strips::<E>(dst, src, n, m);
+    }
+}
+
+/// `transpose` of two-byte elements in 8x8 tiles, each 8 loads and 8 stores
+/// of 16 bytes; tiles in row order, so that `dst` (the paged cache, in main
+/// memory, on a load) is written a whole row of tiles at a time. The rows
+/// and columns past the last whole tile go element by element.
+fn transpose_tiles(
+    (dst, d, ds): (&mut [u8], usize, usize),
+    (src, s, ss): (&[u8], usize, usize),
+    n: usize,
+    m: usize,
+) {
+    let (tn, tm) = (n / TILE * TILE, m / TILE * TILE);
+    for i0 in (0..tn).step_by(TILE) {
+        for j0 in (0..tm).step_by(TILE) {
+            tile_8x8_u16(
+                (dst, (d + i0 * ds + j0) * 2, ds * 2),
+                (src, (s + j0 * ss + i0) * 2, ss * 2),
+            );
+        }
+        for i in (i0..i0 + TILE).filter(|_| tm < m) {
+            row::<2>(dst, d + i * ds + tm, 1, src, s + tm * ss + i, ss, m - tm);
+        }
+    }
+    for i in tn..n {
+        row::<2>(dst, d + i * ds, 1, src, s + i, ss, m);
+    }
+}
+
+/// An 8x8 tile of 2-byte elements, byte offsets and strides: the 16 bytes
+/// of `src`'s row `j` are element `j` of each of `dst`'s 8 rows.
+#[inline]
+fn tile_8x8_u16(dst: (&mut [u8], usize, usize), src: (&[u8], usize, usize)) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::os::transpose_8x8_u16(dst, src);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let ((dst, d, ds), (src, s, ss)) = (dst, src);
+        for j in 0..TILE {
+            for i in 0..TILE {
+                let (to, from) = (d + i * ds + 2 * j, s + j * ss + 2 * i);
+                dst[to..to + 2].copy_from_slice(&src[from..from + 2]);
+            }
+        }
+    }
+}
+
+/// `transpose` in strips of `TILE` rows: `TILE` elements of each column
+/// read at once, then each row of the strip written whole, so that `dst` is
+/// written in whole cache lines, in order.
+fn transpose_strips<const E: usize>(
     (dst, d, ds): (&mut [u8], usize, usize),
     (src, s, ss): (&[u8], usize, usize),
     n: usize,
@@ -263,5 +368,145 @@ fn row<const E: usize>(
                 put(dst, d + k * ds, elem(src, s + k * ss));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::DType;
+
+    /// `transpose`'s contract, element by element: the reference.
+    fn transpose_model<const E: usize>(
+        (dst, d, ds): (&mut [u8], usize, usize),
+        (src, s, ss): (&[u8], usize, usize),
+        n: usize,
+        m: usize,
+    ) {
+        for i in 0..n {
+            for j in 0..m {
+                let (to, from) = ((d + i * ds + j) * E, (s + j * ss + i) * E);
+                dst[to..to + E].copy_from_slice(&src[from..from + E]);
+            }
+        }
+    }
+
+    fn transposes_like_the_model<const E: usize>() {
+        let sizes = [1, 2, 3, 7, 8, 9, 15, 16, 17, 32, 33, 64, 70];
+        for &n in &sizes {
+            for &m in &sizes {
+                // Padded strides and offsets: nothing but the matrix is touched.
+                let (s, ss, d, ds) = (3, n + 5, 1, m + 3);
+                let src: Vec<u8> = (0..(s + m * ss) * E)
+                    .map(|i| (i * 131 + i / 251) as u8)
+                    .collect();
+                let mut want = vec![0xA5u8; (d + n * ds) * E];
+                let mut got = want.clone();
+                transpose_model::<E>((&mut want, d, ds), (&src, s, ss), n, m);
+                transpose::<E>((&mut got, d, ds), (&src, s, ss), n, m);
+                assert!(got == want, "E {E}, {n} x {m}");
+            }
+        }
+    }
+
+    #[test]
+    fn transposes_every_element_size_and_odd_shape_like_the_model() {
+        transposes_like_the_model::<1>();
+        transposes_like_the_model::<2>();
+        transposes_like_the_model::<4>();
+    }
+
+    #[test]
+    fn a_tile_transposes() {
+        // Rows 40 bytes apart in `src`, 24 in `dst`, from offsets 3 and 5.
+        let src: Vec<u8> = (0..3 + 7 * 40 + 16).map(|i| (i * 7) as u8).collect();
+        let mut dst = vec![0xA5u8; 5 + 7 * 24 + 16];
+        tile_8x8_u16((&mut dst, 5, 24), (&src, 3, 40));
+        let mut want = vec![0xA5u8; dst.len()];
+        for j in 0..TILE {
+            for i in 0..TILE {
+                let (to, from) = (5 + i * 24 + 2 * j, 3 + j * 40 + 2 * i);
+                want[to..to + 2].copy_from_slice(&src[from..from + 2]);
+            }
+        }
+        assert!(dst == want);
+    }
+
+    fn layout(b: u32) -> Layout {
+        Layout::new(2, 2, 4, DType::Float16, b).unwrap()
+    }
+
+    /// vLLM's CPU layout for `layout(b)`: K `[H][D][B]`, V `[H][B][D]`, then
+    /// `pad` elements.
+    fn cpu(b: usize, pad: usize) -> PagedLayout {
+        let (h, d) = (2, 4);
+        PagedLayout {
+            block_stride: 2 * b * h * d + pad,
+            parts: [
+                PagedPart {
+                    offset: 0,
+                    strides: [1, d * b, b],
+                },
+                PagedPart {
+                    offset: b * h * d,
+                    strides: [d, b * d, 1],
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn block_spans_are_each_blocks_own_bytes() {
+        let (l, p) = (layout(4), cpu(4, 3));
+        let sb = p.block_stride * 2;
+        // Layer 1 ends with block 5's K and V (64 elements), without its padding.
+        let mut caches = [vec![0u8; 6 * sb], vec![0u8; 5 * sb + 128]];
+        let base: Vec<usize> = caches.iter().map(|c| c.as_ptr() as usize).collect();
+        let mut layers: Vec<&mut [u8]> = caches.iter_mut().map(|c| &mut c[..]).collect();
+        let blocks = [5, 0, 3];
+        p.check(&l, &[6 * sb, 5 * sb + 128], &blocks).unwrap();
+        let spans = p.block_spans(&l, &mut layers, &blocks).unwrap();
+        for (k, per_layer) in spans.iter().enumerate() {
+            assert_eq!(per_layer.len(), 2);
+            for (layer, span) in per_layer.iter().enumerate() {
+                assert_eq!(span.as_ptr() as usize - base[layer], blocks[k] * sb);
+                // The last block of the short layer ends with the layer.
+                let len = if (layer, blocks[k]) == (1, 5) {
+                    128
+                } else {
+                    sb
+                };
+                assert_eq!(span.len(), len, "block {} layer {layer}", blocks[k]);
+            }
+        }
+    }
+
+    #[test]
+    fn block_spans_refuse_parts_outside_their_block_and_repeated_blocks() {
+        let l = layout(4);
+        let mut caches = [vec![0u8; 4096], vec![0u8; 4096]];
+        let mut layers: Vec<&mut [u8]> = caches.iter_mut().map(|c| &mut c[..]).collect();
+        assert!(cpu(4, 0).block_spans(&l, &mut layers, &[1, 2]).is_some());
+        assert!(cpu(4, 0).block_spans(&l, &mut layers, &[1, 2, 1]).is_none());
+        // K of every block, then V of every block (a GPU backend's
+        // `[2, blocks, B, H, D]`): V lies past the block's stride.
+        let split = PagedLayout {
+            block_stride: 4 * 2 * 4,
+            parts: [
+                PagedPart {
+                    offset: 0,
+                    strides: [8, 4, 1],
+                },
+                PagedPart {
+                    offset: 8 * 32,
+                    strides: [8, 4, 1],
+                },
+            ],
+        };
+        assert!(split.block_spans(&l, &mut layers, &[1, 2]).is_none());
+        // One element past the stride is one too many.
+        let mut tight = cpu(4, 0);
+        tight.block_stride -= 1;
+        assert!(tight.block_spans(&l, &mut layers, &[1]).is_none());
     }
 }

@@ -50,6 +50,15 @@ fn model_offset(n: usize, kv: usize, t: usize, h: usize, d: usize) -> usize {
 }
 
 fn open(dir: &std::path::Path, hot: Option<&std::path::Path>) -> Store {
+    open_with(dir, hot, None)
+}
+
+/// `open` with `get_readers` (the threads of a paged get or put) forced.
+fn open_with(
+    dir: &std::path::Path,
+    hot: Option<&std::path::Path>,
+    readers: Option<usize>,
+) -> Store {
     Store::open(
         dir,
         Options {
@@ -58,6 +67,7 @@ fn open(dir: &std::path::Path, hot: Option<&std::path::Path>) -> Store {
             durability: Durability::Sync,
             hot_bytes: hot.map(|_| 16 << 20),
             hot_dir: hot.map(std::path::Path::to_path_buf),
+            get_readers: readers,
             ..Options::default()
         },
     )
@@ -72,6 +82,17 @@ fn caches() -> Vec<Vec<u8>> {
 /// `caches` with token block `i` of `tokens` (KV `kv_for`) in cache block
 /// `blocks[i - first]`, for each `i` in `first..upto`, by the model.
 fn model(tokens: &[u32], first: usize, upto: usize, blocks: &[usize]) -> Vec<Vec<u8>> {
+    model_of(model_offset, tokens, first, upto, blocks)
+}
+
+/// `model` for the layout whose element offsets `offset` gives.
+fn model_of(
+    offset: fn(usize, usize, usize, usize, usize) -> usize,
+    tokens: &[u32],
+    first: usize,
+    upto: usize,
+    blocks: &[usize],
+) -> Vec<Vec<u8>> {
     let l = layout();
     let kv = kv_for(&l, tokens);
     let t_all = tokens.len();
@@ -84,7 +105,7 @@ fn model(tokens: &[u32], first: usize, upto: usize, blocks: &[usize]) -> Vec<Vec
                     for h in 0..H {
                         for d in 0..D {
                             let src = (((layer * 2 + k) * t_all + i * B + t) * H + h) * D + d;
-                            let dst = model_offset(n, k, t, h, d);
+                            let dst = offset(n, k, t, h, d);
                             cache[dst * 2..dst * 2 + 2].copy_from_slice(&kv[src * 2..src * 2 + 2]);
                         }
                     }
@@ -96,12 +117,44 @@ fn model(tokens: &[u32], first: usize, upto: usize, blocks: &[usize]) -> Vec<Vec
 }
 
 fn get_paged(s: &Store, tokens: &[u32], start: usize, blocks: &[usize]) -> (usize, Vec<Vec<u8>>) {
+    get_paged_as(s, &paged(), tokens, start, blocks)
+}
+
+fn get_paged_as(
+    s: &Store,
+    paged: &PagedLayout,
+    tokens: &[u32],
+    start: usize,
+    blocks: &[usize],
+) -> (usize, Vec<Vec<u8>>) {
     let mut c = caches();
     let mut spans: Vec<&mut [u8]> = c.iter_mut().map(|v| &mut v[..]).collect();
     let m = s
-        .get_paged(tokens, start, b"", &paged(), &mut spans, blocks)
+        .get_paged(tokens, start, b"", paged, &mut spans, blocks)
         .unwrap();
     (m, c)
+}
+
+/// A GPU backend's layout: each layer `[2][CACHE_BLOCKS][B][H][D]`, so a
+/// block's V lies far past its K (not within one block stride).
+fn split_paged() -> PagedLayout {
+    PagedLayout {
+        block_stride: B * H * D,
+        parts: [
+            PagedPart {
+                offset: 0,
+                strides: [H * D, D, 1],
+            },
+            PagedPart {
+                offset: CACHE_BLOCKS * B * H * D,
+                strides: [H * D, D, 1],
+            },
+        ],
+    }
+}
+
+fn split_offset(n: usize, kv: usize, t: usize, h: usize, d: usize) -> usize {
+    ((kv * CACHE_BLOCKS + n) * B + t) * H * D + h * D + d
 }
 
 #[test]
@@ -113,17 +166,34 @@ fn gets_land_where_the_layout_says_from_disk_and_hot_tier() {
         .put(&tokens, &kv, 5 * B + 2, b"")
         .unwrap();
     let blocks = [6, 0, 3, 7];
-    for hot_dir in [None, Some(hot.path()), Some(hot.path())] {
-        // Without a hot tier; then with one (disk, promoted); then from it.
-        let s = open(dir.path(), hot_dir);
-        let (m, got) = get_paged(&s, &tokens, B, &blocks);
-        assert_eq!(m, 5 * B);
-        assert!(got == model(&tokens, 1, 5, &blocks), "hot tier {hot_dir:?}");
-        if hot_dir.is_some() {
-            let st = s.stats().unwrap();
-            assert_eq!(st.hot_hit_blocks + st.disk_hit_blocks, 4);
+    // On one thread, and over 2 and 3 (each writing its own cache blocks).
+    for readers in [None, Some(2), Some(3)] {
+        let hot = tempfile::tempdir().unwrap();
+        for hot_dir in [None, Some(hot.path()), Some(hot.path())] {
+            // Without a hot tier; then with one (disk, promoted); then from it.
+            let s = open_with(dir.path(), hot_dir, readers);
+            let (m, got) = get_paged(&s, &tokens, B, &blocks);
+            assert_eq!(m, 5 * B);
+            assert!(
+                got == model(&tokens, 1, 5, &blocks),
+                "{hot_dir:?} {readers:?}"
+            );
+            if hot_dir.is_some() {
+                let st = s.stats().unwrap();
+                assert_eq!(st.hot_hit_blocks + st.disk_hit_blocks, 4);
+            }
+            // V outside the block stride: one thread, whatever is asked.
+            let (m, got) = get_paged_as(&s, &split_paged(), &tokens, B, &blocks);
+            assert_eq!(m, 5 * B);
+            assert!(got == model_of(split_offset, &tokens, 1, 5, &blocks));
+            // A cache block named twice: one thread, the last block wins.
+            let twice = [6, 0, 6, 7];
+            let (m, got) = get_paged(&s, &tokens, B, &twice);
+            assert_eq!(m, 5 * B);
+            assert!(got == model(&tokens, 1, 5, &twice));
         }
     }
+    drop(hot);
     // Fewer cache blocks than stored ones: only those land.
     let s = open(dir.path(), None);
     let (m, got) = get_paged(&s, &tokens, 0, &[2, 5]);
@@ -139,7 +209,8 @@ fn puts_store_what_a_canonical_put_stores() {
     let blocks = [4, 1, 7, 0, 2];
     let cache = model(&tokens, 0, 5, &blocks);
     let spans: Vec<&[u8]> = cache.iter().map(|v| &v[..]).collect();
-    let s = open(a.path(), None);
+    // Gathered over 2 threads (forced; the blocks are small).
+    let s = open_with(a.path(), None, Some(2));
     // A chunked save: the first two blocks, then the rest.
     assert_eq!(
         s.put_paged(&tokens[..2 * B], 0, b"", &paged(), &spans, &blocks[..2])
@@ -195,6 +266,25 @@ fn a_damaged_block_is_not_landed_and_ends_the_hit() {
     assert_eq!(m, B);
     // Block 5 (the damaged one) and 6 keep their sentinel bytes.
     assert!(got == model(&tokens, 0, 1, &[3]));
+    // A thread for each block: the third may have landed block 6 before
+    // the second found the damage (not reported: the prefix still ends at
+    // 1 block), but never anything in block 5.
+    let s = open_with(dir.path(), None, Some(3));
+    let (m, got) = get_paged(&s, &tokens, 0, &[3, 5, 6]);
+    assert_eq!(m, B);
+    let (one, all) = (model(&tokens, 0, 1, &[3]), model(&tokens, 0, 3, &[3, 5, 6]));
+    let block6 = |c: &Vec<Vec<u8>>| -> Vec<Vec<u8>> {
+        c.iter()
+            .map(|l| l[6 * STRIDE * 2..7 * STRIDE * 2].to_vec())
+            .collect()
+    };
+    let mut without6 = got.clone();
+    for (layer, want) in without6.iter_mut().zip(&one) {
+        layer[6 * STRIDE * 2..7 * STRIDE * 2]
+            .copy_from_slice(&want[6 * STRIDE * 2..7 * STRIDE * 2]);
+    }
+    assert!(without6 == one);
+    assert!(block6(&got) == block6(&one) || block6(&got) == block6(&all));
 }
 
 #[test]

@@ -78,9 +78,10 @@ pub struct Options {
     pub index_bytes: u64,
     /// A Redis/Valkey server or cluster behind the local store (`None`: none).
     pub remote: Option<crate::remote::RemoteOptions>,
-    /// Reader threads one get splits its blocks among, the calling one
-    /// included (never more than the blocks); `None`: one per core, at most
-    /// 4, each with 1 MiB or more to read. For tests and tuning.
+    /// Reader threads one get splits its blocks among (and the threads of a
+    /// paged get's or put's copies), the calling one included (never more
+    /// than the blocks); `None`: one per core, at most 4, each with 1 MiB or
+    /// more to read. For tests and tuning.
     pub get_readers: Option<usize>,
     /// Read payloads the page cache does not hold with `O_DIRECT` where the
     /// file system allows it (version-2 segments). Default: on, unless the

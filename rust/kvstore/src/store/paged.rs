@@ -2,17 +2,52 @@
 //! cache (`crate::paged`): each block is read and checked in a one-block
 //! scratch that stays in the CPU's cache, then permuted into the engine's
 //! cache; a put gathers a few blocks at a time. One pass over main memory
-//! each way instead of a canonical staging copy of the whole request.
+//! each way instead of a canonical staging copy of the whole request, over
+//! several threads where the request is large enough, each writing only its
+//! own cache blocks.
 
 use super::put::check_start;
+use super::read::Snap;
 use super::Inner;
 use crate::error::{Error, Result};
+use crate::id::BlockId;
 use crate::paged::PagedLayout;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// Bytes of canonical KV a paged put gathers before handing it to `put_from`
 /// (and a paged get fetches from the remote tier at once): bounded memory,
 /// and few enough calls that a synced put does not commit per block.
 const GROUP_BYTES: usize = 4 << 20;
+
+/// Threads a paged copy uses at most (the calling one included).
+const MAX_THREADS: usize = 4;
+
+/// Bytes a thread must have to copy for a paged get or put to start it:
+/// below this a thread's start (tens of µs) costs more than it saves.
+const BYTES_PER_THREAD: usize = 1 << 20;
+
+/// Threads for a paged copy of `blocks` blocks of `block_bytes` each: one per
+/// core, at most [`MAX_THREADS`], each with [`BYTES_PER_THREAD`] or more;
+/// `forced` (the `get_readers` option) overrides all but the block count.
+fn copy_threads(blocks: usize, block_bytes: usize, forced: Option<usize>) -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    if let Some(n) = forced {
+        return n.min(blocks).max(1);
+    }
+    let cores = *CORES
+        .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
+    let by_size = blocks.saturating_mul(block_bytes) / BYTES_PER_THREAD;
+    cores.min(MAX_THREADS).min(by_size).min(blocks).max(1)
+}
+
+/// `0..n` cut into `threads` consecutive ranges: their bounds.
+fn bounds(n: usize, threads: usize) -> Vec<usize> {
+    (0..n)
+        .step_by(n.div_ceil(threads).max(1))
+        .chain([n])
+        .collect()
+}
 
 impl Inner {
     /// `get_from` into cache blocks `blocks` of `layers` (one span per layer,
@@ -36,21 +71,12 @@ impl Inner {
         let usable = (tokens.len() / b).min(first + blocks.len());
         let ids = self.keyer.chain(&tokens[..usable * b], b, extra);
         let bb = self.layout.block_bytes();
-        let mut block = vec![0u8; bb];
-        let mut scratch = Vec::new();
         // One snapshot per call, so the cache notices a newer generation.
         let mut snap = Some(self.snapshot()?);
         let mut served = self.held_prefix(&mut snap, &ids[..first])?;
-        if served == first {
-            for (i, id) in ids.iter().enumerate().skip(first) {
-                let mut runs = self.layout.block_runs_mut(&mut block, b, 0);
-                let block_tokens = &tokens[i * b..(i + 1) * b];
-                if !self.read_block(&mut snap, id, block_tokens, &mut runs, &mut scratch)? {
-                    break;
-                }
-                paged.scatter(&self.layout, &mut runs, layers, blocks[i - first]);
-                served += 1;
-            }
+        if served == first && first < usable {
+            let (ids, tokens) = (&ids[first..], &tokens[first * b..usable * b]);
+            served += self.read_paged(&mut snap, ids, tokens, paged, layers, blocks)?;
         }
         drop(snap);
         if served < first {
@@ -83,6 +109,124 @@ impl Inner {
         self.count_hits(served, tokens.len() / b);
         self.touch(&ids[..served]);
         Ok(served * b)
+    }
+
+    /// Reads blocks `ids` (of `tokens`, the ones after the held prefix) into
+    /// cache blocks `blocks` (in order) of `layers`: how many were served
+    /// before the first that was not, as a one-thread walk would say. Over
+    /// several threads, each with a consecutive range of the blocks, its own
+    /// scratch and snapshot (the first range: `snap`), writing only its own
+    /// cache blocks' bytes (`PagedLayout::block_spans`); on one thread where
+    /// those cannot be cut apart.
+    fn read_paged<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        ids: &[BlockId],
+        tokens: &[u32],
+        paged: &PagedLayout,
+        layers: &mut [&mut [u8]],
+        blocks: &[usize],
+    ) -> Result<usize> {
+        let (n, lay) = (ids.len(), &self.layout);
+        let threads = copy_threads(n, lay.block_bytes(), self.opts.get_readers);
+        let stop = AtomicUsize::new(n);
+        let spans = if threads > 1 {
+            paged.block_spans(lay, layers, &blocks[..n])
+        } else {
+            None
+        };
+        let Some(mut spans) = spans else {
+            let place = |k: usize, runs: &mut [&mut [u8]]| {
+                paged.scatter(lay, runs, layers, blocks[k]);
+            };
+            return self.read_paged_range(snap, ids, tokens, 0, n, &stop, place);
+        };
+        let bounds = bounds(n, threads);
+        let mut parts = Vec::new();
+        let mut rest = &mut spans[..];
+        for w in bounds.windows(2) {
+            let (part, tail) = rest.split_at_mut(w[1] - w[0]);
+            parts.push((w[0], w[1], part));
+            rest = tail;
+        }
+        let range = |snap: &mut Option<Snap<'s>>,
+                     (at, end, part): (usize, usize, &mut [Vec<&mut [u8]>])| {
+            let place = |k: usize, runs: &mut [&mut [u8]]| {
+                let own: &mut Vec<&mut [u8]> = &mut part[k - at];
+                paged.scatter(lay, runs, own, 0);
+            };
+            self.read_paged_range(snap, ids, tokens, at, end, &stop, place)
+        };
+        let range = &range;
+        let mut parts = parts.into_iter();
+        let first = parts.next().expect("n > 0");
+        let results: Vec<(usize, Result<usize>)> = std::thread::scope(|scope| {
+            let spawned: Vec<_> = parts
+                .map(|p| {
+                    let len = p.1 - p.0;
+                    let handle = std::thread::Builder::new()
+                        .name("kvstore-paged".into())
+                        .spawn_scoped(scope, move || range(&mut None, p));
+                    (len, handle)
+                })
+                .collect();
+            let mut results = vec![(first.1 - first.0, range(snap, first))];
+            for (len, handle) in spawned {
+                let res = match handle {
+                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                    // No thread to be had: its range is not read, so the
+                    // prefix ends where it starts (a miss is always safe).
+                    Err(_) => Ok(0),
+                };
+                results.push((len, res));
+            }
+            results
+        });
+        // In range order, as the one-thread walk meets them: an error past
+        // the end of the prefix is never reached.
+        let mut served = 0;
+        for (len, res) in results {
+            let got = res?;
+            served += got;
+            if got < len {
+                break;
+            }
+        }
+        Ok(served)
+    }
+
+    /// Blocks `at..end` of `read_paged`, in order, each read into a scratch
+    /// block and handed to `place(k, runs)`: how many were served before the
+    /// first that was not. Stops early at a block past `stop` (the first one
+    /// found missing by any range).
+    #[allow(clippy::too_many_arguments)]
+    fn read_paged_range<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        ids: &[BlockId],
+        tokens: &[u32],
+        at: usize,
+        end: usize,
+        stop: &AtomicUsize,
+        mut place: impl FnMut(usize, &mut [&mut [u8]]),
+    ) -> Result<usize> {
+        let b = self.layout.block_size as usize;
+        let mut block = vec![0u8; self.layout.block_bytes()];
+        let mut scratch = Vec::new();
+        for k in at..end {
+            if stop.load(Ordering::Relaxed) < k {
+                return Ok(k - at);
+            }
+            let mut runs = self.layout.block_runs_mut(&mut block, b, 0);
+            let block_tokens = &tokens[k * b..(k + 1) * b];
+            let served = self.read_block(snap, &ids[k], block_tokens, &mut runs, &mut scratch);
+            if !matches!(served, Ok(true)) {
+                stop.fetch_min(k, Ordering::Relaxed);
+                return served.map(|_| k - at);
+            }
+            place(k, &mut runs);
+        }
+        Ok(end - at)
     }
 
     /// `put_from` out of cache blocks `blocks` of `layers`: block `start / B +
@@ -121,13 +265,53 @@ impl Inner {
         for g in (0..n).step_by(group) {
             let m = group.min(n - g);
             let kv = &mut buf[..m * bb];
-            for k in 0..m {
-                let mut runs = self.layout.block_runs_mut(kv, m * b, k);
-                paged.gather(&self.layout, layers, blocks[g + k], &mut runs);
-            }
+            self.gather_paged(paged, layers, &blocks[g..g + m], kv);
             let (from, to) = ((first + g) * b, (first + g + m) * b);
             covered = self.put_from(&tokens[..to], from, kv, m * b, extra)?;
         }
         Ok(covered)
+    }
+
+    /// Gathers cache blocks `blocks` of `layers` into `kv` (their canonical
+    /// runs, `blocks.len()` blocks), over several threads where they are
+    /// enough bytes, each writing its own blocks' part of every run.
+    fn gather_paged(&self, paged: &PagedLayout, layers: &[&[u8]], blocks: &[usize], kv: &mut [u8]) {
+        let (m, lay) = (blocks.len(), &self.layout);
+        let (b, chunk) = (lay.block_size as usize, lay.chunk_bytes());
+        let threads = copy_threads(m, lay.block_bytes(), self.opts.get_readers);
+        let bounds = bounds(m, threads);
+        let groups = lay.split_runs_mut(kv, m * b, &bounds);
+        let range = |at: usize, end: usize, mut runs: Vec<&mut [u8]>| {
+            for (j, &block) in blocks[at..end].iter().enumerate() {
+                let mut chunks: Vec<&mut [u8]> = runs
+                    .iter_mut()
+                    .map(|r| &mut r[j * chunk..(j + 1) * chunk])
+                    .collect();
+                paged.gather(lay, layers, block, &mut chunks);
+            }
+        };
+        let range = &range;
+        let lost: Vec<(usize, usize)> = std::thread::scope(|scope| {
+            let mut work = bounds.windows(2).zip(groups);
+            let first = work.next();
+            let lost = work
+                .filter_map(|(w, runs)| {
+                    let (at, end) = (w[0], w[1]);
+                    let spawned = std::thread::Builder::new()
+                        .name("kvstore-paged".into())
+                        .spawn_scoped(scope, move || range(at, end, runs));
+                    spawned.is_err().then_some((at, end))
+                })
+                .collect();
+            if let Some((w, runs)) = first {
+                range(w[0], w[1], runs);
+            }
+            lost
+        });
+        // No thread to be had for these: gathered here, after the others.
+        for (at, end) in lost {
+            let runs = lay.split_runs_mut(kv, m * b, &[at, end]);
+            range(at, end, runs.into_iter().next().expect("one group"));
+        }
     }
 }

@@ -467,6 +467,22 @@ def lora_phases(adapters: dict[str, dict[str, Any]], *names: str) -> list[dict[s
     return [phase(n, P.lora, lora=adapters.get(n)) for n in names]
 
 
+def stored_under(
+    world: dict[str, Any], path: Path, adapters: dict[str, dict[str, Any]]
+) -> dict[str, list[int]]:
+    """Tokens of each P.lora prompt's computed prefix the store at `path` holds under
+    each adapter's key extra ("base": none, kvstore.hf's keys)."""
+    from kvstore.vllm.keys import adapter_digest, key_extra
+
+    extra = {n: key_extra(None, adapter_digest(a["path"])) for n, a in adapters.items()}
+    extra["base"] = None
+    with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
+        return {
+            n: [s.lookup(p[: (len(p) - 1) // B * B], extra=e, count=False) for p in P.lora]
+            for n, e in extra.items()
+        }
+
+
 @pytest.fixture(scope="module")
 def lora_runs(world, adapters):
     """vLLM with LoRA enabled: without the connector (the reference); process LA serving
@@ -479,15 +495,16 @@ def lora_runs(world, adapters):
     )
     path = world["root"] / "lora-store"
     la = run(world, "LA", spec(world, path, lora_phases(adapters, "lora-a"), lora_rank=LORA_RANK))
+    after_la = stored_under(world, path, adapters)
     before = store_hits(path)
     phases = lora_phases(adapters, "base", "lora-b", "lora-a")
     lb = run(world, "LB", spec(world, path, phases, lora_rank=LORA_RANK))
     return {
         "reference": by_name(ref),
         "LA": la,
+        "after_LA": after_la,
         "LB": lb,
         "LB_hits": store_hits(path) - before,
-        "path": path,
     }
 
 
@@ -500,22 +517,14 @@ def test_lora_adapters_change_the_output(lora_runs):
     assert ref["lora-a"]["tokens"] != ref["lora-b"]["tokens"]
 
 
-def test_lora_blocks_are_stored_under_the_adapter(world, adapters, lora_runs):
+def test_lora_blocks_are_stored_under_the_adapter(lora_runs):
     """What LA stored is keyed by adapter A's files: found with its key extra, not
     without (the base model's keys, kvstore.hf's) nor with adapter B's."""
-    from kvstore.vllm.keys import adapter_digest, key_extra
-
-    ref = lora_runs["reference"]
-    assert by_name(lora_runs["LA"])["lora-a"]["tokens"] == ref["lora-a"]["tokens"]
-    extra = {n: key_extra(None, adapter_digest(a["path"])) for n, a in adapters.items()}
-    with hf.open(
-        lora_runs["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
-    ) as s:
-        for p in P.lora:
-            upto = (len(p) - 1) // B * B
-            assert s.lookup(p[:upto], extra=extra["lora-a"], count=False) == upto
-            assert s.lookup(p[:upto], count=False) == 0
-            assert s.lookup(p[:upto], extra=extra["lora-b"], count=False) == 0
+    assert (
+        by_name(lora_runs["LA"])["lora-a"]["tokens"] == lora_runs["reference"]["lora-a"]["tokens"]
+    )
+    computed = [(len(p) - 1) // B * B for p in P.lora]
+    assert lora_runs["after_LA"] == {"lora-a": computed, "lora-b": [0, 0], "base": [0, 0]}
 
 
 def test_lora_prefix_is_a_hit_only_for_its_adapter(lora_runs):

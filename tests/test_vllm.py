@@ -420,7 +420,8 @@ def damaged_cached_run(world):
         phase("damage-again", [P.damage, P.damage2]),
     ]
     results = run(world, "damaged-cached", spec(world, path, phases))
-    return {"results": results, "path": path, "n": n}
+    log = (world["logs"] / "damaged-cached.log").read_text()
+    return {"results": results, "path": path, "n": n, "log": log}
 
 
 def test_failed_load_behind_prefix_cache_hits_is_recomputed(world, damaged_cached_run, reference):
@@ -438,6 +439,10 @@ def test_failed_load_behind_prefix_cache_hits_is_recomputed(world, damaged_cache
     d = delta(results, "damage-cached")
     # 3 blocks land and 1 fails, for P.damage only: P.damage2 never asked the store.
     assert (d["hit_tokens"], d["load_error_blocks"]) == (3 * B, 1), d
+    # vLLM's own account: both held the failed block (P.damage2 its 40 tokens computed
+    # against it, P.damage the block itself), so both were rescheduled.
+    log = damaged_cached_run["log"]
+    assert "KV load failure: 2 request(s) rescheduled (72 tokens affected)" in log
     assert got["damage-cached"]["tokens"] == reference["damage"]["tokens"]
     again = delta(results, "damage-again")
     assert (again["hit_tokens"], again["load_error_blocks"]) == (0, 0), again

@@ -216,23 +216,33 @@ def test_process_a_stores_each_block_once(world, reference, stored):
             assert s.lookup(seq, count=False) == (len(seq) - 1) // B * B
 
 
-def assert_kv_like_transformers(world: dict[str, Any], tokens: list[int], kv, at: slice) -> None:
-    """`kv` (tokens `at` of `tokens`' KV, stored by vLLM) against transformers' on the
-    same weights and tokens: layer 0's V is the same math (bit-exact); elsewhere vLLM
-    is as close to a float32 reference as transformers' own bfloat16 run is."""
-    ids = torch.tensor([tokens])
+def kv_of(model: Any, tokens: list[int]):
+    """transformers' `[L, 2, T, H, D]` KV of `tokens` on `model`."""
     with torch.inference_mode():
-        bf16 = hf.cache_to_kv(world["model"](ids, use_cache=True).past_key_values)[:, :, at]
-        m32 = transformers.AutoModelForCausalLM.from_pretrained(
-            world["model_dir"], dtype=torch.float32
-        ).eval()
-        f32 = hf.cache_to_kv(m32(ids, use_cache=True).past_key_values)[:, :, at]
-    assert torch.equal(kv[0, 1], bf16[0, 1])
+        return hf.cache_to_kv(model(torch.tensor([tokens]), use_cache=True).past_key_values)
+
+
+def assert_kv_close(kv, bf16, f32) -> None:
+    """vLLM's `kv` is as close to the float32 reference `f32` as transformers' own
+    bfloat16 run `bf16` is, layer by layer, K and V."""
     for layer in range(kv.shape[0]):
         for j in range(2):
             ours = (kv[layer, j].float() - f32[layer, j]).abs().max().item()
             theirs = (bf16[layer, j].float() - f32[layer, j]).abs().max().item()
             assert ours <= 1.5 * theirs + 0.02, (layer, j, ours, theirs)
+
+
+def assert_kv_like_transformers(world: dict[str, Any], tokens: list[int], kv, at: slice) -> None:
+    """`kv` (tokens `at` of `tokens`' KV, stored by vLLM) against transformers' on the
+    same weights and tokens: layer 0's V is the same math (bit-exact); elsewhere vLLM
+    is as close to a float32 reference as transformers' own bfloat16 run is."""
+    bf16 = kv_of(world["model"], tokens)[:, :, at]
+    m32 = transformers.AutoModelForCausalLM.from_pretrained(
+        world["model_dir"], dtype=torch.float32
+    ).eval()
+    f32 = kv_of(m32, tokens)[:, :, at]
+    assert torch.equal(kv[0, 1], bf16[0, 1])
+    assert_kv_close(kv, bf16, f32)
 
 
 def test_stored_kv_equals_transformers(world, stored):
@@ -510,6 +520,7 @@ def lora_runs(world, adapters):
         "after_LA": after_la,
         "LB": lb,
         "LB_hits": store_hits(path) - before,
+        "path": path,
     }
 
 
@@ -530,6 +541,28 @@ def test_lora_blocks_are_stored_under_the_adapter(lora_runs):
     )
     computed = [(len(p) - 1) // B * B for p in P.lora]
     assert lora_runs["after_LA"] == {"lora-a": computed, "lora-b": [0, 0], "base": [0, 0]}
+
+
+def test_lora_kv_equals_transformers_with_the_adapter_merged(world, adapters, lora_runs):
+    """The KV LA stored under adapter A against transformers' with A merged into the
+    weights (W + scale * B @ A, computed here from the adapter's files): as close to
+    the float32 merge as its bfloat16 run is, and far from the base model's KV."""
+    from support.lora import merged
+
+    from kvstore.vllm.keys import adapter_digest, key_extra
+
+    path = adapters["lora-a"]["path"]
+    m16, m32 = (merged(world["model_dir"], path, d) for d in (torch.bfloat16, torch.float32))
+    extra = key_extra(None, adapter_digest(path))
+    with hf.open(
+        lora_runs["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
+    ) as s:
+        for p in P.lora:
+            n = (len(p) - 1) // B * B
+            kv = s.get(p[:n], extra=extra, like=torch.empty(0))
+            assert_kv_close(kv, kv_of(m16, p[:n]), kv_of(m32, p[:n]))
+            base = kv_of(world["model"], p[:n])
+            assert (kv[-1].float() - base[-1].float()).abs().max().item() > 1.0
 
 
 def test_lora_prefix_is_a_hit_only_for_its_adapter(lora_runs):

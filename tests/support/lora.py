@@ -55,3 +55,25 @@ def save_adapter(path: Path, config: Any, seed: int, rank: int = 8) -> Path:
     }
     (path / "adapter_config.json").write_text(json.dumps(cfg, indent=1))
     return path
+
+
+def merged(model_dir: str, adapter: str, dtype: Any) -> Any:
+    """The model at `model_dir` with the adapter at `adapter` merged into its weights
+    (W + lora_alpha / r * B @ A, in float32), in `dtype`: what the adapter computes,
+    without peft or vLLM."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    scale = cfg["lora_alpha"] / cfg["r"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    weights = model.state_dict()
+    tensors = load_file(str(Path(adapter) / "adapter_model.safetensors"))
+    for name, a in tensors.items():
+        if name.endswith(".lora_A.weight"):
+            b = tensors[name.replace(".lora_A.", ".lora_B.")]
+            target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            weights[target] += scale * b.float() @ a.float()
+    model.load_state_dict(weights)
+    return model.to(dtype)

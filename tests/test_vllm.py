@@ -436,11 +436,12 @@ def damaged_cached_run(world):
 
 def test_failed_load_behind_prefix_cache_hits_is_recomputed(world, damaged_cached_run, reference):
     """P.damage's first 2 blocks are vLLM prefix-cache hits, its next 4 loads, the last
-    of which fails; P.damage2, scheduled in the same step, finds all 6 (the failed one
-    too, cached by vLLM when the load was planned) in vLLM's prefix cache and loads
-    nothing. vLLM recomputes the block for the first and reschedules the second: both
-    get the tokens of a run without the store, and so do both again from vLLM's cache,
-    which then holds the recomputed block; the store heals."""
+    of which fails; P.damage2, scheduled in the same step (or the next), finds all 6 (the
+    failed one too, cached by vLLM when the load was planned) in vLLM's prefix cache and
+    loads nothing. vLLM recomputes the block for the first (and reschedules the second if
+    it computed against the failed block): both get the tokens of a run without the
+    store, and so do both again from vLLM's cache, which then holds the recomputed
+    block; the store heals."""
     results = damaged_cached_run["results"]
     got = by_name(results)
     warm = delta(results, "warm")
@@ -449,10 +450,16 @@ def test_failed_load_behind_prefix_cache_hits_is_recomputed(world, damaged_cache
     d = delta(results, "damage-cached")
     # 3 blocks land and 1 fails, for P.damage only: P.damage2 never asked the store.
     assert (d["hit_tokens"], d["load_error_blocks"]) == (3 * B, 1), d
-    # vLLM's own account: both held the failed block (P.damage2 its 40 tokens computed
-    # against it, P.damage the block itself), so both were rescheduled.
+    # vLLM's own account, by when P.damage2 reached vLLM's engine: in the failed load's
+    # step, both held the failed block (P.damage2 its 40 tokens computed against it,
+    # P.damage the block itself) and both were rescheduled; a step later, only P.damage
+    # was, and P.damage2 computed with the block being recomputed in the same step.
     log = damaged_cached_run["log"]
-    assert "KV load failure: 2 request(s) rescheduled (72 tokens affected)" in log
+    accounts = [
+        "KV load failure: 2 request(s) rescheduled (72 tokens affected)",
+        "KV load failure: 1 request(s) rescheduled (32 tokens affected)",
+    ]
+    assert sum(log.count(a) for a in accounts) == 1, log[-4000:]
     assert got["damage-cached"]["tokens"] == reference["damage"]["tokens"]
     again = delta(results, "damage-again")
     assert (again["hit_tokens"], again["load_error_blocks"]) == (0, 0), again

@@ -78,6 +78,9 @@ class Prompts:
         self.damage = _tokens(rng, 200)  # 6 blocks stored by transformers, the last damaged
         # Its 6 blocks (the damaged one too) and more: served in one batch with it.
         self.damage2 = self.damage[: 6 * B] + _tokens(rng, 40)
+        # Its first 2 blocks, served first so that vLLM's own prefix cache holds them.
+        self.warm = self.damage[: 2 * B] + _tokens(rng, 40)
+        self.lora = [_tokens(rng, 170), _tokens(rng, 150)]
 
 
 P = Prompts()
@@ -106,6 +109,7 @@ DAMAGE = [
     phase("damage", [P.damage, P.damage2]),
     phase("salted-again", [P.a], cache_salt="tenant-2"),
 ]
+WARM = [phase("warm", [P.warm])]
 SMALL = 24 * 4 * B * 2 * 2 * 64 * 2  # bytes of 24 blocks (one is vLLM's null block)
 
 
@@ -168,7 +172,7 @@ def run(world: dict[str, Any], name: str, s: dict[str, Any]) -> list[dict[str, A
 @pytest.fixture(scope="module")
 def reference(world: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Greedy tokens of every prompt from vLLM without the connector."""
-    phases = SHARED + PARTIAL + LATER + CONCURRENT_X + CONCURRENT_Y + KILL + DAMAGE[:1]
+    phases = SHARED + PARTIAL + LATER + CONCURRENT_X + CONCURRENT_Y + KILL + DAMAGE[:1] + WARM
     results = run(world, "reference", spec(world, None, phases))
     results += run(world, "reference-small", spec(world, None, PREEMPT, kv_bytes=SMALL))
     return by_name(results)
@@ -212,23 +216,33 @@ def test_process_a_stores_each_block_once(world, reference, stored):
             assert s.lookup(seq, count=False) == (len(seq) - 1) // B * B
 
 
-def assert_kv_like_transformers(world: dict[str, Any], tokens: list[int], kv, at: slice) -> None:
-    """`kv` (tokens `at` of `tokens`' KV, stored by vLLM) against transformers' on the
-    same weights and tokens: layer 0's V is the same math (bit-exact); elsewhere vLLM
-    is as close to a float32 reference as transformers' own bfloat16 run is."""
-    ids = torch.tensor([tokens])
+def kv_of(model: Any, tokens: list[int]):
+    """transformers' `[L, 2, T, H, D]` KV of `tokens` on `model`."""
     with torch.inference_mode():
-        bf16 = hf.cache_to_kv(world["model"](ids, use_cache=True).past_key_values)[:, :, at]
-        m32 = transformers.AutoModelForCausalLM.from_pretrained(
-            world["model_dir"], dtype=torch.float32
-        ).eval()
-        f32 = hf.cache_to_kv(m32(ids, use_cache=True).past_key_values)[:, :, at]
-    assert torch.equal(kv[0, 1], bf16[0, 1])
+        return hf.cache_to_kv(model(torch.tensor([tokens]), use_cache=True).past_key_values)
+
+
+def assert_kv_close(kv, bf16, f32) -> None:
+    """vLLM's `kv` is as close to the float32 reference `f32` as transformers' own
+    bfloat16 run `bf16` is, layer by layer, K and V."""
     for layer in range(kv.shape[0]):
         for j in range(2):
             ours = (kv[layer, j].float() - f32[layer, j]).abs().max().item()
             theirs = (bf16[layer, j].float() - f32[layer, j]).abs().max().item()
             assert ours <= 1.5 * theirs + 0.02, (layer, j, ours, theirs)
+
+
+def assert_kv_like_transformers(world: dict[str, Any], tokens: list[int], kv, at: slice) -> None:
+    """`kv` (tokens `at` of `tokens`' KV, stored by vLLM) against transformers' on the
+    same weights and tokens: layer 0's V is the same math (bit-exact); elsewhere vLLM
+    is as close to a float32 reference as transformers' own bfloat16 run is."""
+    bf16 = kv_of(world["model"], tokens)[:, :, at]
+    m32 = transformers.AutoModelForCausalLM.from_pretrained(
+        world["model_dir"], dtype=torch.float32
+    ).eval()
+    f32 = kv_of(m32, tokens)[:, :, at]
+    assert torch.equal(kv[0, 1], bf16[0, 1])
+    assert_kv_close(kv, bf16, f32)
 
 
 def test_stored_kv_equals_transformers(world, stored):
@@ -314,35 +328,51 @@ def test_transformers_session_is_a_hit(fresh_b, reference):
     assert by_name(fresh_b["results"])["session"]["tokens"] == reference["session"]["tokens"]
 
 
-@pytest.fixture(scope="module")
-def damaged_run(world, stored, fresh_b):
-    """A copy of B's store where transformers stored the KV of P.damage (3 blocks, then
-    3 more from start): the last record written, its 6th block, is damaged. Served by a
-    vLLM with little KV memory (24 blocks) that also runs the preemption phase, and no
-    prefix cache of its own (else a resumed request finds its blocks there, and a
-    salted prompt B served is a local hit)."""
-    damaged = world["root"] / "damaged"
-    shutil.copytree(stored["path"], damaged)
+def damage_last_block(world: dict[str, Any], path: Path) -> int:
+    """Stores transformers' KV of P.damage's 6 blocks at `path` (3 blocks, then 3 more
+    from start) and damages the last record written, its 6th block; returns its tokens."""
     n = len(P.damage) // B * B
     ids = torch.tensor([P.damage[:n]])
     with torch.inference_mode():
         kv = hf.cache_to_kv(world["model"](ids, use_cache=True).past_key_values)
-    with hf.open(damaged, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
+    with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
         assert s.put(P.damage[: 3 * B], kv[:, :, : 3 * B].contiguous()) == 3 * B
         assert s.put(P.damage[:n], kv[:, :, 3 * B :].contiguous(), start=3 * B) == n
         s.flush()
         last = max(s.segments(), key=lambda r: r["segment"])
         block_ids = s.block_ids(P.damage[:n])
-    seg = damaged / "segments" / f"{last['segment']:016x}.kvseg"
+    seg = path / "segments" / f"{last['segment']:016x}.kvseg"
     data = bytearray(seg.read_bytes())
     data[last["committed_bytes"] - 100] ^= 0x5A  # inside the last record
     seg.write_bytes(bytes(data))
     # The reference split, by kvstore's own check of a copy: exactly the last block.
-    probe = world["root"] / "damaged-probe"
-    shutil.copytree(damaged, probe)
+    probe = path.with_name(path.name + "-probe")
+    shutil.copytree(path, probe)
     with hf.open(probe, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
         bad = {bytes.fromhex(d["block_id"]) for d in s.verify()["damaged"]}
     assert bad == {block_ids[-1]}
+    return n
+
+
+def assert_healed(world: dict[str, Any], path: Path, n: int) -> None:
+    """The store at `path` holds P.damage's `n` tokens again, its last block stored again
+    from vLLM's recomputed KV, not the damaged record."""
+    with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
+        assert s.lookup(P.damage[:n], count=False) == n
+        healed = s.get(P.damage[:n], like=torch.empty(0))
+    at = slice(n - B, n)
+    assert_kv_like_transformers(world, P.damage[:n], healed[:, :, at], at)
+
+
+@pytest.fixture(scope="module")
+def damaged_run(world, stored, fresh_b):
+    """A copy of B's store where P.damage's 6th block is damaged (damage_last_block).
+    Served by a vLLM with little KV memory (24 blocks) that also runs the preemption
+    phase, and no prefix cache of its own (else a resumed request finds its blocks
+    there, and a salted prompt B served is a local hit)."""
+    damaged = world["root"] / "damaged"
+    shutil.copytree(stored["path"], damaged)
+    n = damage_last_block(world, damaged)
     s = spec(world, damaged, DAMAGE + PREEMPT, kv_bytes=SMALL, prefix_caching=False)
     return {"results": run(world, "damaged", s), "path": damaged, "n": n}
 
@@ -362,15 +392,7 @@ def test_damaged_block_misses_and_is_recomputed_and_stored_again(world, damaged_
     outcomes = {(10 * B, 2), (10 * B, 1), (11 * B, 1)}
     assert (d["hit_tokens"], d["load_error_blocks"]) in outcomes, d
     assert by_name(results)["damage"]["tokens"] == reference["damage"]["tokens"]
-    n = damaged_run["n"]
-    with hf.open(
-        damaged_run["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
-    ) as s:
-        assert s.lookup(P.damage[:n], count=False) == n
-        healed = s.get(P.damage[:n], like=torch.empty(0))
-    # The block stored again is vLLM's recomputed KV, not the damaged record.
-    at = slice(n - B, n)
-    assert_kv_like_transformers(world, P.damage[:n], healed[:, :, at], at)
+    assert_healed(world, damaged_run["path"], damaged_run["n"])
 
 
 def test_same_cache_salt_hits(damaged_run, reference):
@@ -391,6 +413,197 @@ def test_preempted_request_resumes_from_the_store(damaged_run, reference):
     assert d["hit_tokens"] > 0
     assert d["load_error_blocks"] == 0
     assert by_name(damaged_run["results"])["preempt"]["tokens"] == reference["preempt"]["tokens"]
+
+
+# -- a failed load of blocks vLLM's own prefix cache also holds ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def damaged_cached_run(world):
+    """A store holding P.damage's 6 blocks, the 6th damaged, served with vLLM's prefix
+    cache on: P.warm first (vLLM then caches P.damage's first 2 blocks), then P.damage
+    and P.damage2 together, then both again."""
+    path = world["root"] / "damaged-cached"
+    n = damage_last_block(world, path)
+    phases = WARM + [
+        phase("damage-cached", [P.damage, P.damage2]),
+        phase("damage-again", [P.damage, P.damage2]),
+    ]
+    results = run(world, "damaged-cached", spec(world, path, phases))
+    log = (world["logs"] / "damaged-cached.log").read_text()
+    return {"results": results, "path": path, "n": n, "log": log}
+
+
+def test_failed_load_behind_prefix_cache_hits_is_recomputed(world, damaged_cached_run, reference):
+    """P.damage's first 2 blocks are vLLM prefix-cache hits, its next 4 loads, the last
+    of which fails; P.damage2, scheduled in the same step (or the next), finds all 6 (the
+    failed one too, cached by vLLM when the load was planned) in vLLM's prefix cache and
+    loads nothing. vLLM recomputes the block for the first (and reschedules the second if
+    it computed against the failed block): both get the tokens of a run without the
+    store, and so do both again from vLLM's cache, which then holds the recomputed
+    block; the store heals."""
+    results = damaged_cached_run["results"]
+    got = by_name(results)
+    warm = delta(results, "warm")
+    assert (warm["hit_tokens"], warm["load_error_blocks"]) == (2 * B, 0)
+    assert got["warm"]["tokens"] == reference["warm"]["tokens"]
+    d = delta(results, "damage-cached")
+    # 3 blocks land and 1 fails, for P.damage only: P.damage2 never asked the store.
+    assert (d["hit_tokens"], d["load_error_blocks"]) == (3 * B, 1), d
+    # vLLM's own account, by when P.damage2 reached vLLM's engine: in the failed load's
+    # step, both held the failed block (P.damage2 its 40 tokens computed against it,
+    # P.damage the block itself) and both were rescheduled; a step later, only P.damage
+    # was, and P.damage2 computed with the block being recomputed in the same step.
+    log = damaged_cached_run["log"]
+    accounts = [
+        "KV load failure: 2 request(s) rescheduled (72 tokens affected)",
+        "KV load failure: 1 request(s) rescheduled (32 tokens affected)",
+    ]
+    assert sum(log.count(a) for a in accounts) == 1, log[-4000:]
+    assert got["damage-cached"]["tokens"] == reference["damage"]["tokens"]
+    again = delta(results, "damage-again")
+    assert (again["hit_tokens"], again["load_error_blocks"]) == (0, 0), again
+    assert got["damage-again"]["tokens"] == reference["damage"]["tokens"]
+    assert_healed(world, damaged_cached_run["path"], damaged_cached_run["n"])
+
+
+# -- LoRA adapters: part of the block keys -------------------------------------------------------
+
+LORA_RANK = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(world) -> dict[str, dict[str, Any]]:
+    """Two adapters of the test model (random, different weights) as vLLM requests them."""
+    from support.lora import save_adapter
+
+    out = {}
+    for i, name in enumerate(("lora-a", "lora-b"), start=1):
+        path = save_adapter(world["root"] / name, world["model"].config, seed=i, rank=LORA_RANK)
+        out[name] = {"name": name, "id": i, "path": str(path)}
+    return out
+
+
+def lora_phases(adapters: dict[str, dict[str, Any]], *names: str) -> list[dict[str, Any]]:
+    """P.lora under each adapter named ("base": none)."""
+    return [phase(n, P.lora, lora=adapters.get(n)) for n in names]
+
+
+def stored_under(
+    world: dict[str, Any], path: Path, adapters: dict[str, dict[str, Any]]
+) -> dict[str, list[int]]:
+    """Tokens of each P.lora prompt's computed prefix the store at `path` holds under
+    each adapter's key extra ("base": none, kvstore.hf's keys)."""
+    from kvstore.vllm.keys import adapter_digest, key_extra
+
+    extra = {n: key_extra(None, adapter_digest(a["path"])) for n, a in adapters.items()}
+    extra["base"] = None
+    with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
+        return {
+            n: [s.lookup(p[: (len(p) - 1) // B * B], extra=e, count=False) for p in P.lora]
+            for n, e in extra.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def lora_runs(world, adapters):
+    """vLLM with LoRA enabled: without the connector (the reference); process LA serving
+    P.lora under adapter A into a fresh store; a fresh process LB on that store serving
+    it with no adapter, adapter B, then adapter A."""
+    ref = run(
+        world,
+        "lora-reference",
+        spec(world, None, lora_phases(adapters, "base", "lora-a", "lora-b"), lora_rank=LORA_RANK),
+    )
+    path = world["root"] / "lora-store"
+    la = run(world, "LA", spec(world, path, lora_phases(adapters, "lora-a"), lora_rank=LORA_RANK))
+    after_la = stored_under(world, path, adapters)
+    before = store_hits(path)
+    phases = lora_phases(adapters, "base", "lora-b", "lora-a")
+    lb = run(world, "LB", spec(world, path, phases, lora_rank=LORA_RANK))
+    return {
+        "reference": by_name(ref),
+        "LA": la,
+        "after_LA": after_la,
+        "LB": lb,
+        "LB_hits": store_hits(path) - before,
+        "path": path,
+    }
+
+
+def test_lora_adapters_change_the_output(lora_runs):
+    """The instrument: each adapter changes the greedy tokens (it changes K and V), so a
+    block served across adapters would show in the tokens."""
+    ref = lora_runs["reference"]
+    assert ref["lora-a"]["tokens"] != ref["base"]["tokens"]
+    assert ref["lora-b"]["tokens"] != ref["base"]["tokens"]
+    assert ref["lora-a"]["tokens"] != ref["lora-b"]["tokens"]
+
+
+def test_lora_blocks_are_stored_under_the_adapter(lora_runs):
+    """What LA stored is keyed by adapter A's files: found with its key extra, not
+    without (the base model's keys, kvstore.hf's) nor with adapter B's."""
+    assert (
+        by_name(lora_runs["LA"])["lora-a"]["tokens"] == lora_runs["reference"]["lora-a"]["tokens"]
+    )
+    computed = [(len(p) - 1) // B * B for p in P.lora]
+    assert lora_runs["after_LA"] == {"lora-a": computed, "lora-b": [0, 0], "base": [0, 0]}
+
+
+def test_lora_kv_equals_transformers_with_the_adapter_merged(world, adapters, lora_runs):
+    """The KV LA stored under adapter A against transformers' with A merged into the
+    weights (W + scale * B @ A, computed here from the adapter's files): as close to
+    the float32 merge as its bfloat16 run is, and far from the base model's KV."""
+    from support.lora import merged
+
+    from kvstore.vllm.keys import adapter_digest, key_extra
+
+    path = adapters["lora-a"]["path"]
+    m16, m32 = (merged(world["model_dir"], path, d) for d in (torch.bfloat16, torch.float32))
+    extra = key_extra(None, adapter_digest(path))
+    with hf.open(
+        lora_runs["path"], world["model"], fingerprint=world["fingerprint"], block_size=B
+    ) as s:
+        for p in P.lora:
+            n = (len(p) - 1) // B * B
+            kv = s.get(p[:n], extra=extra, like=torch.empty(0))
+            assert_kv_close(kv, kv_of(m16, p[:n]), kv_of(m32, p[:n]))
+            base = kv_of(world["model"], p[:n])
+            assert (kv[-1].float() - base[-1].float()).abs().max().item() > 1.0
+
+
+def test_lora_prefix_is_a_hit_only_for_its_adapter(lora_runs):
+    """In a fresh process, adapter A's stored prefix is no hit for the base model nor for
+    adapter B, and is one for adapter A; every run's tokens equal vLLM's without the
+    connector under the same adapter."""
+    ref, lb = lora_runs["reference"], lora_runs["LB"]
+    got = by_name(lb)
+    for name in ("base", "lora-b", "lora-a"):
+        assert got[name]["tokens"] == ref[name]["tokens"], name
+        assert delta(lb, name)["load_error_blocks"] == 0, name
+    assert delta(lb, "base")["hit_tokens"] == 0
+    assert delta(lb, "lora-b")["hit_tokens"] == 0
+    want = sum((len(p) - 1) // B * B for p in P.lora)
+    assert delta(lb, "lora-a")["hit_tokens"] == want
+    # The store's own count (every process): only adapter A's blocks were served.
+    assert lora_runs["LB_hits"] == want // B
+
+
+# -- a quantized vLLM KV cache ------------------------------------------------------------------
+
+
+def test_fp8_kv_cache_is_refused_at_start_up(world):
+    """vLLM's CPU backend runs an fp8 KV cache, which the store does not keep (it keeps
+    the model dtype's KV): the connector refuses it when vLLM starts, naming the
+    setting, before it creates a store."""
+    path = world["root"] / "fp8-store"
+    log = world["logs"] / "fp8.log"
+    world["logs"].mkdir(exist_ok=True)
+    s = spec(world, path, [phase("never", [P.a])], kv_cache_dtype="fp8")
+    with pytest.raises(AssertionError, match="vLLM driver failed"):
+        vllm_run.run(PY, s, log)
+    assert "KVStoreConnector: kv_cache_dtype 'fp8' is quantized" in log.read_text()
+    assert not path.exists()
 
 
 def test_two_processes_then_sigkill_then_fresh(world, reference):

@@ -4,9 +4,11 @@ Run by the vLLM python (scripts/vllm_env.sh) with a JSON spec as its argument:
 
     {"model": dir, "store": path or null (no connector), "extra": {...} (more
      kv_connector_extra_config), "prefix_caching": bool, "batched_tokens": int,
-     "max_model_len": int, "kv_bytes": int,
+     "max_model_len": int, "kv_bytes": int, "lora_rank": int (enables LoRA),
+     "kv_cache_dtype": str,
      "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int,
                  "cache_salt": str or null, "evict": path or null, "sleep": s,
+                 "lora": {"name": str, "id": int, "path": dir} or null,
                  "stored": {"layout": {...}, "model": str, "tokens": [ids]} or null,
                  "barrier": {"dir": path, "all": [names]} or null}]}
 
@@ -84,8 +86,11 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.lora.request import LoRARequest
 
     kwargs: dict[str, Any] = {}
+    if spec.get("lora_rank"):
+        kwargs.update(enable_lora=True, max_lora_rank=spec["lora_rank"], max_loras=2)
     if spec.get("store") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector",
@@ -104,6 +109,7 @@ def main() -> None:
         enforce_eager=True,
         enable_prefix_caching=spec.get("prefix_caching", True),
         kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         skip_tokenizer_init=True,
         disable_log_stats=False,
         seed=0,
@@ -131,7 +137,9 @@ def main() -> None:
             barrier(phase["name"], phase["barrier"])
         start = time.time()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        lora = phase.get("lora")
+        adapter = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
         seconds = time.perf_counter() - t0
         result = {
             "name": phase["name"],

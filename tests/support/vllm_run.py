@@ -40,6 +40,9 @@ def env() -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         VLLM_TARGET_DEVICE="cpu",
         VLLM_LOGGING_LEVEL="WARNING",
+        # vLLM logs to stdout, a pipe here: unbuffered, so what its engine process
+        # logged is in the log even when that process is killed at shutdown.
+        PYTHONUNBUFFERED="1",
         # The kvstore under test, not the one the vLLM venv's site would import.
         PYTHONPATH=str(Path(kvstore.__file__).resolve().parent.parent),
     )

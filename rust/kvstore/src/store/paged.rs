@@ -7,7 +7,7 @@
 //! own cache blocks.
 
 use super::put::check_start;
-use super::read::Snap;
+use super::read::{in_ranges, Snap};
 use super::Inner;
 use crate::error::{Error, Result};
 use crate::id::BlockId;
@@ -157,42 +157,8 @@ impl Inner {
             };
             self.read_paged_range(snap, ids, tokens, at, end, &stop, place)
         };
-        let range = &range;
-        let mut parts = parts.into_iter();
-        let first = parts.next().expect("n > 0");
-        let results: Vec<(usize, Result<usize>)> = std::thread::scope(|scope| {
-            let spawned: Vec<_> = parts
-                .map(|p| {
-                    let len = p.1 - p.0;
-                    let handle = std::thread::Builder::new()
-                        .name("kvstore-paged".into())
-                        .spawn_scoped(scope, move || range(&mut None, p));
-                    (len, handle)
-                })
-                .collect();
-            let mut results = vec![(first.1 - first.0, range(snap, first))];
-            for (len, handle) in spawned {
-                let res = match handle {
-                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-                    // No thread to be had: its range is not read, so the
-                    // prefix ends where it starts (a miss is always safe).
-                    Err(_) => Ok(0),
-                };
-                results.push((len, res));
-            }
-            results
-        });
-        // In range order, as the one-thread walk meets them: an error past
-        // the end of the prefix is never reached.
-        let mut served = 0;
-        for (len, res) in results {
-            let got = res?;
-            served += got;
-            if got < len {
-                break;
-            }
-        }
-        Ok(served)
+        let parts = parts.into_iter().map(|p| (p.1 - p.0, p));
+        in_ranges(snap, "kvstore-paged", parts, &range)
     }
 
     /// Blocks `at..end` of `read_paged`, in order, each read into a scratch

@@ -43,6 +43,57 @@ const MAX_READERS: usize = 4;
 /// a thread's start (tens of µs) costs more than it saves.
 const BYTES_PER_READER: usize = 1 << 20;
 
+/// Runs `work` over consecutive ranges of a read's blocks, each given as
+/// (its length, its work): the first on the calling thread with `snap`, the
+/// others on scoped threads named `name`, each taking its own snapshot.
+/// Returns the blocks served as the one-thread walk would count them: in
+/// range order, up to and including the first range that served fewer than
+/// its length (an error past that is never reached).
+pub(super) fn in_ranges<'s, W, F>(
+    snap: &mut Option<Snap<'s>>,
+    name: &str,
+    mut ranges: impl Iterator<Item = (usize, W)>,
+    work: &F,
+) -> Result<usize>
+where
+    W: Send,
+    F: Fn(&mut Option<Snap<'s>>, W) -> Result<usize> + Sync,
+{
+    let Some((len0, first)) = ranges.next() else {
+        return Ok(0);
+    };
+    let results: Vec<(usize, Result<usize>)> = std::thread::scope(|scope| {
+        let spawned: Vec<_> = ranges
+            .map(|(len, w)| {
+                let handle = std::thread::Builder::new()
+                    .name(name.into())
+                    .spawn_scoped(scope, move || work(&mut None, w));
+                (len, handle)
+            })
+            .collect();
+        let mut results = vec![(len0, work(snap, first))];
+        for (len, handle) in spawned {
+            let res = match handle {
+                Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                // No thread to be had: the range is not read, so the prefix
+                // ends where it starts (a miss is always safe).
+                Err(_) => Ok(0),
+            };
+            results.push((len, res));
+        }
+        results
+    });
+    let mut served = 0;
+    for (len, res) in results {
+        let got = res?;
+        served += got;
+        if got < len {
+            break;
+        }
+    }
+    Ok(served)
+}
+
 /// Reader threads for a get of `blocks` blocks of `block_bytes` each: one
 /// per core (or, with `direct` reads, whose threads mostly wait on the
 /// device, as many as keep it busy whatever the cores), at most
@@ -324,7 +375,7 @@ impl Inner {
         // The first block found missing so far: no range reads past it.
         let stop = AtomicUsize::new(n);
         let stop = &stop;
-        let mut ranges = bounds.windows(2).zip(runs).map(|(w, runs)| {
+        let ranges = bounds.windows(2).zip(runs).map(|(w, runs)| {
             let (at, end) = (w[0], w[1]);
             let range = Range {
                 at,
@@ -332,46 +383,12 @@ impl Inner {
                 found: &found[at..end],
                 tokens: &tokens[at * b..end * b],
             };
-            (range, runs)
+            (end - at, (range, runs))
         });
-        let (range0, runs0) = ranges.next().expect("n > 0");
-        let results: Vec<(usize, Result<usize>)> = std::thread::scope(|scope| {
-            let spawned: Vec<_> = ranges
-                .map(|(range, runs)| {
-                    let len = range.ids.len();
-                    let work = move || self.read_range(&mut None, &range, runs, stop);
-                    let handle = std::thread::Builder::new()
-                        .name("kvstore-read".into())
-                        .spawn_scoped(scope, work);
-                    (len, handle)
-                })
-                .collect();
-            let mut results = vec![(
-                range0.ids.len(),
-                self.read_range(snap, &range0, runs0, stop),
-            )];
-            for (len, handle) in spawned {
-                let res = match handle {
-                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-                    // No thread to be had: the range is not read, so the
-                    // prefix ends where it starts (a miss is always safe).
-                    Err(_) => Ok(0),
-                };
-                results.push((len, res));
-            }
-            results
-        });
-        // In range order, as the one-thread walk meets them: an error past
-        // the end of the prefix is never reached.
-        let mut served = 0;
-        for (len, res) in results {
-            let got = res?;
-            served += got;
-            if got < len {
-                break;
-            }
-        }
-        Ok(served)
+        let work = |snap: &mut Option<Snap<'s>>, (range, runs): (Range<'_>, _)| {
+            self.read_range(snap, &range, runs, stop)
+        };
+        in_ranges(snap, "kvstore-read", ranges, &work)
     }
 
     /// One reader's range of [`Inner::read_found`], in order, into `runs`

@@ -7,8 +7,8 @@ use kvstore::format::{self, SEGMENT_HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fn check(data: &[u8]) {
-    if let Ok(n) = format::decode_segment_header(data) {
-        let again = format::encode_segment_header(n);
+    if let Ok((n, version)) = format::decode_segment_header(data) {
+        let again = format::encode_segment_header_of(n, version);
         assert_eq!(
             again[..],
             data[..SEGMENT_HEADER_LEN],

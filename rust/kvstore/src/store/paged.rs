@@ -7,47 +7,17 @@
 //! own cache blocks.
 
 use super::put::check_start;
-use super::read::{in_ranges, Snap};
+use super::read::{in_ranges, range_bounds, reader_threads, Snap};
 use super::Inner;
 use crate::error::{Error, Result};
 use crate::id::BlockId;
 use crate::paged::PagedLayout;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
 
 /// Bytes of canonical KV a paged put gathers before handing it to `put_from`
 /// (and a paged get fetches from the remote tier at once): bounded memory,
 /// and few enough calls that a synced put does not commit per block.
 const GROUP_BYTES: usize = 4 << 20;
-
-/// Threads a paged copy uses at most (the calling one included).
-const MAX_THREADS: usize = 4;
-
-/// Bytes a thread must have to copy for a paged get or put to start it:
-/// below this a thread's start (tens of µs) costs more than it saves.
-const BYTES_PER_THREAD: usize = 1 << 20;
-
-/// Threads for a paged copy of `blocks` blocks of `block_bytes` each: one per
-/// core, at most [`MAX_THREADS`], each with [`BYTES_PER_THREAD`] or more;
-/// `forced` (the `get_readers` option) overrides all but the block count.
-fn copy_threads(blocks: usize, block_bytes: usize, forced: Option<usize>) -> usize {
-    static CORES: OnceLock<usize> = OnceLock::new();
-    if let Some(n) = forced {
-        return n.min(blocks).max(1);
-    }
-    let cores = *CORES
-        .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
-    let by_size = blocks.saturating_mul(block_bytes) / BYTES_PER_THREAD;
-    cores.min(MAX_THREADS).min(by_size).min(blocks).max(1)
-}
-
-/// `0..n` cut into `threads` consecutive ranges: their bounds.
-fn bounds(n: usize, threads: usize) -> Vec<usize> {
-    (0..n)
-        .step_by(n.div_ceil(threads).max(1))
-        .chain([n])
-        .collect()
-}
 
 impl Inner {
     /// `get_from` into cache blocks `blocks` of `layers` (one span per layer,
@@ -128,7 +98,7 @@ impl Inner {
         blocks: &[usize],
     ) -> Result<usize> {
         let (n, lay) = (ids.len(), &self.layout);
-        let threads = copy_threads(n, lay.block_bytes(), self.opts.get_readers);
+        let threads = reader_threads(n, lay.block_bytes(), self.opts.get_readers, false);
         let stop = AtomicUsize::new(n);
         let spans = if threads > 1 {
             paged.block_spans(lay, layers, &blocks[..n])
@@ -141,7 +111,7 @@ impl Inner {
             };
             return self.read_paged_range(snap, ids, tokens, 0, n, &stop, place);
         };
-        let bounds = bounds(n, threads);
+        let bounds = range_bounds(n, threads);
         let mut parts = Vec::new();
         let mut rest = &mut spans[..];
         for w in bounds.windows(2) {
@@ -244,8 +214,8 @@ impl Inner {
     fn gather_paged(&self, paged: &PagedLayout, layers: &[&[u8]], blocks: &[usize], kv: &mut [u8]) {
         let (m, lay) = (blocks.len(), &self.layout);
         let (b, chunk) = (lay.block_size as usize, lay.chunk_bytes());
-        let threads = copy_threads(m, lay.block_bytes(), self.opts.get_readers);
-        let bounds = bounds(m, threads);
+        let threads = reader_threads(m, lay.block_bytes(), self.opts.get_readers, false);
+        let bounds = range_bounds(m, threads);
         let groups = lay.split_runs_mut(kv, m * b, &bounds);
         let range = |at: usize, end: usize, mut runs: Vec<&mut [u8]>| {
             for (j, &block) in blocks[at..end].iter().enumerate() {

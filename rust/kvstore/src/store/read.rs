@@ -99,7 +99,12 @@ where
 /// device, as many as keep it busy whatever the cores), at most
 /// [`MAX_READERS`], each with [`BYTES_PER_READER`] or more; `forced` (the
 /// `get_readers` option) overrides all but the block count.
-fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>, direct: bool) -> usize {
+pub(super) fn reader_threads(
+    blocks: usize,
+    block_bytes: usize,
+    forced: Option<usize>,
+    direct: bool,
+) -> usize {
     static CORES: OnceLock<usize> = OnceLock::new();
     if let Some(n) = forced {
         return n.min(blocks).max(1);
@@ -109,6 +114,14 @@ fn reader_threads(blocks: usize, block_bytes: usize, forced: Option<usize>, dire
     let by_size = blocks.saturating_mul(block_bytes) / BYTES_PER_READER;
     let threads = if direct { MAX_READERS } else { cores };
     threads.min(MAX_READERS).min(by_size).min(blocks).max(1)
+}
+
+/// `0..n` cut into `threads` consecutive ranges: their bounds.
+pub(super) fn range_bounds(n: usize, threads: usize) -> Vec<usize> {
+    (0..n)
+        .step_by(n.div_ceil(threads).max(1))
+        .chain([n])
+        .collect()
 }
 
 /// Segment files a handle keeps open for reads.
@@ -368,9 +381,8 @@ impl Inner {
             self.opts.get_readers,
             self.opts.direct_reads,
         );
-        let per = n.div_ceil(readers);
         let b = self.layout.block_size as usize;
-        let bounds: Vec<usize> = (0..n).step_by(per).chain([n]).collect();
+        let bounds = range_bounds(n, readers);
         let runs = self.layout.split_runs_mut(out, out_tokens, &bounds);
         // The first block found missing so far: no range reads past it.
         let stop = AtomicUsize::new(n);

@@ -49,8 +49,9 @@ def fill(path: Path, n_seqs: int = 20, length: int = 64) -> list[np.ndarray]:
 
 
 def test_info_shows_v1_segments_until_compact(tmp_path: Path) -> None:
-    """The format-1 fixture store: info names its version-1 segments; compact
-    rewrites them as version 2; the KV reads the same before and after."""
+    """The format-1 fixture store: info names its version-1 segments and format
+    1 (reading does not upgrade the MANIFEST); compact rewrites them as version
+    2, upgrading it; the KV reads the same before and after."""
     import shutil
 
     src = Path(__file__).resolve().parents[1] / "rust/kvstore/tests/fixtures/v1"
@@ -58,7 +59,7 @@ def test_info_shows_v1_segments_until_compact(tmp_path: Path) -> None:
     shutil.copytree(src, store, ignore=shutil.ignore_patterns("LOCK", "lock.mdb"))
     store.chmod(0o700)
     info = json.loads(cli("info", store, "--json").stdout)
-    assert (info["manifest"]["format_version"], info["segments_v1"]) == (2, 2)
+    assert (info["manifest"]["format_version"], info["segments_v1"]) == (1, 2)
     assert "2 segments of version 1" in cli("info", store).stdout
     # The fixture's first sequence: tokens 0..7, KV bytes (31 * i) mod 256
     # (rust/kvstore/tests/golden.rs, fixture_data).
@@ -69,6 +70,7 @@ def test_info_shows_v1_segments_until_compact(tmp_path: Path) -> None:
     cli("compact", store)
     info = json.loads(cli("info", store, "--json").stdout)
     assert (info["segments_v1"], info["segments"]) == (0, 1)
+    assert info["manifest"]["format_version"] == kvstore.FORMAT_VERSION == 2
     with kvstore.open(store) as s:
         assert np.asarray(s.get(tokens)).tobytes() == want
 

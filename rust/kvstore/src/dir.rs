@@ -116,6 +116,29 @@ impl StoreDir {
         Ok(m.clone())
     }
 
+    /// Raises the MANIFEST's format version to this build's before the
+    /// first version-2 segment is written (a build that reads only version
+    /// 1 must then refuse the store, not take padded records for damage);
+    /// until then a version-1 store keeps its MANIFEST bytes, whoever opens
+    /// it. Under the LOCK, re-read first (another process may have done it),
+    /// and written atomically: a crash leaves the old MANIFEST or the new
+    /// one, and either opens with the segments there are. Returns the
+    /// MANIFEST as it now is.
+    pub fn upgrade_manifest(&self) -> Result<Manifest> {
+        let _lock = self.lock()?;
+        let path = self.manifest_path();
+        let m = self
+            .read_manifest()?
+            .ok_or_else(|| Error::corrupt(&path, "missing (removed while the store was open)"))?;
+        if m.format_version >= format::FORMAT_VERSION {
+            return Ok(m);
+        }
+        self.write_manifest(&Manifest {
+            format_version: format::FORMAT_VERSION,
+            ..m
+        })
+    }
+
     /// Takes the store's LOCK, waiting while another process creates,
     /// recovers or rebuilds the store. Released when the file is dropped.
     pub fn lock(&self) -> Result<File> {

@@ -35,9 +35,11 @@
 //! The padding belongs to the record that follows it: an index entry's
 //! offset is where the padding starts and its length counts it, so a
 //! record's bytes are one range of the file and the padding is checked (it
-//! must be zeros) with the record. A padded record starts with a zero byte,
-//! an unpadded one with its magic, and the padding is a function of the
-//! offset: so a scanner finds the next record where the last one ended.
+//! must be zeros) with the record: padding that is not zeros damages the
+//! record, for reads, `verify` and the scanner alike. A padded record
+//! starts with a zero byte, an unpadded one with its magic, and the padding
+//! is a function of the offset: so a scanner finds the next record where
+//! the last one ended.
 //!
 //! All integers are little-endian by explicit encoding. A compressed payload is
 //! one zstd frame (any decoder reads it); with the shuffle flag the decoded
@@ -69,8 +71,9 @@ pub const PAYLOAD_ALIGN: u64 = 4096;
 
 /// Format version written in the MANIFEST: 2 since segments may be of
 /// version 2 (a build that reads only version 1 must refuse the store
-/// rather than take padded records for damage). Version-1 stores open, and
-/// their MANIFEST is upgraded on open.
+/// rather than take padded records for damage). Version-1 stores open and
+/// read as they are; their MANIFEST is upgraded (atomically) just before the
+/// first version-2 segment is created in them, by a put or a compaction.
 pub const FORMAT_VERSION: u32 = 2;
 /// The oldest MANIFEST format version this build opens.
 pub const FORMAT_VERSION_MIN: u32 = 1;

@@ -150,6 +150,18 @@ pub fn check_meta(header: &RecordHeader, meta: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks the padding before a record's meta (version 2: zeros that align
+/// its payload). The one rule for reads, `verify` and the scanner alike: a
+/// record whose padding is not zeros is damaged as a whole, even when its
+/// meta and payload check out, so that no path serves (or re-indexes) what
+/// another calls damage.
+pub fn check_padding(pad: &[u8]) -> Result<(), String> {
+    if pad.iter().any(|&b| b != 0) {
+        return Err("record padding is not zeros".into());
+    }
+    Ok(())
+}
+
 /// Token ids stored in a record's meta bytes.
 pub fn tokens(meta: &[u8]) -> impl Iterator<Item = u32> + '_ {
     meta[RECORD_HEADER_LEN..]

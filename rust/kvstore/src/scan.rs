@@ -15,6 +15,10 @@
 //! and counts it in the record. A record found by resynchronising must be
 //! placed so too (its payload aligned), or it is not a version-2 record.
 //! When the segment header is unreadable, either placement is accepted.
+//! Padding that is not zeros damages the whole record behind it, however
+//! sound its meta and payload (reads and `verify` say the same, through
+//! [`record::check_padding`]): the scan skips that record and names its
+//! block, so a rebuilt index never serves what `verify` calls damaged.
 //!
 //! The scan reads the file's length once, at the start. Scan a sealed segment,
 //! or hold the writer's lock on an active one: bytes a live writer appends
@@ -228,7 +232,21 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
                     resume,
                     block_id,
                 } => {
-                    let next = self.resync(resume)?;
+                    // After a record whose header held, `resume` is where
+                    // the next record starts, its padding included: taken
+                    // from there when it is one, so that it keeps its
+                    // padding (a search finds only its magic, after it).
+                    let mut next = None;
+                    if block_id.is_some() && resume < self.len {
+                        if let rec @ Step::Record(_) = self.examine(resume)? {
+                            step = Some(rec);
+                            next = Some(resume);
+                        }
+                    }
+                    let next = match next {
+                        Some(q) => Some(q),
+                        None => self.resync(resume)?,
+                    };
                     report.damaged.push(DamagedRange {
                         start,
                         end: next.unwrap_or(self.len),
@@ -299,12 +317,8 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
             let n = pad.min(remaining) as usize;
             self.chunk.resize(n, 0);
             self.r.read_exact_at(&mut self.chunk[..n], pos)?;
-            if self.chunk[..n].iter().any(|&b| b != 0) {
-                return Ok(Step::Bad {
-                    reason: format!("record padding is not zeros (at offset {pos})"),
-                    resume: pos + 1,
-                    block_id: None,
-                });
+            if let Err(reason) = record::check_padding(&self.chunk[..n]) {
+                return self.damaged_padding(pos, pad, &reason);
             }
             if remaining <= pad {
                 // The file ends in the padding: an append torn before its record.
@@ -331,7 +345,67 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
                     }
                 }
             }
+            // A record magic where padding belongs (which `pad_at` took for
+            // an unpadded record): damaged padding if a record lies behind.
+            Step::Bad {
+                reason,
+                resume,
+                block_id: None,
+            } if pad == 0 && self.version != Some(format::SEGMENT_VERSION_V1) => {
+                let most = format::pad_before(2, pos, self.meta_len, u64::MAX);
+                match self.record_behind(pos, most)? {
+                    Some(rec) => Step::Bad {
+                        reason: format!("record padding is not zeros (record at offset {pos})"),
+                        resume: rec.offset + rec.record_len,
+                        block_id: Some(rec.header.block_id),
+                    },
+                    None => Step::Bad {
+                        reason,
+                        resume,
+                        block_id: None,
+                    },
+                }
+            }
             other => other,
+        })
+    }
+
+    /// The record at `pos`, whose `pad` bytes of padding are not zeros. A
+    /// sound large record behind them (placed where that padding puts it) is
+    /// damaged with its padding, as reads and `verify` see it: it is skipped
+    /// whole and named, never re-indexed. Anything else behind is looked
+    /// for from the next byte on.
+    fn damaged_padding(&mut self, pos: u64, pad: u64, reason: &str) -> io::Result<Step> {
+        let (resume, block_id) = match self.record_behind(pos, pad)? {
+            Some(rec) => (rec.offset + rec.record_len, Some(rec.header.block_id)),
+            None => (pos + 1, None),
+        };
+        Ok(Step::Bad {
+            reason: format!("{reason} (record at offset {pos})"),
+            resume,
+            block_id,
+        })
+    }
+
+    /// The sound record whose meta starts `pad` bytes after `pos`, if there
+    /// is one and that much padding is what a record at `pos` would have.
+    fn record_behind(&mut self, pos: u64, pad: u64) -> io::Result<Option<ScannedRecord>> {
+        if pad == 0 || self.len - pos <= pad {
+            return Ok(None);
+        }
+        Ok(match self.examine_meta(pos + pad)? {
+            Step::Record(rec)
+                if format::placement_ok(
+                    self.version,
+                    pos,
+                    pad,
+                    self.meta_len,
+                    rec.header.stored_len,
+                ) =>
+            {
+                Some(rec)
+            }
+            _ => None,
         })
     }
 
@@ -582,10 +656,12 @@ mod tests {
             assert_eq!(payload % format::PAYLOAD_ALIGN, 0);
         }
         // Every byte of a record, padding included, is checked. Damaged
-        // padding is damage, and the sound record after it is found where
-        // its meta starts (placed as version 2 wants: no padding needed).
+        // padding damages the whole record, however sound the rest of it:
+        // skipped whole and named (as reads and `verify` see it), never
+        // found where its meta starts. The records after it keep their
+        // padding.
         for k in [0usize, 2, 4] {
-            let (off, len, _) = b.records[k];
+            let (off, len, id) = b.records[k];
             let meta = off + format::pad_before(2, off, meta_len_of(&l), u64::MAX);
             let meta_end = meta + meta_len_of(&l) as u64;
             let some = (off..meta_end).step_by(97).chain((meta_end..off + len).step_by(7919));
@@ -594,17 +670,35 @@ mod tests {
                 bad[at as usize] ^= 0x20;
                 let (report, found) = scan_big(&bad);
                 assert_eq!(report.damaged.len(), 1, "flip at {at}: {report:?}");
-                assert_eq!(report.damaged[0].start, off, "flip at {at}");
+                let d = &report.damaged[0];
+                assert_eq!(d.start, off, "flip at {at}");
                 assert_eq!(report.torn_tail, None);
-                assert!(found.iter().all(|r| r.offset != off), "flip at {at}");
+                assert_eq!(found.len(), 4, "flip at {at}: {report:?}");
+                assert!(found.iter().all(|r| r.offset != off && r.offset != meta));
+                if at < meta || at >= meta_end {
+                    // The header held: the range is exactly the record, and
+                    // the rest are found whole. (After a damaged header the
+                    // next record is found by its magic, after its padding.)
+                    assert_eq!((d.end, d.block_id), (off + len, Some(id)), "flip at {at}");
+                    let others: Vec<u64> =
+                        b.records.iter().map(|r| r.0).filter(|&o| o != off).collect();
+                    assert_eq!(offsets(&found), others, "flip at {at}: {report:?}");
+                }
                 if at < meta {
-                    assert_eq!(found.len(), 5, "flip at {at}: {report:?}");
-                    assert!(found.iter().any(|r| r.offset == meta), "flip at {at}");
-                } else {
-                    assert_eq!(found.len(), 4, "flip at {at}: {report:?}");
+                    assert!(d.reason.contains("padding"), "flip at {at}: {}", d.reason);
                 }
             }
         }
+        // A record magic written over the start of a padding (where the
+        // scan would look for an unpadded record): the record behind it is
+        // damaged all the same, and named.
+        let (off, len, id) = b.records[1];
+        let mut bad = b.bytes.clone();
+        bad[off as usize..off as usize + 4].copy_from_slice(&RECORD_MAGIC);
+        let (report, found) = scan_big(&bad);
+        assert_eq!(found.len(), 4, "{report:?}");
+        let d = &report.damaged[0];
+        assert_eq!((d.start, d.end, d.block_id), (off, off + len, Some(id)));
         // Torn anywhere in the last record, its padding included.
         let (off, len, _) = b.records[4];
         for cut in (off + 1..off + len).step_by(1009) {

@@ -155,7 +155,8 @@ fn check_fixture_kv(s: &Store) {
 #[test]
 fn reads_v1_fixture() {
     let tmp = v1_fixture_copy();
-    let m = Manifest::decode(&std::fs::read(tmp.path().join("MANIFEST")).unwrap()).unwrap();
+    let manifest = std::fs::read(tmp.path().join("MANIFEST")).unwrap();
+    let m = Manifest::decode(&manifest).unwrap();
     assert_eq!(m.format_version, 1);
     assert_eq!(m.fingerprint, FIXTURE_MODEL);
     let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
@@ -176,20 +177,23 @@ fn reads_v1_fixture() {
         vec![1, 1],
         "reads do not rewrite"
     );
+    let after = std::fs::read(tmp.path().join("MANIFEST")).unwrap();
+    assert_eq!(after, manifest, "reads leave the MANIFEST of format 1");
 }
 
-/// Opening a v1 store upgrades its MANIFEST (this build writes version-2
-/// segments into it); `compact` rewrites its segments as version 2, and the
-/// KV stays bit-exact.
+/// `compact` rewrites a v1 store's segments as version 2, upgrading its
+/// MANIFEST first (not at open: see `tests/format_v2.rs`), and the KV stays
+/// bit-exact.
 #[test]
 fn compact_rewrites_v1_segments_as_v2() {
     let tmp = v1_fixture_copy();
     let s = Store::open(tmp.path(), fixture_opts(Codec::Raw)).unwrap();
+    assert_eq!(s.manifest().unwrap().format_version, 1);
+    let before = s.stats().unwrap().blocks;
+    let r = s.compact(&|_, _| {}).unwrap();
     assert_eq!(s.manifest().unwrap().format_version, format::FORMAT_VERSION);
     let m = Manifest::decode(&std::fs::read(tmp.path().join("MANIFEST")).unwrap()).unwrap();
     assert_eq!(m.format_version, 2);
-    let before = s.stats().unwrap().blocks;
-    let r = s.compact(&|_, _| {}).unwrap();
     assert_eq!(
         (r.segments_rewritten, r.records_moved, r.records_dropped),
         (2, 9, 0)

@@ -61,7 +61,7 @@ use read::Touched;
 use stats::Counters;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -70,7 +70,11 @@ use writer::Writer;
 /// The state of an open handle, shared by its threads and its flusher.
 struct Inner {
     dir: StoreDir,
+    /// The MANIFEST as read at open; its format version is `format_version`.
     manifest: Manifest,
+    /// The MANIFEST's format version as this handle last read or wrote it
+    /// (raised by the first segment it writes into a version-1 store).
+    format_version: AtomicU32,
     layout: Layout,
     keyer: Keyer,
     tag: [u8; 16],
@@ -139,7 +143,11 @@ impl Store {
     }
     /// The store's MANIFEST.
     pub fn manifest(&self) -> Result<Manifest> {
-        Ok(self.live()?.manifest.clone())
+        let inner = self.live()?;
+        Ok(Manifest {
+            format_version: inner.format_version.load(Ordering::SeqCst),
+            ..inner.manifest.clone()
+        })
     }
     /// The durability mode this handle was opened with.
     pub fn durability(&self) -> Result<Durability> {
@@ -492,18 +500,11 @@ impl Inner {
         // Creation and recovery run under an exclusive lock so two processes
         // opening a new store at once agree on one MANIFEST.
         let lock = dir.lock()?;
+        // A version-1 MANIFEST stays as it is until this handle writes its
+        // first segment (`upgrade_manifest`): opening and reading change
+        // nothing an older build would refuse.
         let manifest = if let Some(m) = dir.read_manifest()? {
-            if m.format_version < format::FORMAT_VERSION {
-                // This build writes version-2 segments into it from now on:
-                // a build that reads only version 1 must refuse it. (Under
-                // the LOCK; the rest of the MANIFEST is as it was.)
-                dir.write_manifest(&Manifest {
-                    format_version: format::FORMAT_VERSION,
-                    ..m
-                })?
-            } else {
-                m
-            }
+            m
         } else {
             let (Some(fp), Some(layout), true) = (&opts.fingerprint, &opts.layout, opts.create)
             else {
@@ -562,6 +563,7 @@ impl Inner {
             dir,
             tag: keyer.tenant_tag(),
             keyer,
+            format_version: AtomicU32::new(manifest.format_version),
             manifest,
             layout,
             opts,
@@ -584,6 +586,17 @@ impl Inner {
         self.arena.as_ref().ok_or_else(|| {
             Error::InvalidInput("this store was opened without a hot tier (hot_bytes)".into())
         })
+    }
+
+    /// Upgrades a version-1 MANIFEST before this handle writes its first
+    /// segment (see [`StoreDir::upgrade_manifest`]); a no-op after that.
+    pub(super) fn before_first_segment(&self) -> Result<()> {
+        if self.format_version.load(Ordering::SeqCst) < format::FORMAT_VERSION {
+            let m = self.dir.upgrade_manifest()?;
+            self.format_version
+                .store(m.format_version, Ordering::SeqCst);
+        }
+        Ok(())
     }
 
     pub(super) fn durable(&self) -> bool {

@@ -173,10 +173,7 @@ enum Fetched {
 /// A record's padding must be zeros: anything else is damage (the bytes of
 /// a record are one range, and every one of them is checked).
 fn check_padding(pad: &[u8]) -> Result<(), ReadFail> {
-    if pad.iter().any(|&b| b != 0) {
-        return Err(ReadFail::Damaged("record padding is not zeros".into()));
-    }
-    Ok(())
+    record::check_padding(pad).map_err(ReadFail::Damaged)
 }
 
 impl ReadFail {

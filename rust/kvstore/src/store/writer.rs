@@ -155,6 +155,7 @@ impl Inner {
     }
 
     fn new_segment(&self) -> Result<Active> {
+        self.before_first_segment()?;
         let mut txn = self.index.write()?;
         let segment = self.index.meta_u64(&txn, "next_segment")?.max(1);
         self.index

@@ -9,6 +9,8 @@
 //
 // threads: 2 (the bench's); huge: 1 for a pool on transparent huge pages; rounds: 9;
 // distance: 1 (tiles ahead that are prefetched, the kernel's).
+// Printed with the pages the pool got on THP (AnonHugePages of the process: the pool is
+// 128 MiB, the stream's buffer is on 4 KiB pages).
 // Each round: the stream (fastest of 3 passes over a 1 GiB buffer, 64 MiB per timed
 // call, as bench_attention.py), then each pattern (fastest of 5 steps); printed: the
 // median over rounds of each pattern's bytes per second over the round's stream.
@@ -36,15 +38,29 @@ constexpr int kTokens = 32768, kParts = 16;  // split-K as the kernel cuts a 32K
 // itself in address order too (K, then V: not the kernel's order, which goes head by
 // head), prefetching the same way: what the hardware prefetchers add when the reads
 // themselves are sequential.
-enum class Pattern { HeadRows, AddressOrder, None, Linear };
-constexpr Pattern kPatterns[] = {Pattern::HeadRows, Pattern::AddressOrder, Pattern::None, Pattern::Linear};
-constexpr int kNumPatterns = 4;
+// LinearBare reads in address order with no software prefetch: what the hardware
+// prefetchers alone give a token-major kernel.
+// Window2/4/8 read the block head by head within windows of that many tokens (a kernel
+// that keeps a head's accumulators in registers over a window) and prefetch in address
+// order: between Linear (a window of 1) and the kernel's order (16).
+enum class Pattern { HeadRows, AddressOrder, None, Linear, LinearBare, Window2, Window4, Window8 };
+constexpr Pattern kPatterns[] = {Pattern::HeadRows, Pattern::AddressOrder, Pattern::None,
+                                 Pattern::Linear,   Pattern::LinearBare,   Pattern::Window2,
+                                 Pattern::Window4,  Pattern::Window8};
+constexpr int kNumPatterns = 8;
+int window(Pattern p) {
+  return p == Pattern::Window2 ? 2 : p == Pattern::Window4 ? 4 : p == Pattern::Window8 ? 8 : 0;
+}
 const char* name(Pattern p) {
   switch (p) {
     case Pattern::HeadRows: return "head rows (kernel)";
     case Pattern::AddressOrder: return "address order";
     case Pattern::None: return "no prefetch";
-    default: return "linear reads";
+    case Pattern::Linear: return "linear reads";
+    case Pattern::LinearBare: return "linear, no prefetch";
+    case Pattern::Window2: return "windows of 2 tokens";
+    case Pattern::Window4: return "windows of 4 tokens";
+    default: return "windows of 8 tokens";
   }
 }
 int distance = 1;  // tiles ahead that are prefetched
@@ -77,7 +93,8 @@ __m512i partition(const Pool& pool, int part, Pattern pat, __m512i a) {
     const bool more = b + distance < (part + 1) * per;
     const char* nk = more ? pool.k + size_t(pool.table[b + distance]) * kBlockBytes : nullptr;
     const char* nv = more ? pool.v + size_t(pool.table[b + distance]) * kBlockBytes : nullptr;
-    if (pat == Pattern::Linear) {
+    if (pat == Pattern::Linear || pat == Pattern::LinearBare) {
+      if (pat == Pattern::LinearBare) nk = nv = nullptr;
       for (size_t at = 0; at < kBlockBytes; at += kRow) {
         for (size_t l = 0; nk && l < kRow; l += 64) _mm_prefetch(nk + at + l, _MM_HINT_T1);
         a = read_row(k + at, a);
@@ -85,6 +102,22 @@ __m512i partition(const Pool& pool, int part, Pattern pat, __m512i a) {
       for (size_t at = 0; at < kBlockBytes; at += kRow) {
         for (size_t l = 0; nv && l < kRow; l += 64) _mm_prefetch(nv + at + l, _MM_HINT_T1);
         a = read_row(v + at, a);
+      }
+      continue;
+    }
+    if (const int w = window(pat); w > 0) {
+      for (int pass = 0; pass < 2; ++pass) {
+        const char* cur = pass == 0 ? k : v;
+        const char* next = pass == 0 ? nk : nv;
+        size_t at = 0;  // the next block's bytes prefetched so far, in address order
+        for (int j0 = 0; j0 < kTile; j0 += w) {
+          for (int h = 0; h < kHeads; ++h) {
+            for (int j = j0; j < j0 + w; ++j) {
+              for (size_t l = 0; next && l < kRow; l += 64, at += 64) _mm_prefetch(next + at, _MM_HINT_T1);
+              a = read_row(cur + j * kToken + h * kRow, a);
+            }
+          }
+        }
       }
       continue;
     }
@@ -132,6 +165,19 @@ double stream_call(const char* buf, size_t n, int threads) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The process's memory on transparent huge pages, in MiB (what `huge` was granted).
+long anon_huge_mib() {
+  FILE* f = fopen("/proc/self/smaps_rollup", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long kib = -1;
+  while (fgets(line, sizeof(line), f) != nullptr) {
+    if (sscanf(line, "AnonHugePages: %ld kB", &kib) == 1) break;
+  }
+  fclose(f);
+  return kib < 0 ? -1 : kib / 1024;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -163,8 +209,8 @@ int main(int argc, char** argv) {
       ratio[p].push_back(2.0 * blocks * kBlockBytes / t / streams.back());
     }
   }
-  printf("%d threads, %s pages, %d tile(s) ahead: stream median %.1f GB/s (fastest %.1f)\n", threads,
-         huge ? "huge" : "4 KiB", distance,
+  printf("%d threads, %s pages (%ld MiB on THP), %d tile(s) ahead: stream median %.1f GB/s (fastest %.1f)\n",
+         threads, huge ? "huge" : "4 KiB", anon_huge_mib(), distance,
          median(streams) / 1e9, *std::max_element(streams.begin(), streams.end()) / 1e9);
   for (int p = 0; p < kNumPatterns; ++p) {
     printf("  %-20s %.2f of the stream (median of %d rounds)\n", name(kPatterns[p]), median(ratio[p]), rounds);

@@ -178,6 +178,15 @@ def test_kv_to_cache_builds_what_transformers_builds_for_the_config(model: Any) 
             assert g.keys.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
         rest = ids[:, 64:]
         assert torch.equal(next_logits(model, rest, got), next_logits(model, rest, want))
+    # No tokens (a miss): the config's cache, empty.
+    empty, fresh = (
+        hf.kv_to_cache(kv[:, :, :0], config=model.config),
+        DynamicCache(config=model.config),
+    )
+    assert _state(empty) == _state(fresh)
+    assert [(type(x), _state(x)) for x in empty.layers] == [
+        (type(x), _state(x)) for x in fresh.layers
+    ]
 
 
 def test_kv_to_cache_follows_a_config_changed_in_place(model: Any) -> None:

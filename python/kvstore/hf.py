@@ -303,8 +303,6 @@ def kv_to_cache(kv: torch.Tensor, config: Any = None, device: Any = None) -> Dyn
 
     if device is not None:
         kv = kv.to(device)
-    if kv.shape[2] == 0:
-        return DynamicCache(config=config) if config is not None else DynamicCache()
     full = _full_attention_layers(config) if config is not None else 0
     if full is None:
         cache = DynamicCache(config=config)
@@ -314,9 +312,11 @@ def kv_to_cache(kv: torch.Tensor, config: Any = None, device: Any = None) -> Dyn
         cache = DynamicCache()
         if full:
             cache.layer_class_to_replicate = None  # the config's layers, as DynamicCache has it
-        # No config (or one naming no layers): DynamicCache would add DynamicLayers
-        # on first update.
-        cache.layers = [DynamicLayer() for _ in range(full or kv.shape[0])]
+            cache.layers = [DynamicLayer() for _ in range(full)]
+    if kv.shape[2] == 0:
+        return cache
+    if not cache.layers:  # no config: DynamicCache would add DynamicLayers on first update
+        cache.layers = [DynamicLayer() for _ in range(kv.shape[0])]
     if len(cache.layers) != kv.shape[0]:
         raise InvalidInput(
             f"kv: expected {len(cache.layers)} layers (the config's), got {kv.shape[0]}"

@@ -155,6 +155,57 @@ def test_load_into_a_reused_buffer(tmp_path: Path, model: Any) -> None:
             hf.load(store, ids, out=buf[0])
 
 
+def _state(obj: Any) -> dict[str, Any]:
+    """A cache's or a layer's attributes but its tensors."""
+    return {k: v for k, v in vars(obj).items() if k not in ("keys", "values", "layers")}
+
+
+def test_kv_to_cache_builds_what_transformers_builds_for_the_config(model: Any) -> None:
+    ids = prompt(70)
+    kv = hf.cache_to_kv(prefill(model, ids), 64)
+    for _ in range(2):  # the second call takes the layer types remembered for the config
+        # The reference: transformers' own cache for the config, filled by its update
+        # (copies), as a model would (a forward extends both caches: new ones each time).
+        want = DynamicCache(config=model.config)
+        for i in range(kv.shape[0]):
+            want.update(*(kv[i, j].transpose(0, 1)[None].contiguous() for j in (0, 1)), i)
+        got = hf.kv_to_cache(kv, config=model.config)
+        assert _state(got) == _state(want)
+        for g, w in zip(got.layers, want.layers, strict=True):
+            assert type(g) is type(w) and _state(g) == _state(w)
+            assert torch.equal(g.keys, w.keys) and torch.equal(g.values, w.values)
+            # views of kv, not copies
+            assert g.keys.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
+        rest = ids[:, 64:]
+        assert torch.equal(next_logits(model, rest, got), next_logits(model, rest, want))
+    # No tokens (a miss): the config's cache, empty.
+    empty, fresh = (
+        hf.kv_to_cache(kv[:, :, :0], config=model.config),
+        DynamicCache(config=model.config),
+    )
+    assert _state(empty) == _state(fresh)
+    assert [(type(x), _state(x)) for x in empty.layers] == [
+        (type(x), _state(x)) for x in fresh.layers
+    ]
+
+
+def test_kv_to_cache_follows_a_config_changed_in_place(model: Any) -> None:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    config = copy.deepcopy(model.config)
+    kv = torch.randn(hf.layout_of(config).kv_shape(32))
+    assert all(type(x) is DynamicLayer for x in hf.kv_to_cache(kv, config=config).layers)
+    config.sliding_window = 8
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    assert all(type(x) is DynamicLayer for x in hf.kv_to_cache(kv, config=config).layers)
+    config.layer_types[1] = "sliding_attention"  # the same list, changed in place
+    got = hf.kv_to_cache(kv, config=config).layers
+    want = DynamicCache(config=config).layers
+    assert [type(x) for x in got] == [type(x) for x in want]
+    assert type(got[1]) is DynamicSlidingWindowLayer and type(got[0]) is DynamicLayer
+    assert torch.equal(got[0].keys[0].transpose(0, 1), kv[0, 0])
+
+
 def test_save_covers_only_what_the_cache_holds(tmp_path: Path, model: Any) -> None:
     ids = prompt(100)
     cache = prefill(model, ids[:, :40])

@@ -26,7 +26,9 @@ paged cache / microseconds in its loads: store read + scatter), best of the repe
 of each kind; save throughput likewise (gather + put, in the background) in the
 writer. The peer is glibc's memcpy (numpy.copyto, one thread, as in bench_store.py)
 of the same number of bytes between buffers larger than the CPU caches, in this
-process; torch's copy_ (all intra-op threads) is printed beside it.
+process. A load of 2 MiB or more runs on up to min(cores, 4) threads (the store's
+reader threads), so the same memcpy cut across that many threads is printed too, with
+the load's ratio to it; torch's copy_ (all intra-op threads) is printed for information.
 Targets (issue 14): TTFT with the prefix loaded <= 1/5 of recompute; load >= 0.5x
 memcpy.
 """
@@ -42,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +87,18 @@ def copy_seconds(
 def memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """glibc's memcpy on one thread (numpy.copyto), bench_store.py's peer."""
     np.copyto(dst.view(torch.int16).numpy(), src.view(torch.int16).numpy())
+
+
+LOAD_THREADS = min(os.cpu_count() or 1, 4)
+
+
+def memcpy_threads(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`memcpy` cut into LOAD_THREADS consecutive pieces, one thread each (numpy.copyto
+    releases the GIL), as a load's reader threads share its blocks."""
+    cuts = [len(src) * k // LOAD_THREADS for k in range(LOAD_THREADS + 1)]
+    pieces = [(dst[a:b], src[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    with ThreadPoolExecutor(LOAD_THREADS) as pool:
+        list(pool.map(lambda p: memcpy(*p), pieces))
 
 
 def torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -198,6 +213,7 @@ def main() -> int:
     save_bps = save["save_bytes"] / save["save_us"] * 1e6 if save["save_us"] else 0.0
     load_bytes = phase_delta(hot_run, "hot0")["load_bytes"]
     mem_bps = load_bytes / copy_seconds(int(load_bytes) or 1, memcpy)
+    mem_n_bps = load_bytes / copy_seconds(int(load_bytes) or 1, memcpy_threads)
     torch_bps = load_bytes / copy_seconds(int(load_bytes) or 1, torch_copy)
 
     load_avg = os.getloadavg()
@@ -207,9 +223,14 @@ def main() -> int:
         print(f"{name:34} {s * 1e3:9.1f} {recompute / s:12.2f}")
     print("target: stored <= 1/5 of recompute (ratio >= 5)")
     print(f"\nconnector throughput ({load_bytes / 2**20:.0f} MiB per load, best of {r}):")
+    n = LOAD_THREADS
     for name, bps in [*loads, ("save (gather + put)", save_bps)]:
-        print(f"  {name:24} {bps / 2**30:7.2f} GiB/s  {bps / mem_bps:5.2f}x memcpy")
+        print(
+            f"  {name:24} {bps / 2**30:7.2f} GiB/s  {bps / mem_bps:5.2f}x memcpy"
+            f"  {bps / mem_n_bps:5.2f}x memcpy on {n} threads"
+        )
     print(f"  {'memcpy':24} {mem_bps / 2**30:7.2f} GiB/s  (glibc, one thread, this run)")
+    print(f"  {f'memcpy, {n} threads':24} {mem_n_bps / 2**30:7.2f} GiB/s  (the same, cut in {n})")
     print(f"  {'torch copy_':24} {torch_bps / 2**30:7.2f} GiB/s  (all intra-op threads; info)")
     print("target: load >= 0.5x memcpy")
     avg = " ".join(f"{x:.2f}" for x in load_avg)
@@ -222,6 +243,8 @@ def main() -> int:
                     "load_Bps": dict(loads),
                     "save_Bps": save_bps,
                     "memcpy_Bps": mem_bps,
+                    "memcpy_threads_Bps": mem_n_bps,
+                    "load_threads": LOAD_THREADS,
                     "torch_copy_Bps": torch_bps,
                     "loadavg": load_avg,
                     "phases": {"writer": writer, "disk": disk, "hot": hot_run},

@@ -701,6 +701,59 @@ impl Arena {
         fold(lanes) == stored && self.confirm(slot, version)
     }
 
+    /// Bytes of the `piece` that `get_runs` takes.
+    pub fn piece_len(&self) -> usize {
+        LANES * self.chunk_bytes
+    }
+
+    /// `get` a few runs at a time, for a caller that puts each run elsewhere
+    /// at once (a paged load): `LANES` runs at a time are copied into
+    /// `piece` (`LANES` runs long, small enough to stay in the CPU's cache)
+    /// with their checksum lanes in the same pass, then each is handed to
+    /// `place(i, run)`, so no block-sized scratch is written and read back.
+    /// True only if every run was the block's, unchanged and undamaged,
+    /// checked after the last `place`: on false, what `place` made of the
+    /// runs may be torn or wrong and must not be used (nor counted as served).
+    pub fn get_runs(
+        &self,
+        id: &BlockId,
+        tokens: &[u32],
+        piece: &mut [u8],
+        mut place: impl FnMut(usize, &mut [u8]),
+    ) -> bool {
+        let Some((slot, version)) = self.holding(id) else {
+            return false;
+        };
+        let run = self.chunk_bytes;
+        if !self.tokens_match(slot, tokens) || piece.len() != LANES * run {
+            return false; // a collision, or not this layout's runs
+        }
+        let (base, runs) = (self.data(slot), self.block_bytes / run);
+        let mut lanes = [0u32; LANES];
+        for g in (0..runs).step_by(LANES) {
+            let mut group: Vec<&mut [u8]> = piece.chunks_exact_mut(run).collect();
+            if g + LANES <= runs {
+                let group: &mut [&mut [u8]; LANES] =
+                    (&mut group[..]).try_into().expect("LANES runs");
+                let offs = std::array::from_fn(|k| base + (g + k) * run);
+                lanes = self
+                    .map
+                    .read_crc32c(offs, group.each_mut().map(|c| &mut **c), lanes);
+            } else {
+                for (k, chunk) in group.iter_mut().take(runs - g).enumerate() {
+                    let [crc] =
+                        self.map
+                            .read_crc32c([base + (g + k) * run], [&mut **chunk], [lanes[k]]);
+                    lanes[k] = crc;
+                }
+            }
+            for (k, chunk) in group.into_iter().take(runs - g).enumerate() {
+                place(g + k, chunk);
+            }
+        }
+        fold(lanes) == self.stored_crc(slot) && self.confirm(slot, version)
+    }
+
     /// Where block `id` (with `tokens`) lies: `(slot, version, data offset)`,
     /// for a caller that copies it straight out of the mapping (a DMA). The
     /// copy is good only if `unchanged(slot, version)` still holds after it.

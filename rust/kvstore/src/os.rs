@@ -392,3 +392,45 @@ pub(crate) fn transpose_8x8_u16(
         }
     }
 }
+
+/// Copies `src` into `dst` (equal lengths) with non-temporal stores where
+/// `dst` is 16-byte aligned and a multiple of 16 bytes long, else with a
+/// plain copy. A paged load's destination is a serving engine's cache, far
+/// larger than the CPU's: a plain store first reads each line it writes
+/// (a second pass over that memory), a streaming store does not. The
+/// stores are weakly ordered: call `stream_fence` before the bytes are
+/// handed on.
+#[inline]
+#[allow(clippy::cast_ptr_alignment)] // `loadu` takes any alignment; `dst` is checked
+pub(crate) fn stream_copy(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "stream_copy: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if (dst.as_ptr() as usize).is_multiple_of(16) && dst.len().is_multiple_of(16) {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+        for i in (0..dst.len()).step_by(16) {
+            // SAFETY: SSE2 is part of the x86-64 baseline. `i + 16 <=
+            // len` for both slices (equal lengths, a multiple of 16);
+            // `dp + i` is 16-byte aligned (checked above), as
+            // `_mm_stream_si128` needs; `loadu` takes any alignment; the
+            // slices are distinct borrows, so they do not overlap.
+            unsafe {
+                let v = _mm_loadu_si128(sp.add(i).cast::<__m128i>());
+                _mm_stream_si128(dp.add(i).cast::<__m128i>(), v);
+            }
+        }
+        return;
+    }
+    dst.copy_from_slice(src);
+}
+
+/// Orders the `stream_copy` stores before every later store (and so before
+/// whatever tells another thread the bytes are there).
+#[inline]
+pub(crate) fn stream_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of the x86-64 baseline; `sfence` has no operands.
+    unsafe {
+        std::arch::x86_64::_mm_sfence();
+    }
+}

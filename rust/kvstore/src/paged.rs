@@ -114,12 +114,25 @@ impl PagedLayout {
         layers: &mut [&mut [u8]],
         block: usize,
     ) {
-        for (l, layer) in layers.iter_mut().enumerate() {
-            for (kv, part) in self.parts.iter().enumerate() {
-                let at = block * self.block_stride + part.offset;
-                copy(layout, part, Move::Into(layer, at), runs[2 * l + kv]);
-            }
+        for (r, run) in runs.iter_mut().enumerate() {
+            self.scatter_run(layout, r, run, layers, block);
         }
+    }
+
+    /// `scatter` of one run: run `r` (layer `r / 2`, K or V as `r` is even
+    /// or odd, the order of `Layout::block_runs`) of a block into cache
+    /// block `block` of `layers`. `check` must have passed for it.
+    pub(crate) fn scatter_run(
+        &self,
+        layout: &Layout,
+        r: usize,
+        run: &mut [u8],
+        layers: &mut [&mut [u8]],
+        block: usize,
+    ) {
+        let part = &self.parts[r % 2];
+        let at = block * self.block_stride + part.offset;
+        copy(layout, part, Move::Into(&mut *layers[r / 2], at), run);
     }
 
     /// Copies cache block `block` of `layers` into `runs` (a block's canonical
@@ -196,15 +209,18 @@ fn copy_sized<const E: usize>(
                     (canon, x * cs[o], cs[pa]),
                     dims[2],
                     dims[pa],
+                    true,
                 ),
                 Move::OutOf(src, at) => transpose::<E>(
                     (canon, x * cs[o], cs[pa]),
                     (src, *at + x * ps[o], ps[2]),
                     dims[pa],
                     dims[2],
+                    false,
                 ),
             }
         }
+        crate::os::stream_fence();
         return;
     }
     let mut order = [0, 1, 2];
@@ -215,11 +231,18 @@ fn copy_sized<const E: usize>(
             let p = i * ps[o0] + j * ps[o1];
             let c = i * cs[o0] + j * cs[o1];
             match &mut paged {
+                // Contiguous on both sides (V on vLLM's CPU backend: a
+                // head's row of D values): streamed into the cache.
+                Move::Into(dst, at) if ps[a] == 1 && cs[a] == 1 => {
+                    let (d, n) = ((*at + p) * E, dims[a] * E);
+                    crate::os::stream_copy(&mut dst[d..d + n], &canon[c * E..c * E + n]);
+                }
                 Move::Into(dst, at) => row::<E>(dst, *at + p, ps[a], canon, c, cs[a], dims[a]),
                 Move::OutOf(src, at) => row::<E>(canon, c, cs[a], src, *at + p, ps[a], dims[a]),
             }
         }
     }
+    crate::os::stream_fence();
 }
 
 /// Rows of `transpose_strips`'s strips (columns of the source read at once).
@@ -227,20 +250,26 @@ const TILE: usize = 8;
 /// Columns of `transpose_strips`'s strips: a dst row of 64 two-byte elements
 /// is two whole cache lines, written at once.
 const STRIP: usize = 64;
+/// Columns of `transpose_tiles`'s streamed rows: 4 tiles of two-byte
+/// elements, one 64-byte cache line of each `dst` row.
+const LINE: usize = 4 * TILE;
 
 /// Copies an `n × m` matrix of `E`-byte elements whose rows are contiguous
 /// in `dst` and whose columns are contiguous in `src`: element `(i, j)` from
 /// `src` element `s + j * ss + i` to `dst` element `d + i * ds + j`. Two-byte
 /// elements (bfloat16, float16: every cache vLLM's CPU backend keeps
-/// unquantized but float32) go in SIMD tiles, the others in strips.
+/// unquantized but float32) go in SIMD tiles, the others in strips;
+/// `stream`: `dst` is a paged cache (main memory) written with streaming
+/// stores where it can be (`crate::os::stream_copy`; the caller fences).
 fn transpose<const E: usize>(
     dst: (&mut [u8], usize, usize),
     src: (&[u8], usize, usize),
     n: usize,
     m: usize,
+    stream: bool,
 ) {
     if E == 2 {
-        transpose_tiles(dst, src, n, m);
+        transpose_tiles(dst, src, n, m, stream);
     } else {
         transpose_strips::<E>(dst, src, n, m);
     }
@@ -249,16 +278,32 @@ fn transpose<const E: usize>(
 /// `transpose` of two-byte elements in 8x8 tiles, each 8 loads and 8 stores
 /// of 16 bytes; tiles in row order, so that `dst` (the paged cache, in main
 /// memory, on a load) is written a whole row of tiles at a time. The rows
-/// and columns past the last whole tile go element by element.
+/// and columns past the last whole tile go element by element. With
+/// `stream`, each `LINE` columns of a row of tiles are transposed into a
+/// staging block in the CPU's cache, then streamed out a whole `dst` line
+/// per row, so that no line of `dst` is read before it is written.
 fn transpose_tiles(
     (dst, d, ds): (&mut [u8], usize, usize),
     (src, s, ss): (&[u8], usize, usize),
     n: usize,
     m: usize,
+    stream: bool,
 ) {
     let (tn, tm) = (n / TILE * TILE, m / TILE * TILE);
+    let lines = if stream { m / LINE * LINE } else { 0 };
+    let mut stage = [0u8; TILE * LINE * 2];
     for i0 in (0..tn).step_by(TILE) {
-        for j0 in (0..tm).step_by(TILE) {
+        for j0 in (0..lines).step_by(LINE) {
+            for t in 0..LINE / TILE {
+                let from = (s + (j0 + t * TILE) * ss + i0) * 2;
+                tile_8x8_u16((&mut stage, t * TILE * 2, LINE * 2), (src, from, ss * 2));
+            }
+            for (i, row) in stage.chunks_exact(LINE * 2).enumerate() {
+                let at = (d + (i0 + i) * ds + j0) * 2;
+                crate::os::stream_copy(&mut dst[at..at + LINE * 2], row);
+            }
+        }
+        for j0 in (lines..tm).step_by(TILE) {
             tile_8x8_u16(
                 (dst, (d + i0 * ds + j0) * 2, ds * 2),
                 (src, (s + j0 * ss + i0) * 2, ss * 2),
@@ -401,10 +446,13 @@ mod tests {
                     .map(|i| (i * 131 + i / 251) as u8)
                     .collect();
                 let mut want = vec![0xA5u8; (d + n * ds) * E];
-                let mut got = want.clone();
+                let got = want.clone();
                 transpose_model::<E>((&mut want, d, ds), (&src, s, ss), n, m);
-                transpose::<E>((&mut got, d, ds), (&src, s, ss), n, m);
-                assert!(got == want, "E {E}, {n} x {m}");
+                for stream in [false, true] {
+                    let mut got = got.clone();
+                    transpose::<E>((&mut got, d, ds), (&src, s, ss), n, m, stream);
+                    assert!(got == want, "E {E}, {n} x {m}, stream {stream}");
+                }
             }
         }
     }
@@ -414,6 +462,46 @@ mod tests {
         transposes_like_the_model::<1>();
         transposes_like_the_model::<2>();
         transposes_like_the_model::<4>();
+    }
+
+    #[test]
+    fn streamed_rows_on_16_byte_boundaries_transpose_like_the_model() {
+        // `dst` rows 16-byte aligned, so that whole lines go through the
+        // streaming stores (elsewhere they fall back to plain ones).
+        for &(n, m) in &[
+            (8usize, 32usize),
+            (64, 32),
+            (16, 64),
+            (64, 40),
+            (9, 33),
+            (24, 96),
+        ] {
+            let (s, ss, ds) = (5, n + 3, m.next_multiple_of(8) + 8);
+            let src: Vec<u8> = (0..(s + m * ss) * 2)
+                .map(|i| (i * 37 + i / 7) as u8)
+                .collect();
+            let mut want = vec![0x5Au8; (8 + n * ds) * 2];
+            let mut got = want.clone();
+            let d = (16 - got.as_ptr() as usize % 16) % 16 / 2;
+            assert!((got.as_ptr() as usize + 2 * d).is_multiple_of(16));
+            transpose_model::<2>((&mut want, d, ds), (&src, s, ss), n, m);
+            transpose::<2>((&mut got, d, ds), (&src, s, ss), n, m, true);
+            assert!(got == want, "{n} x {m}");
+        }
+    }
+
+    #[test]
+    fn stream_copy_copies_aligned_and_unaligned() {
+        let src: Vec<u8> = (0..300).map(|i| (i * 13) as u8).collect();
+        let mut dst = vec![0u8; 340];
+        let a = (16 - dst.as_ptr() as usize % 16) % 16;
+        for (at, len) in [(a, 256), (a + 16, 128), (a + 1, 256), (a, 100), (a, 0)] {
+            dst.fill(0);
+            crate::os::stream_copy(&mut dst[at..at + len], &src[..len]);
+            crate::os::stream_fence();
+            assert_eq!(&dst[at..at + len], &src[..len]);
+            assert!(dst[..at].iter().chain(&dst[at + len..]).all(|&b| b == 0));
+        }
     }
 
     #[test]

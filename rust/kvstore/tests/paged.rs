@@ -244,23 +244,8 @@ fn a_damaged_block_is_not_landed_and_ends_the_hit() {
     open(dir.path(), None)
         .put(&tokens, &kv_for(&l, &tokens), 3 * B, b"")
         .unwrap();
-    let seg = std::fs::read_dir(dir.path().join("segments"))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
     // The second block's payload gets one byte flipped (see tests/store.rs).
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(seg)
-        .unwrap();
-    let at = support::payload_offset(&l, 1) + 5;
-    let mut byte = [0u8];
-    f.read_exact_at(&mut byte, at).unwrap();
-    f.write_all_at(&[!byte[0]], at).unwrap();
-    drop(f);
+    flip_record(dir.path(), 1);
     let s = open(dir.path(), None);
     let (m, got) = get_paged(&s, &tokens, 0, &[3, 5, 6]);
     assert_eq!(m, B);
@@ -285,6 +270,114 @@ fn a_damaged_block_is_not_landed_and_ends_the_hit() {
     }
     assert!(without6 == one);
     assert!(block6(&got) == block6(&one) || block6(&got) == block6(&all));
+}
+
+/// Flips byte `at` of `path`.
+fn flip(path: &std::path::Path, at: u64) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8];
+    f.read_exact_at(&mut byte, at).unwrap();
+    f.write_all_at(&[!byte[0]], at).unwrap();
+}
+
+/// Flips a byte of block `k`'s payload in the store's (only) segment.
+fn flip_record(dir: &std::path::Path, k: usize) {
+    let seg = std::fs::read_dir(dir.join("segments"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    flip(&seg, support::payload_offset(&layout(), k) + 5);
+}
+
+/// A store (and its hot tier's directory) holding 3 blocks of `tokens`, all
+/// promoted into the hot tier by a paged get into `blocks`; with the arena
+/// file's path and where block 1's data lies in it.
+fn hot_store(
+    tokens: &[u32],
+    blocks: &[usize],
+) -> (
+    tempfile::TempDir,
+    tempfile::TempDir,
+    Store,
+    std::path::PathBuf,
+    u64,
+) {
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    open(dir.path(), None)
+        .put(tokens, &kv_for(&layout(), tokens), 3 * B, b"")
+        .unwrap();
+    let s = open(dir.path(), Some(hot.path()));
+    assert_eq!(get_paged(&s, tokens, 0, blocks).0, 3 * B);
+    let arena = s.arena_file().unwrap().unwrap().0;
+    let (_, _, at) = s.hot_blocks(tokens, b"").unwrap()[1].unwrap();
+    (dir, hot, s, arena, at)
+}
+
+#[test]
+fn a_hot_block_that_fails_its_check_after_landing_is_read_again_or_ends_the_hit() {
+    // Blocks from the hot tier land a run at a time and are checked after
+    // the last: one damaged there has already put its bytes in the cache.
+    let l = layout();
+    let tokens = seq(5, 3 * B);
+    let blocks = [3, 5, 6];
+    let (dir, _hot, s, arena, at) = hot_store(&tokens, &blocks);
+    // Its last run damaged, so every run lands before the check fails: the
+    // block is read again from its record, all of it.
+    let last_run = at + (l.block_bytes() - 3) as u64;
+    flip(&arena, last_run);
+    let before = s.stats().unwrap();
+    let (m, got) = get_paged(&s, &tokens, 0, &blocks);
+    assert_eq!(m, 3 * B);
+    assert!(got == model(&tokens, 0, 3, &blocks));
+    let after = s.stats().unwrap();
+    assert_eq!(after.hot_hit_blocks - before.hot_hit_blocks, 2);
+    assert_eq!(after.disk_hit_blocks - before.disk_hit_blocks, 1);
+    // Damaged in the hot tier (rewritten by the read above, so again) and in
+    // its record: the hit ends before it, and block 6 is not touched.
+    let (_, _, at) = s.hot_blocks(&tokens, b"").unwrap()[1].unwrap();
+    flip(&arena, at + (l.block_bytes() - 3) as u64);
+    flip_record(dir.path(), 1);
+    let (m, got) = get_paged(&s, &tokens, 0, &blocks);
+    assert_eq!(m, B);
+    let want = model(&tokens, 0, 1, &blocks[..1]);
+    let outside5 = |c: &[Vec<u8>]| -> Vec<Vec<u8>> {
+        c.iter()
+            .map(|v| [&v[..5 * STRIDE * 2], &v[6 * STRIDE * 2..]].concat())
+            .collect()
+    };
+    assert!(outside5(&got) == outside5(&want));
+}
+
+#[test]
+fn hot_blocks_damaged_while_they_land_are_never_landed_wrong() {
+    // Another process scribbling on a slot at any moment (a byte of block
+    // 1's K flipped and flipped back, over and over) while loads run: each
+    // load either checks out from the hot tier or reads the record again,
+    // so every load is whole and right.
+    let tokens = seq(6, 3 * B);
+    let blocks = [7, 2, 4];
+    let (_dir, _hot, s, arena, at) = hot_store(&tokens, &blocks);
+    let want = model(&tokens, 0, 3, &blocks);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let wrong = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                flip(&arena, at + 7);
+            }
+        });
+        let wrong = (0..200)
+            .filter(|_| get_paged(&s, &tokens, 0, &blocks) != (3 * B, want.clone()))
+            .count();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        wrong
+    });
+    assert_eq!(wrong, 0, "loads not whole and right");
 }
 
 #[test]

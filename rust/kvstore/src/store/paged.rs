@@ -9,6 +9,7 @@
 use super::put::check_start;
 use super::read::{in_ranges, range_bounds, reader_threads, Snap};
 use super::Inner;
+use crate::arena::Arena;
 use crate::error::{Error, Result};
 use crate::id::BlockId;
 use crate::paged::PagedLayout;
@@ -106,8 +107,8 @@ impl Inner {
             None
         };
         let Some(mut spans) = spans else {
-            let place = |k: usize, runs: &mut [&mut [u8]]| {
-                paged.scatter(lay, runs, layers, blocks[k]);
+            let place = |k: usize, r: usize, run: &mut [u8]| {
+                paged.scatter_run(lay, r, run, layers, blocks[k]);
             };
             return self.read_paged_range(snap, ids, tokens, 0, n, &stop, place);
         };
@@ -121,9 +122,9 @@ impl Inner {
         }
         let range = |snap: &mut Option<Snap<'s>>,
                      (at, end, part): (usize, usize, &mut [Vec<&mut [u8]>])| {
-            let place = |k: usize, runs: &mut [&mut [u8]]| {
+            let place = |k: usize, r: usize, run: &mut [u8]| {
                 let own: &mut Vec<&mut [u8]> = &mut part[k - at];
-                paged.scatter(lay, runs, own, 0);
+                paged.scatter_run(lay, r, run, own, 0);
             };
             self.read_paged_range(snap, ids, tokens, at, end, &stop, place)
         };
@@ -131,10 +132,16 @@ impl Inner {
         in_ranges(snap, "kvstore-paged", parts, &range)
     }
 
-    /// Blocks `at..end` of `read_paged`, in order, each read into a scratch
-    /// block and handed to `place(k, runs)`: how many were served before the
-    /// first that was not. Stops early at a block past `stop` (the first one
-    /// found missing by any range).
+    /// Blocks `at..end` of `read_paged`, in order, each handed run by run to
+    /// `place(k, r, run)`: how many were served before the first that was
+    /// not. A block in the hot tier goes a few runs at a time through a piece
+    /// that stays in the CPU's cache (`Arena::get_runs`); one whose check fails
+    /// there after some runs were placed (changed by another process, or
+    /// damaged) is read again the ordinary way, which places all of its runs
+    /// afresh or ends the prefix before it, so a torn cache block is never
+    /// counted as served. Others are read whole into a scratch block. Stops
+    /// early at a block past `stop` (the first one found missing by any
+    /// range).
     #[allow(clippy::too_many_arguments)]
     fn read_paged_range<'s>(
         &'s self,
@@ -144,23 +151,32 @@ impl Inner {
         at: usize,
         end: usize,
         stop: &AtomicUsize,
-        mut place: impl FnMut(usize, &mut [&mut [u8]]),
+        mut place: impl FnMut(usize, usize, &mut [u8]),
     ) -> Result<usize> {
         let b = self.layout.block_size as usize;
-        let mut block = vec![0u8; self.layout.block_bytes()];
-        let mut scratch = Vec::new();
+        let mut piece = vec![0u8; self.arena.as_ref().map_or(0, Arena::piece_len)];
+        let (mut block, mut scratch) = (Vec::new(), Vec::new());
         for k in at..end {
             if stop.load(Ordering::Relaxed) < k {
                 return Ok(k - at);
             }
-            let mut runs = self.layout.block_runs_mut(&mut block, b, 0);
             let block_tokens = &tokens[k * b..(k + 1) * b];
+            if let Some(arena) = &self.arena {
+                if arena.get_runs(&ids[k], block_tokens, &mut piece, |r, run| place(k, r, run)) {
+                    self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            }
+            block.resize(self.layout.block_bytes(), 0);
+            let mut runs = self.layout.block_runs_mut(&mut block, b, 0);
             let served = self.read_block(snap, &ids[k], block_tokens, &mut runs, &mut scratch);
             if !matches!(served, Ok(true)) {
                 stop.fetch_min(k, Ordering::Relaxed);
                 return served.map(|_| k - at);
             }
-            place(k, &mut runs);
+            for (r, run) in runs.iter_mut().enumerate() {
+                place(k, r, run);
+            }
         }
         Ok(end - at)
     }

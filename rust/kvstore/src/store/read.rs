@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::format;
 use crate::id::BlockId;
 use crate::index::Location;
+use crate::readq::ReadQueue;
 use crate::record::{self, Mismatch};
 use crate::segfile::SegmentFile;
 use std::collections::HashMap;
@@ -416,23 +417,28 @@ impl Inner {
     ) -> Result<usize> {
         let (b, chunk) = (self.layout.block_size as usize, self.layout.chunk_bytes());
         let mut scratch = Vec::new();
+        let mut queue = self.read_queue();
         for (j, id) in range.ids.iter().enumerate() {
             let at = range.at + j;
             if stop.load(Ordering::Relaxed) < at {
                 return Ok(j);
+            }
+            if let Some(q) = &mut queue {
+                self.queue_ahead(q, range.found, j);
             }
             let mut chunks: Vec<&mut [u8]> = runs
                 .iter_mut()
                 .map(|r| &mut r[j * chunk..(j + 1) * chunk])
                 .collect();
             let block_tokens = &range.tokens[j * b..(j + 1) * b];
-            let fetched = self.fetch(
+            let fetched = self.fetch_queued(
                 snap,
                 id,
                 Some(range.found[j]),
                 block_tokens,
                 &mut chunks,
                 &mut scratch,
+                queue.as_mut(),
             );
             let served = fetched.and_then(|f| match f {
                 // Past a block another range found missing it is read (the
@@ -449,6 +455,46 @@ impl Inner {
             }
         }
         Ok(range.ids.len())
+    }
+
+    /// A reader thread's queue of direct reads in flight, when direct reads
+    /// are on and `read_depth` asks for one (and the kernel has `io_uring`).
+    fn read_queue(&self) -> Option<ReadQueue> {
+        if !self.opts.direct_reads || self.opts.read_depth == 0 {
+            return None;
+        }
+        // A request reads the payload rounded up to the device's alignment.
+        let payload = self.layout.block_bytes() + format::PAYLOAD_ALIGN as usize;
+        ReadQueue::new(self.opts.read_depth, payload)
+    }
+
+    /// Queues direct reads of the records of `found` from block `j` on
+    /// while the queue has room: raw payloads that would be read with
+    /// `O_DIRECT` (aligned, not in the page cache); the others are read
+    /// when their turn comes, without the queue.
+    fn queue_ahead(&self, q: &mut ReadQueue, found: &[Found], j: usize) {
+        let raw_len = self.layout.block_bytes() as u64;
+        let meta = record::meta_len(&self.layout);
+        q.next = q.next.max(j);
+        while q.has_room() && q.next < found.len() {
+            let k = q.next;
+            q.next += 1;
+            let Found::At(loc) = found[k] else { continue };
+            if loc.stored_len != raw_len {
+                continue;
+            }
+            let Ok(file) = self.segment_file(&loc) else {
+                continue;
+            };
+            let Ok(pad) = self.placed(&loc, &file) else {
+                continue;
+            };
+            if let Some(req) =
+                file.direct_request(pad as usize + meta, loc.offset, loc.stored_len as usize)
+            {
+                q.push((loc.segment, loc.offset), &req);
+            }
+        }
     }
 
     /// Lands block `id` in `chunks`: from the hot tier, else from its record
@@ -486,6 +532,22 @@ impl Inner {
         chunks: &mut [&mut [u8]],
         scratch: &mut Vec<u8>,
     ) -> Result<Fetched> {
+        self.fetch_queued(snap, id, found, block_tokens, chunks, scratch, None)
+    }
+
+    /// [`Inner::fetch`], taking the record from `queue` where its read was
+    /// queued.
+    #[allow(clippy::too_many_arguments)]
+    fn fetch_queued<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        id: &BlockId,
+        found: Option<Found>,
+        block_tokens: &[u32],
+        chunks: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+        mut queue: Option<&mut ReadQueue>,
+    ) -> Result<Fetched> {
         if let Some(arena) = &self.arena {
             if arena.get(id, block_tokens, chunks) {
                 self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
@@ -505,7 +567,15 @@ impl Inner {
                     None => return Ok(Fetched::Miss),
                 },
             };
-            match self.read_record(&loc, id, Some(block_tokens), chunks, scratch) {
+            let read = self.read_record_queued(
+                &loc,
+                id,
+                Some(block_tokens),
+                chunks,
+                scratch,
+                queue.as_deref_mut(),
+            );
+            match read {
                 Ok(()) => {
                     self.counters
                         .bytes_read
@@ -631,11 +701,41 @@ impl Inner {
         out: &mut [&mut [u8]],
         scratch: &mut Vec<u8>,
     ) -> Result<(), ReadFail> {
+        self.read_record_queued(loc, id, tokens, out, scratch, None)
+    }
+
+    /// [`Inner::read_record`], from `queue` where its read was queued there
+    /// (and came back whole: else it is read again, without the queue).
+    fn read_record_queued(
+        &self,
+        loc: &Location,
+        id: &BlockId,
+        tokens: Option<&[u32]>,
+        out: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+        queue: Option<&mut ReadQueue>,
+    ) -> Result<(), ReadFail> {
         let raw_len = self.layout.block_bytes() as u64;
         let file = self.segment_file(loc)?;
         let pad = self.placed(loc, &file)? as usize;
+        let head_len = pad + record::meta_len(&self.layout);
+        if let Some(q) = queue.filter(|_| loc.stored_len == raw_len) {
+            let len = raw_len as usize;
+            let landed = q.with_record((loc.segment, loc.offset), |bytes, lead| {
+                let bytes = bytes.ok().filter(|b| b.len() >= lead + len)?;
+                let (head, payload) = (&bytes[lead - head_len..lead], &bytes[lead..lead + len]);
+                let chunk = self.layout.chunk_bytes();
+                for (dst, src) in out.iter_mut().zip(payload.chunks(chunk)) {
+                    dst.copy_from_slice(src);
+                }
+                Some(self.check_record(head, pad, loc, id, tokens, out, scratch))
+            });
+            if let Some(Some(res)) = landed {
+                return res;
+            }
+        }
         // Padding and meta in one buffer, read with the payload.
-        let mut head = vec![0u8; pad + record::meta_len(&self.layout)];
+        let mut head = vec![0u8; head_len];
         // A raw payload lands straight in `out`; a compressed one is decoded
         // from `scratch`.
         let raw = loc.stored_len == raw_len;
@@ -648,6 +748,24 @@ impl Inner {
         if let Err(e) = read {
             return Err(ReadFail::Damaged(format!("read failed: {e}")));
         }
+        self.check_record(&head, pad, loc, id, tokens, out, scratch)
+    }
+
+    /// Checks a record read into `head` (its padding, `pad` bytes, and its
+    /// meta) and `out` (a raw payload) or `scratch` (a compressed one, then
+    /// decoded into `out`) against `id` and, when given, `tokens`.
+    #[allow(clippy::too_many_arguments)]
+    fn check_record(
+        &self,
+        head: &[u8],
+        pad: usize,
+        loc: &Location,
+        id: &BlockId,
+        tokens: Option<&[u32]>,
+        out: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), ReadFail> {
+        let raw = loc.stored_len == self.layout.block_bytes() as u64;
         check_padding(&head[..pad])?;
         let meta = &head[pad..];
         let header = match record::check_read(&self.layout, meta, id, loc.stored_len, tokens) {

@@ -23,6 +23,9 @@ pub(crate) type Key = (u64, u64);
 pub(crate) struct ReadQueue {
     ring: Option<ReadRing>,
     queued: VecDeque<Queued>,
+    /// Records found in the page cache when they were looked at, in order:
+    /// read buffered without asking again.
+    cached: VecDeque<Key>,
     /// The first block of the thread's range not yet considered.
     pub(crate) next: usize,
 }
@@ -53,6 +56,7 @@ impl ReadQueue {
         Some(ReadQueue {
             ring: Some(ring),
             queued: VecDeque::new(),
+            cached: VecDeque::new(),
             next: 0,
         })
     }
@@ -88,6 +92,23 @@ impl ReadQueue {
                 slot,
                 lead: req.lead,
             });
+        }
+    }
+
+    /// Notes that the record at `key` was in the page cache.
+    pub(crate) fn note_cached(&mut self, key: Key) {
+        self.cached.push_back(key);
+    }
+
+    /// Whether the record at `key` was noted in the page cache (forgetting
+    /// it, and the records noted before it: no longer wanted).
+    pub(crate) fn was_cached(&mut self, key: Key) -> bool {
+        match self.cached.iter().position(|k| *k == key) {
+            Some(at) => {
+                self.cached.drain(..=at);
+                true
+            }
+            None => false,
         }
     }
 

@@ -20,6 +20,16 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+/// How a record would be read (see [`SegmentFile::direct_request`]).
+pub(crate) enum Plan<'a> {
+    /// With this one direct request.
+    Direct(DirectRequest<'a>),
+    /// Buffered: the page cache holds its payload.
+    Cached,
+    /// Buffered or otherwise, as [`SegmentFile::read`] decides.
+    Other,
+}
+
 /// One aligned `O_DIRECT` request that reads a record whole (see
 /// [`SegmentFile::direct_request`]).
 pub(crate) struct DirectRequest<'a> {
@@ -92,33 +102,34 @@ impl SegmentFile {
     /// bytes from `offset`) and its payload (`len` bytes after it) in one,
     /// when its payload would be read directly: there is a direct
     /// descriptor that works, the payload is aligned for it, and the page
-    /// cache does not hold it all. `None`: read it with [`SegmentFile::read`].
-    pub(crate) fn direct_request(
-        &self,
-        head_len: usize,
-        offset: u64,
-        len: usize,
-    ) -> Option<DirectRequest<'_>> {
-        let d = self
+    /// cache does not hold it all. Else whether the page cache holds it
+    /// (read it with [`SegmentFile::read_buffered`]) or not.
+    pub(crate) fn direct_request(&self, head_len: usize, offset: u64, len: usize) -> Plan<'_> {
+        let Some(d) = self
             .direct
             .as_ref()
-            .filter(|d| d.ok.load(Ordering::Relaxed))?;
+            .filter(|d| d.ok.load(Ordering::Relaxed))
+        else {
+            return Plan::Other;
+        };
         let at = offset + head_len as u64;
-        if !at.is_multiple_of(d.offset_align)
-            || d.mem_align as u64 > format::PAYLOAD_ALIGN
-            || fs::cached(&self.file, at, len as u64)
-        {
-            return None;
+        if !at.is_multiple_of(d.offset_align) || d.mem_align as u64 > format::PAYLOAD_ALIGN {
+            return Plan::Other;
+        }
+        if fs::cached(&self.file, at, len as u64) {
+            return Plan::Cached;
         }
         let start = offset / d.offset_align * d.offset_align;
-        let lead = usize::try_from(at - start).ok()?;
         let end = (at + len as u64).next_multiple_of(d.offset_align);
-        Some(DirectRequest {
-            file: &d.file,
-            start,
-            lead,
-            len: usize::try_from(end - start).ok()?,
-        })
+        match (usize::try_from(at - start), usize::try_from(end - start)) {
+            (Ok(lead), Ok(len)) => Plan::Direct(DirectRequest {
+                file: &d.file,
+                start,
+                lead,
+                len,
+            }),
+            _ => Plan::Other,
+        }
     }
 
     /// Fills `head`, then the `payload` buffers in order, from `offset`:
@@ -146,6 +157,16 @@ impl SegmentFile {
                 }
             }
         }
+        self.read_buffered(head, payload, offset)
+    }
+
+    /// [`SegmentFile::read`] through the page cache, whatever it holds.
+    pub(crate) fn read_buffered(
+        &self,
+        head: &mut [u8],
+        payload: &mut [&mut [u8]],
+        offset: u64,
+    ) -> io::Result<()> {
         let mut bufs: Vec<IoSliceMut<'_>> = Vec::with_capacity(payload.len() + 1);
         bufs.push(IoSliceMut::new(head));
         bufs.extend(payload.iter_mut().map(|p| IoSliceMut::new(p)));

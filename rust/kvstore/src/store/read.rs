@@ -11,7 +11,7 @@ use crate::id::BlockId;
 use crate::index::Location;
 use crate::readq::ReadQueue;
 use crate::record::{self, Mismatch};
-use crate::segfile::SegmentFile;
+use crate::segfile::{Plan, SegmentFile};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -471,12 +471,15 @@ impl Inner {
     /// Queues direct reads of the records of `found` from block `j` on
     /// while the queue has room: raw payloads that would be read with
     /// `O_DIRECT` (aligned, not in the page cache); the others are read
-    /// when their turn comes, without the queue.
+    /// when their turn comes, without the queue (those found in the page
+    /// cache noted, so that it is not asked again). No further ahead than
+    /// the depth: a warm range is not looked over whole at once.
     fn queue_ahead(&self, q: &mut ReadQueue, found: &[Found], j: usize) {
         let raw_len = self.layout.block_bytes() as u64;
         let meta = record::meta_len(&self.layout);
         q.next = q.next.max(j);
-        while q.has_room() && q.next < found.len() {
+        let end = found.len().min(j + self.opts.read_depth);
+        while q.has_room() && q.next < end {
             let k = q.next;
             q.next += 1;
             let Found::At(loc) = found[k] else { continue };
@@ -489,10 +492,11 @@ impl Inner {
             let Ok(pad) = self.placed(&loc, &file) else {
                 continue;
             };
-            if let Some(req) =
-                file.direct_request(pad as usize + meta, loc.offset, loc.stored_len as usize)
-            {
-                q.push((loc.segment, loc.offset), &req);
+            let key = (loc.segment, loc.offset);
+            match file.direct_request(pad as usize + meta, loc.offset, loc.stored_len as usize) {
+                Plan::Direct(req) => q.push(key, &req),
+                Plan::Cached => q.note_cached(key),
+                Plan::Other => {}
             }
         }
     }
@@ -719,9 +723,12 @@ impl Inner {
         let file = self.segment_file(loc)?;
         let pad = self.placed(loc, &file)? as usize;
         let head_len = pad + record::meta_len(&self.layout);
+        let mut known_cached = false;
         if let Some(q) = queue.filter(|_| loc.stored_len == raw_len) {
             let len = raw_len as usize;
-            let landed = q.with_record((loc.segment, loc.offset), |bytes, lead| {
+            let key = (loc.segment, loc.offset);
+            known_cached = q.was_cached(key);
+            let landed = q.with_record(key, |bytes, lead| {
                 let bytes = bytes.ok().filter(|b| b.len() >= lead + len)?;
                 let (head, payload) = (&bytes[lead - head_len..lead], &bytes[lead..lead + len]);
                 let chunk = self.layout.chunk_bytes();
@@ -739,7 +746,9 @@ impl Inner {
         // A raw payload lands straight in `out`; a compressed one is decoded
         // from `scratch`.
         let raw = loc.stored_len == raw_len;
-        let read = if raw {
+        let read = if known_cached {
+            file.read_buffered(&mut head, out, loc.offset)
+        } else if raw {
             file.read(&mut head, out, loc.offset)
         } else {
             scratch.resize(loc.stored_len as usize, 0);

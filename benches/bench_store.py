@@ -966,17 +966,25 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             "dd_buffered",
             "get_cold",
             "get_cold_direct",
+            "get_cold_direct_sync",
         )
     }
     cold: list[dict[str, Any]] = []
-    cpu: dict[str, list[float]] = {"get_cold": [], "get_cold_direct": []}
+    cpu: dict[str, list[float]] = {
+        k: [] for k in ("get_cold", "get_cold_direct", "get_cold_direct_sync")
+    }
     # The same store through a handle whose reads use O_DIRECT where the page
-    # cache misses (off by default), alternated with the product's in each round.
+    # cache misses (off by default; each reader thread keeps 2 reads in flight
+    # through io_uring), and one that makes them one at a time
+    # (KVSTORE_READ_DEPTH=0), alternated with the product's in each round.
     os.environ["KVSTORE_DIRECT_READS"] = "1"
     try:
         st_direct = open_store(st.path, BIG, durability="sync")
+        os.environ["KVSTORE_READ_DEPTH"] = "0"
+        st_direct_sync = open_store(st.path, BIG, durability="sync")
     finally:
         del os.environ["KVSTORE_DIRECT_READS"]
+        os.environ.pop("KVSTORE_READ_DEPTH", None)
 
     def cold_read(key: str, fn: Callable[[], tuple[float, int]]) -> None:
         drop_page_cache(segs + idx, b.cold_method)
@@ -997,7 +1005,11 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             if b.have_dd:
                 cold_read("dd_direct", lambda: dd_read(segs, direct=True))
                 cold_read("dd_buffered", lambda: dd_read(segs, direct=False))
-        for key, handle in (("get_cold", st), ("get_cold_direct", st_direct)):
+        for key, handle in (
+            ("get_cold", st),
+            ("get_cold_direct", st_direct),
+            ("get_cold_direct_sync", st_direct_sync),
+        ):
             with stage(f"{tag} cold get(out=) ({key})", quiet):
                 for o in b.outs_raw:
                     o.fill(0)
@@ -1028,12 +1040,14 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
                 warm[key].append(gibps(nbytes, get_into(handle, seqs, b.outs)))
     check_equal(seqs, b.outs)
     st_direct.close()
+    st_direct_sync.close()
     meta["cold_cache"] = cold
     meta["cold_method"] = cold[-1]["method"]
     meta["cold_verified_by"] = cold[-1]["tool"]
     meta["cold_resident_before_max"] = max(c["resident_before"] for c in cold)
     meta["cold_get_cpu_busy"] = cpu["get_cold"]
     meta["cold_get_direct_cpu_busy"] = cpu["get_cold_direct"]
+    meta["cold_get_direct_sync_cpu_busy"] = cpu["get_cold_direct_sync"]
 
     def rmax(key: str) -> float:
         return max(rd[key], default=0.0)
@@ -1088,10 +1102,26 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             "GiB/s",
             lim_cold,
             "best O_DIRECT read of the segment files (1 or 4 in flight)",
-            note=f"info: O_DIRECT where the page cache misses (off by default), same store, "
-            f"alternated with the row above; process CPU time / wall time "
+            note=f"info: O_DIRECT where the page cache misses (off by default), 2 reads in "
+            f"flight per reader thread (io_uring), same store, alternated with the row above; "
+            f"process CPU time / wall time "
             f"{100 * max(cpu['get_cold_direct'], default=0):.0f}% of one core",
             samples=rd["get_cold_direct"],
+        )
+    )
+    res.add(
+        Row(
+            G,
+            "get(out=), cold page cache, direct reads one at a time (KVSTORE_READ_DEPTH=0)",
+            rmax("get_cold_direct_sync"),
+            "GiB/s",
+            lim_cold,
+            "best O_DIRECT read of the segment files (1 or 4 in flight)",
+            note=f"info: the row above without io_uring (one synchronous preadv per reader "
+            f"thread, straight into the destination's runs), alternated with it; process CPU "
+            f"time / wall time "
+            f"{100 * max(cpu['get_cold_direct_sync'], default=0):.0f}% of one core",
+            samples=rd["get_cold_direct_sync"],
         )
     )
     res.add(

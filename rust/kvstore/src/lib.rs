@@ -54,6 +54,7 @@ mod os;
 mod paged;
 mod pages;
 mod progress;
+mod readq;
 mod remote;
 mod repair;
 mod segfile;

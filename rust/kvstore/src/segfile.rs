@@ -7,7 +7,9 @@
 //! buffer. Direct reads keep the device busy with the whole request (no
 //! readahead guessing, no page-cache copy to fill and later evict); the
 //! kernel writes back dirty cached pages of the range before a direct read,
-//! so it sees what was just written.
+//! so it sees what was just written. A get's reader threads may instead
+//! queue a record's whole direct read ahead of time (`direct_request`,
+//! read by `readq`), several in flight.
 
 use crate::format;
 use crate::fs;
@@ -16,6 +18,29 @@ use std::fs::File;
 use std::io::{self, IoSliceMut};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// How a record would be read (see [`SegmentFile::direct_request`]).
+pub(crate) enum Plan<'a> {
+    /// With this one direct request.
+    Direct(DirectRequest<'a>),
+    /// Buffered: the page cache holds its payload.
+    Cached,
+    /// Buffered or otherwise, as [`SegmentFile::read`] decides.
+    Other,
+}
+
+/// One aligned `O_DIRECT` request that reads a record whole (see
+/// [`SegmentFile::direct_request`]).
+pub(crate) struct DirectRequest<'a> {
+    pub(crate) file: &'a Arc<File>,
+    /// File offset of the request (aligned).
+    pub(crate) start: u64,
+    /// Bytes of the request before the payload (the head at their end).
+    pub(crate) lead: usize,
+    /// Bytes asked for (aligned; may run past the end of the file).
+    pub(crate) len: usize,
+}
 
 /// Bytes of a reader thread's bounce buffer: unaligned destinations are
 /// read in pieces of this size (a few requests' worth, so pieces are large).
@@ -38,7 +63,8 @@ pub(crate) struct SegmentFile {
 
 /// The `O_DIRECT` descriptor and what its reads must respect.
 struct Direct {
-    file: File,
+    /// Shared with reads in flight in a ring (`os::ReadRing`).
+    file: Arc<File>,
     /// Alignment of memory addresses for direct reads.
     mem_align: usize,
     /// Alignment of file offsets and lengths for direct reads.
@@ -72,6 +98,40 @@ impl SegmentFile {
         })
     }
 
+    /// The `O_DIRECT` request that reads a record whole, its head (`head_len`
+    /// bytes from `offset`) and its payload (`len` bytes after it) in one,
+    /// when its payload would be read directly: there is a direct
+    /// descriptor that works, the payload is aligned for it, and the page
+    /// cache does not hold it all. Else whether the page cache holds it
+    /// (read it with [`SegmentFile::read_buffered`]) or not.
+    pub(crate) fn direct_request(&self, head_len: usize, offset: u64, len: usize) -> Plan<'_> {
+        let Some(d) = self
+            .direct
+            .as_ref()
+            .filter(|d| d.ok.load(Ordering::Relaxed))
+        else {
+            return Plan::Other;
+        };
+        let at = offset + head_len as u64;
+        if !at.is_multiple_of(d.offset_align) || d.mem_align as u64 > format::PAYLOAD_ALIGN {
+            return Plan::Other;
+        }
+        if fs::cached(&self.file, at, len as u64) {
+            return Plan::Cached;
+        }
+        let start = offset / d.offset_align * d.offset_align;
+        let end = (at + len as u64).next_multiple_of(d.offset_align);
+        match (usize::try_from(at - start), usize::try_from(end - start)) {
+            (Ok(lead), Ok(len)) => Plan::Direct(DirectRequest {
+                file: &d.file,
+                start,
+                lead,
+                len,
+            }),
+            _ => Plan::Other,
+        }
+    }
+
     /// Fills `head`, then the `payload` buffers in order, from `offset`:
     /// a record's padding and meta, then its payload, which starts at
     /// `offset + head.len()`. End of file is an error.
@@ -97,6 +157,16 @@ impl SegmentFile {
                 }
             }
         }
+        self.read_buffered(head, payload, offset)
+    }
+
+    /// [`SegmentFile::read`] through the page cache, whatever it holds.
+    pub(crate) fn read_buffered(
+        &self,
+        head: &mut [u8],
+        payload: &mut [&mut [u8]],
+        offset: u64,
+    ) -> io::Result<()> {
         let mut bufs: Vec<IoSliceMut<'_>> = Vec::with_capacity(payload.len() + 1);
         bufs.push(IoSliceMut::new(head));
         bufs.extend(payload.iter_mut().map(|p| IoSliceMut::new(p)));
@@ -109,7 +179,7 @@ impl Direct {
         let file = fs::open_direct(path).ok()??;
         let (mem_align, offset_align) = fs::direct_alignment(&file)?;
         Some(Direct {
-            file,
+            file: Arc::new(file),
             mem_align,
             offset_align,
             ok: AtomicBool::new(true),

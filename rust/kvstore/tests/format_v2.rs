@@ -1,8 +1,10 @@
 //! Version-2 segments read right whichever way their payloads are read:
 //! with `O_DIRECT` when the page cache does not hold them, buffered when it
 //! does, when direct reads are off, or on a file system without them
-//! (tmpfs); right after a put too, synced or not. A torn or misplaced record
-//! is a miss. Every get is checked against KV recomputed from the token ids.
+//! (tmpfs); direct reads one at a time or queued several deep (`io_uring`,
+//! each record read whole into a ring's buffer); right after a put too,
+//! synced or not. A torn, damaged or misplaced record is a miss. Every get
+//! is checked against KV recomputed from the token ids.
 
 use kvstore::format;
 use kvstore::index::Index;
@@ -27,12 +29,19 @@ fn small_layout() -> Layout {
 
 const MODEL: &str = "v2-model@1";
 
-fn opts(l: Layout, durability: Durability, direct: bool) -> Options {
+/// How a handle reads: (direct reads on, reads queued per reader thread).
+type Reads = (bool, usize);
+
+/// Direct reads queued, direct reads one at a time, buffered reads.
+const READS: [Reads; 3] = [(true, 2), (true, 0), (false, 0)];
+
+fn opts(l: Layout, durability: Durability, (direct, depth): Reads) -> Options {
     Options {
         fingerprint: Some(MODEL.into()),
         layout: Some(l),
         durability,
         direct_reads: direct,
+        read_depth: depth,
         ..Options::default()
     }
 }
@@ -87,15 +96,16 @@ fn get(dir: &Path, o: Options, l: &Layout, t: &[u32]) -> (usize, bool) {
 fn direct_and_buffered_reads_agree_cold_and_warm() {
     for l in [layout(), small_layout()] {
         for durability in [Durability::Sync, Durability::None] {
-            for direct in [true, false] {
+            for reads in READS {
+                let direct = reads.0;
                 let dir = tempfile::tempdir().unwrap();
                 let t = seq(7, 24 * l.block_size as usize);
-                let s = Store::open(dir.path(), opts(l, durability, direct)).unwrap();
+                let s = Store::open(dir.path(), opts(l, durability, reads)).unwrap();
                 assert_eq!(s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap(), t.len());
-                let case = format!("{l:?} {durability:?} direct={direct}");
+                let case = format!("{l:?} {durability:?} reads={reads:?}");
                 // At once, the writer's handle still open (with "none" its
                 // pages may not be on the device yet).
-                let o = || opts(l, durability, direct);
+                let o = || opts(l, durability, reads);
                 assert_eq!(get(dir.path(), o(), &l, &t), (t.len(), true), "warm {case}");
                 drop_cache(dir.path());
                 assert_eq!(get(dir.path(), o(), &l, &t), (t.len(), true), "cold {case}");
@@ -122,7 +132,7 @@ fn a_file_system_without_direct_io_reads_buffered() {
     };
     for l in [layout(), small_layout()] {
         let t = seq(9, 8 * l.block_size as usize);
-        let o = || opts(l, Durability::Sync, true);
+        let o = || opts(l, Durability::Sync, READS[0]);
         let s = Store::open(dir.path(), o()).unwrap();
         assert_eq!(s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap(), t.len());
         drop(s);
@@ -136,7 +146,7 @@ fn a_file_system_without_direct_io_reads_buffered() {
 /// A store of one 3-block chain; its ids.
 fn three_blocks(dir: &Path, l: Layout) -> (Vec<u32>, Vec<[u8; 32]>) {
     let t = seq(5, 3 * l.block_size as usize);
-    let s = Store::open(dir, opts(l, Durability::Sync, true)).unwrap();
+    let s = Store::open(dir, opts(l, Durability::Sync, READS[0])).unwrap();
     assert_eq!(s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap(), t.len());
     let ids = Keyer::new(MODEL, &l, None).chain(&t, l.block_size as usize, b"");
     (t, ids)
@@ -178,14 +188,15 @@ fn move_record(dir: &Path, l: &Layout, id: &[u8; 32], gap: u64, pad: u64) {
 fn a_misplaced_v2_record_is_a_miss() {
     let l = layout();
     let meta = record::meta_len(&l);
-    for direct in [true, false] {
+    for reads in READS {
         // Control: the copy placed as version 2 places it is served.
         let dir = tempfile::tempdir().unwrap();
         let (t, ids) = three_blocks(dir.path(), l);
         let end = segment_files(dir.path())[0].metadata().unwrap().len();
         let pad = format::pad_before(2, end, meta, l.block_bytes() as u64);
         move_record(dir.path(), &l, &ids[1], pad, pad);
-        let o = || opts(l, Durability::Sync, direct);
+        let o = || opts(l, Durability::Sync, reads);
+        drop_cache(dir.path());
         assert_eq!(
             get(dir.path(), o(), &l, &t),
             (t.len(), true),
@@ -199,11 +210,12 @@ fn a_misplaced_v2_record_is_a_miss() {
             let dir = tempfile::tempdir().unwrap();
             let (t, ids) = three_blocks(dir.path(), l);
             move_record(dir.path(), &l, &ids[1], gap, claimed_pad);
+            drop_cache(dir.path());
             let b = l.block_size as usize;
             assert_eq!(
                 get(dir.path(), o(), &l, &t),
                 (b, true),
-                "gap {gap}, padding {claimed_pad}, direct={direct}"
+                "gap {gap}, padding {claimed_pad}, reads={reads:?}"
             );
         }
     }
@@ -214,8 +226,8 @@ fn a_torn_v2_record_is_a_miss() {
     for l in [layout(), small_layout()] {
         let meta = record::meta_len(&l) as u64;
         let b = l.block_size as usize;
-        for direct in [true, false] {
-            for cut_in in ["padding", "meta", "payload", "last byte"] {
+        for reads in READS {
+            for cut_in in ["padding", "meta", "payload", "last byte", "flip"] {
                 let dir = tempfile::tempdir().unwrap();
                 let (t, ids) = three_blocks(dir.path(), l);
                 let loc = {
@@ -233,21 +245,31 @@ fn a_torn_v2_record_is_a_miss() {
                     + match cut_in {
                         "padding" => pad / 2,
                         "meta" => pad + meta / 2,
-                        "payload" => pad + meta + loc.stored_len / 2,
+                        "payload" | "flip" => pad + meta + loc.stored_len / 2,
                         _ => loc.record_len - 1,
                     };
                 let f = OpenOptions::new()
+                    .read(true)
                     .write(true)
                     .open(&segment_files(dir.path())[0])
                     .unwrap();
-                f.set_len(cut).unwrap();
+                if cut_in == "flip" {
+                    // Not torn but damaged: one payload bit flipped.
+                    let mut byte = [0u8];
+                    f.read_exact_at(&mut byte, cut).unwrap();
+                    f.write_all_at(&[byte[0] ^ 0x10], cut).unwrap();
+                } else {
+                    f.set_len(cut).unwrap();
+                }
                 drop(f);
-                let o = opts(l, Durability::Sync, direct);
+                // Cold, so that direct reads read it.
+                drop_cache(dir.path());
+                let o = opts(l, Durability::Sync, reads);
                 let (m, exact) = get(dir.path(), o, &l, &t);
                 assert_eq!(
                     (m, exact),
                     (2 * b, true),
-                    "{cut_in}, direct={direct}, {l:?}"
+                    "{cut_in}, reads={reads:?}, {l:?}"
                 );
             }
         }

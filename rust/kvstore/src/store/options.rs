@@ -91,6 +91,11 @@ pub struct Options {
     /// restores), and a direct read leaves nothing in the page cache, so a
     /// store without a hot tier never warms. For tests and tuning.
     pub direct_reads: bool,
+    /// With direct reads: reads a get's reader thread keeps in flight
+    /// (`io_uring`), each a record read whole into a buffer of the ring;
+    /// 0: one synchronous read at a time. Default: 2, or
+    /// `KVSTORE_READ_DEPTH`. For tests and tuning.
+    pub read_depth: usize,
 }
 
 impl Default for Options {
@@ -112,6 +117,10 @@ impl Default for Options {
             remote: None,
             get_readers: None,
             direct_reads: std::env::var_os("KVSTORE_DIRECT_READS").is_some_and(|v| v == "1"),
+            read_depth: std::env::var("KVSTORE_READ_DEPTH")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(2),
         }
     }
 }

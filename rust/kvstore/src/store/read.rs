@@ -9,8 +9,9 @@ use crate::error::{Error, Result};
 use crate::format;
 use crate::id::BlockId;
 use crate::index::Location;
+use crate::readq::ReadQueue;
 use crate::record::{self, Mismatch};
-use crate::segfile::SegmentFile;
+use crate::segfile::{Plan, SegmentFile};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -424,23 +425,28 @@ impl Inner {
     ) -> Result<usize> {
         let (b, chunk) = (self.layout.block_size as usize, self.layout.chunk_bytes());
         let mut scratch = Vec::new();
+        let mut queue = self.read_queue();
         for (j, id) in range.ids.iter().enumerate() {
             let at = range.at + j;
             if stop.load(Ordering::Relaxed) < at {
                 return Ok(j);
+            }
+            if let Some(q) = &mut queue {
+                self.queue_ahead(q, range.found, j);
             }
             let mut chunks: Vec<&mut [u8]> = runs
                 .iter_mut()
                 .map(|r| &mut r[j * chunk..(j + 1) * chunk])
                 .collect();
             let block_tokens = &range.tokens[j * b..(j + 1) * b];
-            let fetched = self.fetch(
+            let fetched = self.fetch_queued(
                 snap,
                 id,
                 Some(range.found[j]),
                 block_tokens,
                 &mut chunks,
                 &mut scratch,
+                queue.as_mut(),
             );
             let served = fetched.and_then(|f| match f {
                 // Past a block another range found missing it is read (the
@@ -457,6 +463,50 @@ impl Inner {
             }
         }
         Ok(range.ids.len())
+    }
+
+    /// A reader thread's queue of direct reads in flight, when direct reads
+    /// are on and `read_depth` asks for one (and the kernel has `io_uring`).
+    fn read_queue(&self) -> Option<ReadQueue> {
+        if !self.opts.direct_reads || self.opts.read_depth == 0 {
+            return None;
+        }
+        // A request reads the payload rounded up to the device's alignment.
+        let payload = self.layout.block_bytes() + format::PAYLOAD_ALIGN as usize;
+        ReadQueue::new(self.opts.read_depth, payload)
+    }
+
+    /// Queues direct reads of the records of `found` from block `j` on
+    /// while the queue has room: raw payloads that would be read with
+    /// `O_DIRECT` (aligned, not in the page cache); the others are read
+    /// when their turn comes, without the queue (those found in the page
+    /// cache noted, so that it is not asked again). No further ahead than
+    /// the depth: a warm range is not looked over whole at once.
+    fn queue_ahead(&self, q: &mut ReadQueue, found: &[Found], j: usize) {
+        let raw_len = self.layout.block_bytes() as u64;
+        let meta = record::meta_len(&self.layout);
+        q.next = q.next.max(j);
+        let end = found.len().min(j + self.opts.read_depth);
+        while q.has_room() && q.next < end {
+            let k = q.next;
+            q.next += 1;
+            let Found::At(loc) = found[k] else { continue };
+            if loc.stored_len != raw_len {
+                continue;
+            }
+            let Ok(file) = self.segment_file(&loc) else {
+                continue;
+            };
+            let Ok(pad) = self.placed(&loc, &file) else {
+                continue;
+            };
+            let key = (loc.segment, loc.offset);
+            match file.direct_request(pad as usize + meta, loc.offset, loc.stored_len as usize) {
+                Plan::Direct(req) => q.push(key, &req),
+                Plan::Cached => q.note_cached(key),
+                Plan::Other => {}
+            }
+        }
     }
 
     /// Lands block `id` in `chunks`: from the hot tier, else from its record
@@ -494,6 +544,22 @@ impl Inner {
         chunks: &mut [&mut [u8]],
         scratch: &mut Vec<u8>,
     ) -> Result<Fetched> {
+        self.fetch_queued(snap, id, found, block_tokens, chunks, scratch, None)
+    }
+
+    /// [`Inner::fetch`], taking the record from `queue` where its read was
+    /// queued.
+    #[allow(clippy::too_many_arguments)]
+    fn fetch_queued<'s>(
+        &'s self,
+        snap: &mut Option<Snap<'s>>,
+        id: &BlockId,
+        found: Option<Found>,
+        block_tokens: &[u32],
+        chunks: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+        mut queue: Option<&mut ReadQueue>,
+    ) -> Result<Fetched> {
         if let Some(arena) = &self.arena {
             if arena.get(id, block_tokens, chunks) {
                 self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
@@ -513,7 +579,15 @@ impl Inner {
                     None => return Ok(Fetched::Miss),
                 },
             };
-            match self.read_record(&loc, id, Some(block_tokens), chunks, scratch) {
+            let read = self.read_record_queued(
+                &loc,
+                id,
+                Some(block_tokens),
+                chunks,
+                scratch,
+                queue.as_deref_mut(),
+            );
+            match read {
                 Ok(()) => {
                     self.counters
                         .bytes_read
@@ -639,15 +713,50 @@ impl Inner {
         out: &mut [&mut [u8]],
         scratch: &mut Vec<u8>,
     ) -> Result<(), ReadFail> {
+        self.read_record_queued(loc, id, tokens, out, scratch, None)
+    }
+
+    /// [`Inner::read_record`], from `queue` where its read was queued there
+    /// (and came back whole: else it is read again, without the queue).
+    fn read_record_queued(
+        &self,
+        loc: &Location,
+        id: &BlockId,
+        tokens: Option<&[u32]>,
+        out: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+        queue: Option<&mut ReadQueue>,
+    ) -> Result<(), ReadFail> {
         let raw_len = self.layout.block_bytes() as u64;
         let file = self.segment_file(loc)?;
         let pad = self.placed(loc, &file)? as usize;
+        let head_len = pad + record::meta_len(&self.layout);
+        let mut known_cached = false;
+        if let Some(q) = queue.filter(|_| loc.stored_len == raw_len) {
+            let len = raw_len as usize;
+            let key = (loc.segment, loc.offset);
+            known_cached = q.was_cached(key);
+            let landed = q.with_record(key, |bytes, lead| {
+                let bytes = bytes.ok().filter(|b| b.len() >= lead + len)?;
+                let (head, payload) = (&bytes[lead - head_len..lead], &bytes[lead..lead + len]);
+                let chunk = self.layout.chunk_bytes();
+                for (dst, src) in out.iter_mut().zip(payload.chunks(chunk)) {
+                    dst.copy_from_slice(src);
+                }
+                Some(self.check_record(head, pad, loc, id, tokens, out, scratch))
+            });
+            if let Some(Some(res)) = landed {
+                return res;
+            }
+        }
         // Padding and meta in one buffer, read with the payload.
-        let mut head = vec![0u8; pad + record::meta_len(&self.layout)];
+        let mut head = vec![0u8; head_len];
         // A raw payload lands straight in `out`; a compressed one is decoded
         // from `scratch`.
         let raw = loc.stored_len == raw_len;
-        let read = if raw {
+        let read = if known_cached {
+            file.read_buffered(&mut head, out, loc.offset)
+        } else if raw {
             file.read(&mut head, out, loc.offset)
         } else {
             scratch.resize(loc.stored_len as usize, 0);
@@ -656,6 +765,24 @@ impl Inner {
         if let Err(e) = read {
             return Err(ReadFail::Damaged(format!("read failed: {e}")));
         }
+        self.check_record(&head, pad, loc, id, tokens, out, scratch)
+    }
+
+    /// Checks a record read into `head` (its padding, `pad` bytes, and its
+    /// meta) and `out` (a raw payload) or `scratch` (a compressed one, then
+    /// decoded into `out`) against `id` and, when given, `tokens`.
+    #[allow(clippy::too_many_arguments)]
+    fn check_record(
+        &self,
+        head: &[u8],
+        pad: usize,
+        loc: &Location,
+        id: &BlockId,
+        tokens: Option<&[u32]>,
+        out: &mut [&mut [u8]],
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), ReadFail> {
+        let raw = loc.stored_len == self.layout.block_bytes() as u64;
         check_padding(&head[..pad])?;
         let meta = &head[pad..];
         let header = match record::check_read(&self.layout, meta, id, loc.stored_len, tokens) {

@@ -318,7 +318,7 @@ fn damaged_padding_is_a_damaged_record_everywhere() {
             };
         flip(dir.path(), loc.segment, at, 0x04);
         let case = format!("padding byte {at_in}");
-        let o = || opts(l, Durability::Sync, true);
+        let o = || opts(l, Durability::Sync, READS[0]);
         // Read: a miss from the damaged block on.
         assert_eq!(get(dir.path(), o(), &l, &t), (b, true), "get, {case}");
         let s = Store::open(dir.path(), o()).unwrap();
@@ -389,7 +389,7 @@ fn v1_store(dir: &Path) -> Vec<Vec<u32>> {
     let seqs: Vec<Vec<u32>> = (0..3)
         .map(|s| seq(20 + s, 6 * l.block_size as usize))
         .collect();
-    let s = Store::open(dir, opts(l, Durability::Sync, true)).unwrap();
+    let s = Store::open(dir, opts(l, Durability::Sync, READS[0])).unwrap();
     for t in &seqs {
         assert_eq!(s.put(t, &kv_for(&l, t), t.len(), b"").unwrap(), t.len());
     }
@@ -432,7 +432,7 @@ fn manifest_version(dir: &Path) -> u32 {
 fn all_exact(dir: &Path, seqs: &[Vec<u32>]) -> bool {
     let l = small_layout();
     seqs.iter()
-        .all(|t| get(dir, opts(l, Durability::Sync, true), &l, t) == (t.len(), true))
+        .all(|t| get(dir, opts(l, Durability::Sync, READS[0]), &l, t) == (t.len(), true))
 }
 
 /// Reading a version-1 store leaves its MANIFEST as it was, byte for byte
@@ -445,7 +445,7 @@ fn a_v1_manifest_is_upgraded_by_the_first_segment_only() {
     let seqs = v1_store(dir.path());
     let before = std::fs::read(dir.path().join("MANIFEST")).unwrap();
     {
-        let s = Store::open(dir.path(), opts(l, Durability::Sync, true)).unwrap();
+        let s = Store::open(dir.path(), opts(l, Durability::Sync, READS[0])).unwrap();
         assert_eq!(s.manifest().unwrap().format_version, 1);
         for t in &seqs {
             assert_eq!(s.lookup(t, b"").unwrap(), t.len());
@@ -475,7 +475,7 @@ fn a_v1_manifest_is_upgraded_by_the_first_segment_only() {
     assert!(!v1_segments.is_empty() && v1_segments.iter().all(|&v| v == 1));
 
     // The first put upgrades it; the rest of the MANIFEST is as it was.
-    let s = Store::open(dir.path(), opts(l, Durability::Sync, true)).unwrap();
+    let s = Store::open(dir.path(), opts(l, Durability::Sync, READS[0])).unwrap();
     let t = seq(40, 4 * l.block_size as usize);
     assert_eq!(s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap(), t.len());
     assert_eq!(s.manifest().unwrap().format_version, format::FORMAT_VERSION);
@@ -499,7 +499,7 @@ fn a_v1_manifest_is_upgraded_by_the_first_segment_only() {
     // Compaction writes a version-2 segment: it upgrades the MANIFEST too.
     let dir = tempfile::tempdir().unwrap();
     let seqs = v1_store(dir.path());
-    let s = Store::open(dir.path(), opts(l, Durability::Sync, true)).unwrap();
+    let s = Store::open(dir.path(), opts(l, Durability::Sync, READS[0])).unwrap();
     s.compact(&|_, _| {}).unwrap();
     assert_eq!(manifest_version(dir.path()), format::FORMAT_VERSION);
     assert_eq!(segment_versions(dir.path()), vec![2]);
@@ -534,7 +534,7 @@ mod upgrade_crash {
         let (dir, plan) = spec.split_once(';').unwrap();
         let dir = Path::new(dir);
         let l = small_layout();
-        let s = Store::open(dir, opts(l, Durability::Sync, true)).unwrap();
+        let s = Store::open(dir, opts(l, Durability::Sync, READS[0])).unwrap();
         match plan.split_once(':') {
             Some(("crash", n)) => fault::arm(n.parse().unwrap(), Mode::Crash),
             Some(("power", n)) => fault::arm(n.parse().unwrap(), Mode::PowerLoss { seed: 7 }),
@@ -605,7 +605,7 @@ mod upgrade_crash {
                     assert_eq!(version, format::FORMAT_VERSION, "{case}: renamed before");
                 }
                 assert!(all_exact(&dir, &seqs), "{case}");
-                let s = Store::open(&dir, opts(l, Durability::Sync, true)).unwrap();
+                let s = Store::open(&dir, opts(l, Durability::Sync, READS[0])).unwrap();
                 assert!(s.verify(&|_, _| {}).unwrap().damaged.is_empty(), "{case}");
                 let t = new_seq();
                 assert_eq!(s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap(), t.len());

@@ -439,7 +439,7 @@ impl Inner {
                 .map(|r| &mut r[j * chunk..(j + 1) * chunk])
                 .collect();
             let block_tokens = &range.tokens[j * b..(j + 1) * b];
-            let fetched = self.fetch_queued(
+            let fetched = self.fetch(
                 snap,
                 id,
                 Some(range.found[j]),
@@ -521,7 +521,7 @@ impl Inner {
         scratch: &mut Vec<u8>,
     ) -> Result<bool> {
         Ok(
-            match self.fetch(snap, id, None, block_tokens, chunks, scratch)? {
+            match self.fetch(snap, id, None, block_tokens, chunks, scratch, None)? {
                 Fetched::Hot => true,
                 Fetched::Disk => {
                     self.promote_block(id, block_tokens, chunks)?;
@@ -534,23 +534,10 @@ impl Inner {
 
     /// [`Inner::read_block`] without the promotion; `found`, where the block
     /// was seen, spares a lookup (looked up in `snap` when it is `None`, or
-    /// the block moved since).
-    fn fetch<'s>(
-        &'s self,
-        snap: &mut Option<Snap<'s>>,
-        id: &BlockId,
-        found: Option<Found>,
-        block_tokens: &[u32],
-        chunks: &mut [&mut [u8]],
-        scratch: &mut Vec<u8>,
-    ) -> Result<Fetched> {
-        self.fetch_queued(snap, id, found, block_tokens, chunks, scratch, None)
-    }
-
-    /// [`Inner::fetch`], taking the record from `queue` where its read was
-    /// queued.
+    /// the block moved since); the record is taken from `queue` where its
+    /// read was queued there.
     #[allow(clippy::too_many_arguments)]
-    fn fetch_queued<'s>(
+    fn fetch<'s>(
         &'s self,
         snap: &mut Option<Snap<'s>>,
         id: &BlockId,

@@ -128,6 +128,17 @@ struct Params {
   float* part_sum;   // [num_seqs, num_heads, num_partitions]
 };
 
+// The token-major kernel (paged_attention_cpu_token_major.h): query heads per score
+// vector, tokens per tile, and the floats of its per-thread buffers for `heads` query
+// heads (TokenMajorBuffers, and 64 bytes of alignment slack). Outside the kernels'
+// target pragmas: the caller runs on any x86-64.
+constexpr int64_t kHeadLanes = 16;
+constexpr int64_t kTokenTile = 16;
+inline int64_t head_lanes_up(int64_t n) { return ceil_div(n, kHeadLanes) * kHeadLanes; }
+inline int64_t tm_floats(int64_t heads) {
+  return (kTokenTile + kTokenTile / 2) * head_lanes_up(heads) + 16;
+}
+
 // Per-thread scratch, allocated once per thread outside the kernels.
 struct Scratch {
   float* q;       // [num_kv_heads * group, head_dim], pre-scaled
@@ -141,6 +152,7 @@ struct Scratch {
   int64_t* voff;  // [kChunk]
   const float** krows;  // [kChunk]
   const float** vrows;  // [kChunk]
+  float* tm;            // the token-major kernel's buffers (tm_floats)
 };
 
 namespace cpu_base {
@@ -199,7 +211,13 @@ __attribute__((target(KVSTORE_AVX512))) void attend_avx512(const Params& p, cons
 template <Kind C>
 __attribute__((target(KVSTORE_AVX512 ",avx512bf16,avx512vbmi"))) void attend_avx512bf16(
     const Params& p, const Scratch& w, int64_t b, int64_t e) {
-  cpu_avx512bf16::attend_units<Kind::BF16, C>(p, w, b, e);
+  // bfloat16 caches stream token-major (paged_attention_cpu_token_major.h says why);
+  // fp8 caches stay head-major, where their instruction-bound step is faster.
+  if constexpr (C == Kind::FP8) {
+    cpu_avx512bf16::attend_units<Kind::BF16, C>(p, w, b, e);
+  } else {
+    cpu_avx512bf16::attend_units_token_major(p, w, b, e);
+  }
 }
 
 template <Kind K, Kind C>
@@ -493,7 +511,9 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
     std::vector<float> buf(2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk);
     std::vector<int64_t> offsets(2 * kChunk);
     std::vector<const float*> rows(2 * kChunk);
+    std::vector<float> tm(tm_floats(NH));  // a few KiB; used by the token-major kernel
     Scratch w{};
+    w.tm = tm.data();
     w.q = buf.data();
     w.acc = w.q + NH * D;
     w.m = w.acc + NH * D;

@@ -541,6 +541,36 @@ struct TokenCursor {
   }
 };
 
+// Writes the outputs of one unit group (sequence s, partition part, query heads from
+// h0 * group, `heads` of them) from w's accumulators (element order kOrder<K, C>): the
+// normalised output, or the partition's partials when the step is split.
+template <Kind K, Kind C>
+KVSTORE_INLINE void write_unit_outputs(const Params& p, const Scratch& w, int64_t s, int64_t part,
+                                       int64_t h0, int64_t heads) {
+  const int64_t D = p.head_dim, G = p.group, P = p.num_partitions;
+  for (int64_t i = 0; i < heads; ++i) {
+    const int64_t head = h0 * G + i;
+    const float* acc = w.acc + i * D;
+    // fp8 rows were read as value * 2^-120 (fp8x16), unless looked up as bfloat16.
+    const float unit_scale = C == Kind::FP8 && !kDot<K, C> ? kFp8Unit : 1.f;
+    if (P == 1) {
+      // An empty sequence (len 0) attends to nothing: its output is 0.
+      const float inv = w.l[i] > 0.f ? unit_scale / w.l[i] : 0.f;
+      const int64_t o = (s * p.num_heads + head) * D;
+      for (int64_t a = 0; a < D; ++a) {
+        store_scalar<K>(p.out, o + row_element<kOrder<K, C>>(a), acc[a] * inv);
+      }
+    } else {
+      const int64_t pi = (s * p.num_heads + head) * P + part;
+      for (int64_t a = 0; a < D; ++a) {
+        p.part_out[pi * D + row_element<kOrder<K, C>>(a)] = acc[a] * unit_scale;
+      }
+      p.part_max[pi] = w.m[i];
+      p.part_sum[pi] = w.l[i];
+    }
+  }
+}
+
 // The same work units and outputs as attend_units in paged_attention_cpu_kernel.h;
 // K: query and output dtype, C: cache dtype (K, or FP8 with per-(block, head) scales).
 // Per unit group (one sequence and partition, kv heads h0 .. h1 - 1): tile by tile,
@@ -638,26 +668,10 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
       }
     }
 
-    for (int64_t i = 0; i < heads; ++i) {
-      const int64_t head = h0 * G + i;
-      const float* acc = w.acc + i * D;
-      // fp8 rows were read as value * 2^-120 (fp8x16), unless looked up as bfloat16.
-      const float unit_scale = C == Kind::FP8 && !kDot<K, C> ? kFp8Unit : 1.f;
-      if (P == 1) {
-        // An empty sequence (len 0) attends to nothing: its output is 0.
-        const float inv = w.l[i] > 0.f ? unit_scale / w.l[i] : 0.f;
-        const int64_t o = (s * p.num_heads + head) * D;
-        for (int64_t a = 0; a < D; ++a) {
-          store_scalar<K>(p.out, o + row_element<kOrder<K, C>>(a), acc[a] * inv);
-        }
-      } else {
-        const int64_t pi = (s * p.num_heads + head) * P + part;
-        for (int64_t a = 0; a < D; ++a) {
-          p.part_out[pi * D + row_element<kOrder<K, C>>(a)] = acc[a] * unit_scale;
-        }
-        p.part_max[pi] = w.m[i];
-        p.part_sum[pi] = w.l[i];
-      }
-    }
+    write_unit_outputs<K, C>(p, w, s, part, h0, heads);
   }
 }
+
+#if KVSTORE_DPBF16
+#include "paged_attention_cpu_token_major.h"
+#endif

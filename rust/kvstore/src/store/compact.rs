@@ -128,7 +128,7 @@ impl Inner {
         for (id, loc) in entries {
             let mut chunks: Vec<&mut [u8]> =
                 copier.buf.chunks_mut(self.layout.chunk_bytes()).collect();
-            match self.read_record(loc, id, None, &mut chunks, &mut copier.scratch) {
+            match self.read_record(loc, id, None, &mut chunks, &mut copier.scratch, None) {
                 Ok(()) => {
                     let tokens = self.record_tokens_at(loc)?;
                     let chunks: Vec<&[u8]> = copier.buf.chunks(self.layout.chunk_bytes()).collect();

@@ -78,7 +78,7 @@ impl Inner {
             let block_tokens = &tokens[i * b..(i + 1) * b];
             let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
             if self
-                .read_record(loc, id, Some(block_tokens), &mut chunks, &mut scratch)
+                .read_record(loc, id, Some(block_tokens), &mut chunks, &mut scratch, None)
                 .is_err()
             {
                 return Ok((i, None)); // damaged or compacted away: the pinned prefix ends here

@@ -566,7 +566,7 @@ impl Inner {
                     None => return Ok(Fetched::Miss),
                 },
             };
-            let read = self.read_record_queued(
+            let read = self.read_record(
                 &loc,
                 id,
                 Some(block_tokens),
@@ -690,22 +690,11 @@ impl Inner {
     }
 
     /// Reads the record at `loc` into `out` (the block's `2L` runs) and checks
-    /// it against `id` and, when given, the requested `tokens`.
+    /// it against `id` and, when given, the requested `tokens`; from `queue`
+    /// where its read was queued there (and came back whole: else it is read
+    /// again, without the queue).
     /// Every failure, I/O included, is a reason not to serve the block.
     pub(super) fn read_record(
-        &self,
-        loc: &Location,
-        id: &BlockId,
-        tokens: Option<&[u32]>,
-        out: &mut [&mut [u8]],
-        scratch: &mut Vec<u8>,
-    ) -> Result<(), ReadFail> {
-        self.read_record_queued(loc, id, tokens, out, scratch, None)
-    }
-
-    /// [`Inner::read_record`], from `queue` where its read was queued there
-    /// (and came back whole: else it is read again, without the queue).
-    fn read_record_queued(
         &self,
         loc: &Location,
         id: &BlockId,

@@ -113,7 +113,7 @@ impl Inner {
         let mut scratch = Vec::new();
         for (n, (id, loc)) in blocks.iter().enumerate() {
             let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
-            match self.read_record(loc, id, None, &mut chunks, &mut scratch) {
+            match self.read_record(loc, id, None, &mut chunks, &mut scratch, None) {
                 Ok(()) => {}
                 Err(fail) => {
                     let reason = fail.damage().expect("verify passes no tokens");

@@ -139,6 +139,28 @@ inline int64_t tm_floats(int64_t heads) {
   return (kTokenTile + kTokenTile / 2) * head_lanes_up(heads) + 16;
 }
 
+// A run of work units of one step (a unit is a sequence, a partition and a kv head,
+// the kv head fastest): sequence s, partition part, kv heads h0 .. h1 - 1 (to the last
+// head, or to `end`), the partition's tokens start .. stop and the sequence's block
+// table. Every kernel walks its units through this. Outside the kernels' target
+// pragmas: the caller runs on any x86-64.
+struct UnitRun {
+  int64_t s, part, h0, h1, start, stop;
+  const int32_t* table;
+};
+inline UnitRun unit_run(const Params& p, int64_t unit, int64_t end) {
+  const int64_t H = p.num_kv_heads, P = p.num_partitions;
+  UnitRun u{};
+  u.s = unit / (P * H);
+  u.part = (unit / H) % P;
+  u.h0 = unit % H;
+  u.h1 = std::min(H, u.h0 + (end - unit));
+  u.start = u.part * p.partition_tokens;
+  u.stop = std::min<int64_t>(p.seq_lens[u.s], u.start + p.partition_tokens);
+  u.table = p.block_tables + u.s * p.table_stride;
+  return u;
+}
+
 // Per-thread scratch, allocated once per thread outside the kernels.
 struct Scratch {
   float* q;       // [num_kv_heads * group, head_dim], pre-scaled

@@ -223,15 +223,10 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
   const T* kc = static_cast<const T*>(p.key_cache);
   const T* vc = static_cast<const T*>(p.value_cache);
   for (int64_t unit = begin; unit < end;) {
-    const int64_t s = unit / (P * H);
-    const int64_t part = (unit / H) % P;
-    const int64_t h0 = unit % H;
-    const int64_t h1 = min64(H, h0 + (end - unit));
+    const UnitRun u = unit_run(p, unit, end);
+    const int64_t s = u.s, part = u.part, h0 = u.h0, h1 = u.h1, start = u.start, stop = u.stop;
+    const int32_t* table = u.table;
     unit += h1 - h0;
-    const int64_t len = p.seq_lens[s];
-    const int64_t start = part * p.partition_tokens;
-    const int64_t stop = min64(len, start + p.partition_tokens);
-    const int32_t* table = p.block_tables + s * p.table_stride;
 
     // Query heads h0 * G .. h1 * G - 1, pre-scaled; state index (h - h0) * G + g.
     const int64_t heads = (h1 - h0) * G;

@@ -682,23 +682,39 @@ impl Arena {
             return false; // not this layout's block: never read past the slot
         }
         let stored = self.stored_crc(slot);
-        let (base, run) = (self.data(slot), self.chunk_bytes);
+        let base = self.data(slot);
         let mut lanes = [0u32; LANES];
-        for (g, group) in out.chunks_exact_mut(LANES).enumerate() {
-            let group: &mut [&mut [u8]; LANES] = group.try_into().expect("LANES runs");
-            let offs = std::array::from_fn(|k| base + (g * LANES + k) * run);
-            lanes = self
-                .map
-                .read_crc32c(offs, group.each_mut().map(|c| &mut **c), lanes);
-        }
-        let done = out.len() / LANES * LANES;
-        for (i, chunk) in out.iter_mut().enumerate().skip(done) {
-            let [crc] = self
-                .map
-                .read_crc32c([base + i * run], [&mut **chunk], [lanes[i % LANES]]);
-            lanes[i % LANES] = crc;
+        for (g, group) in out.chunks_mut(LANES).enumerate() {
+            self.copy_runs(base, g * LANES, group, &mut lanes);
         }
         fold(lanes) == stored && self.confirm(slot, version)
+    }
+
+    /// Copies runs `first..` (`first` a multiple of `LANES`; at most `LANES`
+    /// runs, one per buffer of `group`) of the block whose data starts at
+    /// `base` into `group`, each folded into its checksum lane (run `i` into
+    /// lane `i % LANES`) in the same pass.
+    fn copy_runs(
+        &self,
+        base: usize,
+        first: usize,
+        group: &mut [&mut [u8]],
+        lanes: &mut [u32; LANES],
+    ) {
+        let run = self.chunk_bytes;
+        if let Ok(full) = <&mut [&mut [u8]; LANES]>::try_from(&mut *group) {
+            let offs = std::array::from_fn(|k| base + (first + k) * run);
+            *lanes = self
+                .map
+                .read_crc32c(offs, full.each_mut().map(|c| &mut **c), *lanes);
+        } else {
+            for (k, chunk) in group.iter_mut().enumerate() {
+                let [crc] =
+                    self.map
+                        .read_crc32c([base + (first + k) * run], [&mut **chunk], [lanes[k]]);
+                lanes[k] = crc;
+            }
+        }
     }
 
     /// Bytes of the `piece` that `get_runs` takes.
@@ -731,23 +747,9 @@ impl Arena {
         let (base, runs) = (self.data(slot), self.block_bytes / run);
         let mut lanes = [0u32; LANES];
         for g in (0..runs).step_by(LANES) {
-            let mut group: Vec<&mut [u8]> = piece.chunks_exact_mut(run).collect();
-            if g + LANES <= runs {
-                let group: &mut [&mut [u8]; LANES] =
-                    (&mut group[..]).try_into().expect("LANES runs");
-                let offs = std::array::from_fn(|k| base + (g + k) * run);
-                lanes = self
-                    .map
-                    .read_crc32c(offs, group.each_mut().map(|c| &mut **c), lanes);
-            } else {
-                for (k, chunk) in group.iter_mut().take(runs - g).enumerate() {
-                    let [crc] =
-                        self.map
-                            .read_crc32c([base + (g + k) * run], [&mut **chunk], [lanes[k]]);
-                    lanes[k] = crc;
-                }
-            }
-            for (k, chunk) in group.into_iter().take(runs - g).enumerate() {
+            let mut group: Vec<&mut [u8]> = piece.chunks_exact_mut(run).take(runs - g).collect();
+            self.copy_runs(base, g, &mut group, &mut lanes);
+            for (k, chunk) in group.into_iter().enumerate() {
                 place(g + k, chunk);
             }
         }

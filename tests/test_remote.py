@@ -446,7 +446,7 @@ def test_password_in_a_node_url_is_refused_unechoed(clean, tmp_path):
         kvstore.open(tmp_path / "z", LAYOUT, MODEL, remote=url_node)
     assert f"remote node 127.0.0.1:{free} " in str(e.value), str(e.value)
     with open_host(tmp_path / "w", clean) as s:
-        assert sorted(n["node"] for n in s._raw.remote_nodes()) == sorted(clean.nodes)
+        assert sorted(n["node"] for n in s.remote_nodes()) == sorted(clean.nodes)
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
@@ -644,6 +644,20 @@ def test_cli_ping_and_stats(clean, tmp_path, tmp_path_factory):
         single.stop()
     none = kv_cli("remote", "ping", tmp_path / "a", check=False)
     assert none.returncode == 2 and "KVSTORE_REMOTE_NODES" in none.stderr
+
+
+def test_remote_calls_without_a_remote_tier(tmp_path):
+    """remote_nodes and remote_push on a store opened without `remote=` name what is
+    missing; the store stays usable."""
+    layout = kvstore.Layout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+    with kvstore.open(tmp_path / "s", layout=layout, model="m@1") as s:
+        with pytest.raises(kvstore.InvalidInput, match="without a remote tier"):
+            s.remote_nodes()
+        with pytest.raises(kvstore.InvalidInput, match="without a remote tier"):
+            s.remote_push()
+        with pytest.raises(kvstore.InvalidInput):
+            s.remote_push(progress=3)  # type: ignore[arg-type]
+        assert s.lookup(list(range(8))) == 0
 
 
 def test_remote_from_dict():
@@ -855,7 +869,7 @@ def test_tls_with_the_private_ca(tmp_path_factory, tmp_path, certs):
             a.put(tokens, kv_for(LAYOUT, tokens))
             a.flush()
             assert remote_stats(a)["blocks_uploaded"] == 20
-            nodes = sorted(n["node"] for n in a._raw.remote_nodes())
+            nodes = sorted(n["node"] for n in a.remote_nodes())
             assert nodes == sorted(c.tls_nodes), "the slot map names the TLS ports"
         assert len(c.keys("kvstore:*")) == 20  # seen through the plain ports
         url = kvstore.Remote(nodes=[f"rediss://{c.tls_nodes[1]}"], tls_ca=certs.ca)

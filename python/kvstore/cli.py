@@ -509,7 +509,7 @@ def _node_rows(nodes: list[Any]) -> None:
 
 def cmd_remote_ping(args: argparse.Namespace) -> int:
     with _open_remote(args) as s:
-        nodes = s._raw.remote_nodes()
+        nodes = s.remote_nodes()
     ok = all(n["error"] is None for n in nodes)
     _emit(args, {"ok": ok, "nodes": nodes}, lambda: _node_rows(nodes))
     return 0 if ok else 1
@@ -517,7 +517,7 @@ def cmd_remote_ping(args: argparse.Namespace) -> int:
 
 def cmd_remote_stats(args: argparse.Namespace) -> int:
     with _open_remote(args) as s:
-        nodes = s._raw.remote_nodes()
+        nodes = s.remote_nodes()
 
     def human() -> None:
         c = _console()
@@ -539,7 +539,7 @@ def cmd_remote_stats(args: argparse.Namespace) -> int:
 
 def cmd_remote_push(args: argparse.Namespace) -> int:
     with _open_remote(args) as s, _progress(not args.json, "pushing") as progress:
-        r: dict[str, Any] = dict(s._raw.remote_push(progress))
+        r: dict[str, Any] = dict(s.remote_push(progress))
         remote: dict[str, int] = dict(s.stats()["remote"] or {})
     errors = {k: v for k, v in remote.items() if k.startswith("errors_") and v}
     r["errors"] = errors

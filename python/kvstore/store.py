@@ -32,7 +32,9 @@ if TYPE_CHECKING:
         CompactReport,
         GcReport,
         Manifest,
+        NodeReport,
         OpenOptions,
+        PushReport,
         SegmentReport,
     )
 
@@ -428,6 +430,19 @@ class Store:
             _check_seconds("older_than", older_than, allow_zero=True)
         _check_callable(progress)
         return self._raw.gc(max_bytes, older_than, progress)
+
+    def remote_nodes(self) -> list[NodeReport]:
+        """Each node of the remote tier: its address, round trip, server `INFO` and the
+        error that kept it from answering (`kvstore remote ping`). `InvalidInput` when
+        the store was opened without `remote=`."""
+        return self._raw.remote_nodes()
+
+    def remote_push(self, progress: Callable[[int, int], None] | None = None) -> PushReport:
+        """Uploads the blocks the remote tier lacks (`kvstore remote push`): what a
+        store filled before it had a remote tier, or while the remote was down.
+        `InvalidInput` when the store was opened without `remote=`."""
+        _check_callable(progress)
+        return self._raw.remote_push(progress)
 
     def manifest(self) -> Manifest:
         return self._raw.manifest()

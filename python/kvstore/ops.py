@@ -385,8 +385,10 @@ def find_nvcc() -> Path | None:
         if os.environ.get(var):
             candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
     candidates.append(shutil.which("nvcc"))
-    purelib = sysconfig.get_paths()["purelib"]
-    candidates += sorted(glob.glob(os.path.join(purelib, "nvidia", "*", "bin", "nvcc")))
+    # The wheel's `nvidia` namespace package may be in a venv's site-packages or,
+    # for a venv with --system-site-packages, in the system's: look on all of sys.path.
+    for site_dir in [sysconfig.get_paths()["purelib"], *sys.path]:
+        candidates += sorted(glob.glob(os.path.join(site_dir, "nvidia", "*", "bin", "nvcc")))
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return Path(c)

@@ -56,6 +56,7 @@ use crate::id::{BlockId, Keyer};
 use crate::index::Index;
 use crate::known::Known;
 use crate::layout::Layout;
+use crate::paged::PagedLayout;
 use crate::progress::Progress;
 use read::Touched;
 use stats::Counters;
@@ -241,7 +242,7 @@ impl Store {
         tokens: &[u32],
         start: usize,
         extra: &[u8],
-        paged: &crate::PagedLayout,
+        paged: &PagedLayout,
         layers: &mut [&mut [u8]],
         blocks: &[usize],
     ) -> Result<usize> {
@@ -257,7 +258,7 @@ impl Store {
         tokens: &[u32],
         start: usize,
         extra: &[u8],
-        paged: &crate::PagedLayout,
+        paged: &PagedLayout,
         layers: &[&[u8]],
         blocks: &[usize],
     ) -> Result<usize> {

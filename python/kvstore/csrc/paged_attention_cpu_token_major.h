@@ -11,9 +11,10 @@
 // reading each block in address order on huge pages. So here each tile's K and V bytes
 // are read once, in address order: token by token, every kv head of the unit group
 // (and every query head of its GQA group) before the next token.
-// - q·k: per token and kv head, the K row is loaded once and dotted with the group's
-//   query heads (q from L1: with every head's q live at once it cannot stay in
-//   registers); the 16-lane dot vectors of 16 (token, query head) pairs are summed by
+// - q·k: per pair of tokens and kv head, the two K rows are loaded once and dotted with
+//   the group's query heads (q from L1: with every head's q live at once it cannot stay
+//   in registers; each q vector loaded serves both tokens), so a token pair's rows go
+//   head by head; the 16-lane dot vectors of 16 (token, query head) pairs are summed by
 //   one transposing tree into a row of scores S[token][query head];
 // - the online softmax runs on those rows, 16 query heads per vector: one max, exp
 //   and rescale decision per 16 heads and token instead of per head;
@@ -119,10 +120,12 @@ KVSTORE_INLINE void flush_dots(__m512* dots, int64_t nd, float* row, __m512 mul)
 }
 
 // The same work units and outputs as attend_units<BF16, BF16> (paged_attention_cpu_avx512.h).
-KVSTORE_INLINE void attend_units_token_major(const Params& p, const Scratch& w, int64_t begin,
+// DC: head_dim known at compile time (0: at run time).
+template <int DC>
+KVSTORE_INLINE void attend_units_token_major_d(const Params& p, const Scratch& w, int64_t begin,
                                              int64_t end) {
   using T = uint16_t;  // bfloat16 bit patterns, query and cache
-  const int64_t D = p.head_dim, G = p.group, H = p.num_kv_heads, P = p.num_partitions;
+  const int64_t D = DC > 0 ? DC : p.head_dim, G = p.group, H = p.num_kv_heads, P = p.num_partitions;
   const int64_t row_stride = H * D;
   const T* kc = static_cast<const T*>(p.key_cache);
   const T* vc = static_cast<const T*>(p.value_cache);
@@ -312,5 +315,17 @@ KVSTORE_INLINE void attend_units_token_major(const Params& p, const Scratch& w, 
       }
     }
     write_unit_outputs<Kind::BF16, Kind::BF16>(p, w, s, part, h0, heads);
+  }
+}
+
+// Head size 128 known at compile time: the loops over a row unroll and their pointers
+// fold into addressing, 1.2x faster with the KV in L2 (one thread, 32K, GQA 4: 5.3 ->
+// 4.3-4.5 ms); other head sizes take D at run time.
+KVSTORE_INLINE void attend_units_token_major(const Params& p, const Scratch& w, int64_t begin,
+                                             int64_t end) {
+  if (p.head_dim == 128) {
+    attend_units_token_major_d<128>(p, w, begin, end);
+  } else {
+    attend_units_token_major_d<0>(p, w, begin, end);
   }
 }

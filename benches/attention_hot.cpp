@@ -32,23 +32,8 @@ double thread_seconds() {
   return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-// r[j] = sum of the 16 lanes of a[j] (the kernel's transpose_sum16: 24 shuffles, 15 adds).
-__m512 transpose_sum16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i) {
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  }
-  const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
-  const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(idx, e);
-}
+#define KVSTORE_INLINE inline __attribute__((always_inline))
+#include "../python/kvstore/csrc/paged_attention_cpu_transpose.h"
 
 enum Mode { kDotsOnly, kQkOneToken, kQkTwoTokens, kQkOneTokenFlush, kQkTwoTokensFlush, kPv };
 const char* name(int m) {

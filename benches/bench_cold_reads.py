@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +76,15 @@ def coalesce(spans: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
     return out
 
 
+def run_threads(fn: Callable[[int], None], args: Iterable[int]) -> None:
+    """Runs `fn(a)` for every `a` of `args`, each on its own thread, all at once."""
+    workers = [threading.Thread(target=fn, args=(a,)) for a in args]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
 def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: int | None) -> int:
     """Reads `spans` of `path`, split into `threads` contiguous shares; bytes read."""
     fd = os.open(path, os.O_RDONLY)
@@ -90,11 +99,7 @@ def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: i
             for off, n in spans[t * per : (t + 1) * per]:
                 done[t] += os.preadv(fd, [memoryview(buf)[:n]], off)
 
-        workers = [threading.Thread(target=reader, args=(t,)) for t in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        run_threads(reader, range(threads))
         return sum(done)
     finally:
         os.close(fd)
@@ -124,15 +129,7 @@ def direct_streams(path: Path, streams: list[list[tuple[int, int]]], depth: int)
             with lock:
                 done.append(got)
 
-        workers = [
-            threading.Thread(target=reader, args=(s,))
-            for s in range(len(streams))
-            for _ in range(depth)
-        ]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        run_threads(reader, [s for s in range(len(streams)) for _ in range(depth)])
         return sum(done)
     finally:
         os.close(fd)

@@ -17,6 +17,16 @@ posix_fadvise(DONTNEED), residency checked with mincore), with:
 - `posix_fadvise(SEQUENTIAL)` first (a doubled readahead window), then records;
 - limits: O_DIRECT 2 MiB into a huge page, 1 and 4 in flight (bench_store.py's).
 
+With `--direct-replay`, the requests a get with direct reads on could issue
+over a format-v2 segment (records of a 4 KiB head and a 2 MiB payload, back to
+back from offset 4096, so not 2 MiB-aligned on disk), all `O_DIRECT` into
+huge-page buffers, each in flight count one thread per request:
+
+- (a) one stream of whole records in file order, 1 and 2 in flight;
+- (b) two streams (a get's two reader threads: contiguous halves) x 2;
+- (c) 2 and 4 adjacent records coalesced into one request, 1 and 2 in flight;
+- (d) plain 2 MiB requests aligned to 2 MiB on disk vs shifted by 4 KiB.
+
 Python's `os.preadv` releases the GIL, so threads overlap their reads as the
 engine's do. O_DIRECT of the records themselves is not measured: they are not
 4 KiB-aligned (format v1), so it would mean a bounce copy or format v2.
@@ -30,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -39,12 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_store import (  # noqa: E402
     IO_CHUNK,
     _mincore_resident,
+    aligned_empty,
     drop_page_cache,
     python_read,
     python_read_inflight,
 )
 
 SEGMENT_HEADER = 32
+V2_HEAD = 4096  # format v2: a record's head pads its payload to 4 KiB
 RECORD_META = 80 + 16 * 4  # record header + 16 token ids (bench_ttft.py's B=16)
 
 
@@ -64,6 +76,15 @@ def coalesce(spans: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
     return out
 
 
+def run_threads(fn: Callable[[int], None], args: Iterable[int]) -> None:
+    """Runs `fn(a)` for every `a` of `args`, each on its own thread, all at once."""
+    workers = [threading.Thread(target=fn, args=(a,)) for a in args]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
 def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: int | None) -> int:
     """Reads `spans` of `path`, split into `threads` contiguous shares; bytes read."""
     fd = os.open(path, os.O_RDONLY)
@@ -78,14 +99,73 @@ def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: i
             for off, n in spans[t * per : (t + 1) * per]:
                 done[t] += os.preadv(fd, [memoryview(buf)[:n]], off)
 
-        workers = [threading.Thread(target=reader, args=(t,)) for t in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        run_threads(reader, range(threads))
         return sum(done)
     finally:
         os.close(fd)
+
+
+def direct_streams(path: Path, streams: list[list[tuple[int, int]]], depth: int) -> int:
+    """Reads every stream of (offset, length) requests with O_DIRECT, each
+    stream in order with `depth` requests in flight (one thread per request,
+    each with its own huge-page buffer, taking the stream's next request);
+    the streams at once. Bytes read."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        lock = threading.Lock()
+        jobs = [iter(s) for s in streams]
+        done: list[int] = []
+        size = max(n for s in streams for _, n in s)
+
+        def reader(stream: int) -> None:
+            mv = aligned_empty(size).data
+            got = 0
+            while True:
+                with lock:
+                    job = next(jobs[stream], None)
+                if job is None:
+                    break
+                got += os.preadv(fd, [mv[: job[1]]], job[0])
+            with lock:
+                done.append(got)
+
+        run_threads(reader, [s for s in range(len(streams)) for _ in range(depth)])
+        return sum(done)
+    finally:
+        os.close(fd)
+
+
+def replay_patterns(path: Path, size: int) -> dict[str, Callable[[], int]]:
+    """The direct-read request patterns of `--direct-replay` over `path`."""
+    rec = V2_HEAD + (2 << 20)
+    records = [(off, rec) for off in range(V2_HEAD, size - rec + 1, rec)]
+    half = len(records) // 2
+    q = -(-len(records) // 4)
+    quarters = [records[i : i + q] for i in range(0, len(records), q)]
+    aligned = [(off, IO_CHUNK) for off in range(0, size - IO_CHUNK + 1, IO_CHUNK)]
+    shifted = [(off + V2_HEAD, n) for off, n in aligned[:-1]]
+    pats: dict[str, Callable[[], int]] = {
+        "(d) O_DIRECT 2 MiB aligned, 1 in flight": lambda: direct_streams(path, [aligned], 1),
+        "(d) O_DIRECT 2 MiB aligned, 2 in flight": lambda: direct_streams(path, [aligned], 2),
+        "(d) O_DIRECT 2 MiB shifted 4K, 1 in flight": lambda: direct_streams(path, [shifted], 1),
+        "(a) records, 1 stream x 1": lambda: direct_streams(path, [records], 1),
+        "(a) records, 1 stream x 2": lambda: direct_streams(path, [records], 2),
+        "(b) records, 2 streams (halves) x 2": lambda: direct_streams(
+            path, [records[:half], records[half:]], 2
+        ),
+        "(b) records, 2 streams (halves) x 1": lambda: direct_streams(
+            path, [records[:half], records[half:]], 1
+        ),
+        "(b) records, 4 streams (quarters) x 2": lambda: direct_streams(path, quarters, 2),
+        "(b) records, 4 streams (quarters) x 1": lambda: direct_streams(path, quarters, 1),
+    }
+    for k in (2, 4):
+        big = coalesce(records, k * rec)
+        for depth in (1, 2):
+            pats[f"(c) {k} records a request, x {depth}"] = lambda big=big, depth=depth: (
+                direct_streams(path, [big], depth)
+            )
+    return pats
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record-kib", type=int, default=256, help="payload per record (default 256)")
     p.add_argument("--repeat", type=int, default=3, help="rounds, best kept (default 3)")
     p.add_argument("--dir", help="where the file goes (default $TMPDIR)")
+    p.add_argument(
+        "--direct-replay",
+        action="store_true",
+        help="replay a direct-read get's request patterns over a v2-like segment instead",
+    )
     args = p.parse_args(argv)
     record = args.record_kib * 1024 + RECORD_META
     base = Path(args.dir or tempfile.gettempdir())
@@ -109,17 +194,25 @@ def main(argv: list[str] | None = None) -> int:
         big = coalesce(spans, IO_CHUNK)
         seq = os.POSIX_FADV_SEQUENTIAL
         will = os.POSIX_FADV_WILLNEED
-        patterns: dict[str, Callable[[], int]] = {
-            "O_DIRECT 2 MiB, 1 in flight (limit)": lambda: python_read([path], direct=True)[1],
-            "O_DIRECT 2 MiB, 4 in flight (limit)": lambda: python_read_inflight([path])[1],
-            "records, 1 thread (one-thread get)": lambda: read_spans(path, spans, 1, None),
-            "records, 2 threads (reader threads)": lambda: read_spans(path, spans, 2, None),
-            "records, 4 threads": lambda: read_spans(path, spans, 4, None),
-            "records coalesced to 2 MiB, 1 thread": lambda: read_spans(path, big, 1, None),
-            "records coalesced to 2 MiB, 2 threads": lambda: read_spans(path, big, 2, None),
-            "WILLNEED, then records, 1 thread": lambda: read_spans(path, spans, 1, will),
-            "SEQUENTIAL, then records, 1 thread": lambda: read_spans(path, spans, 1, seq),
-        }
+        patterns: dict[str, Callable[[], int]] = (
+            {}
+            if args.direct_replay
+            else {
+                "O_DIRECT 2 MiB, 1 in flight (limit)": lambda: python_read([path], direct=True)[1],
+                "O_DIRECT 2 MiB, 4 in flight (limit)": lambda: python_read_inflight([path])[1],
+                "records, 1 thread (one-thread get)": lambda: read_spans(path, spans, 1, None),
+                "records, 2 threads (reader threads)": lambda: read_spans(path, spans, 2, None),
+                "records, 4 threads": lambda: read_spans(path, spans, 4, None),
+                "records coalesced to 2 MiB, 1 thread": lambda: read_spans(path, big, 1, None),
+                "records coalesced to 2 MiB, 2 threads": lambda: read_spans(path, big, 2, None),
+                "WILLNEED, then records, 1 thread": lambda: read_spans(path, spans, 1, will),
+                "SEQUENTIAL, then records, 1 thread": lambda: read_spans(path, spans, 1, seq),
+            }
+        )
+        if args.direct_replay:
+            limit4 = "O_DIRECT 2 MiB, 4 in flight (limit)"
+            patterns[limit4] = lambda: python_read_inflight([path])[1]
+            patterns.update(replay_patterns(path, size))
         best: dict[str, float] = {k: float("inf") for k in patterns}
         resident = 0
         for _ in range(args.repeat):
@@ -129,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 n = fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
-                assert n >= size - record - IO_CHUNK, (name, n, size)
-    limit = size / min(best[k] for k in best if k.startswith("O_DIRECT"))
+                assert n >= size - max(record, V2_HEAD) - 2 * IO_CHUNK, (name, n, size)
+    limit = size / min(best[k] for k in best if "O_DIRECT" in k)
     print(
         f"cold reads of a {size / 2**20:.0f} MiB segment-like file, records of "
         f"{record} B, best of {args.repeat}; at most {resident} B resident before a read; "

@@ -253,6 +253,29 @@ def _mincore_resident(path: Path) -> int:
         os.close(fd)
 
 
+def disk_counters(path: Path) -> tuple[int, int, int] | None:
+    """(reads completed, ms spent reading, ms with any request in flight) of the
+    block device holding `path` (/sys/dev/block/MAJ:MIN/stat; the whole machine's
+    I/O to it, not only this process's), or None where the kernel does not say."""
+    dev = os.stat(path).st_dev
+    try:
+        f = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+        return int(f[0]), int(f[3]), int(f[9])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def device_use(
+    before: tuple[int, int, int] | None, after: tuple[int, int, int] | None, seconds: float
+) -> tuple[float, float] | None:
+    """(fraction of `seconds` the device had a request in flight, mean ms a read
+    took from submission to completion) between two `disk_counters`."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    reads, read_ms, busy_ms = (b - a for a, b in zip(before, after, strict=True))
+    return busy_ms / 1e3 / seconds, read_ms / max(reads, 1)
+
+
 def resident_bytes(files: Sequence[Path]) -> tuple[int, str]:
     """Bytes of `files` in the page cache, and the tool that said so."""
     if shutil.which("fincore"):
@@ -973,6 +996,12 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
     cpu: dict[str, list[float]] = {
         k: [] for k in ("get_cold", "get_cold_direct", "get_cold_direct_sync")
     }
+    # How busy the device was during each cold get, and how long its reads took:
+    # a get below the limit with the device idle part of the time is losing
+    # between requests (its threads' CPU work, their wait for a core), one with
+    # the device busy and slow reads is issuing a pattern the device serves badly.
+    dev: dict[str, list[tuple[float, float]]] = {k: [] for k in cpu}
+    dev["odirect_huge"] = []
     # The same store through a handle whose reads use O_DIRECT where the page
     # cache misses (off by default; each reader thread keeps 2 reads in flight
     # through io_uring), and one that makes them one at a time
@@ -988,12 +1017,16 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
 
     def cold_read(key: str, fn: Callable[[], tuple[float, int]]) -> None:
         drop_page_cache(segs + idx, b.cold_method)
+        d0 = disk_counters(segs[0])
         try:
             t, n = fn()
         except (OSError, subprocess.CalledProcessError) as e:
             b.notes.append(f"{key} read unavailable: {e}")
             return
         rd[key].append(gibps(n, t))
+        use = device_use(d0, disk_counters(segs[0]), t)
+        if key in dev and use is not None:
+            dev[key].append(use)
 
     for r in range(repeat):
         tag = f"[{r + 1}/{repeat}]"
@@ -1015,9 +1048,13 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
                     o.fill(0)
                 method = drop_page_cache(segs + idx, b.cold_method)
                 before, tool = resident_bytes(segs)
+                d0 = disk_counters(segs[0])
                 c0 = time.process_time()
                 t = get_into(handle, seqs, b.outs)
                 cpu[key].append((time.process_time() - c0) / t)
+                use = device_use(d0, disk_counters(segs[0]), t)
+                if use is not None:
+                    dev[key].append(use)
                 after, _ = resident_bytes(segs)
                 rd[key].append(gibps(nbytes, t))
                 cold.append(
@@ -1048,6 +1085,22 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
     meta["cold_get_cpu_busy"] = cpu["get_cold"]
     meta["cold_get_direct_cpu_busy"] = cpu["get_cold_direct"]
     meta["cold_get_direct_sync_cpu_busy"] = cpu["get_cold_direct_sync"]
+    meta["cold_device_busy_read_ms"] = dev
+
+    def device_note(key: str) -> str:
+        """The median device use of `key`'s cold reads, for a row's note."""
+        if not dev[key]:
+            return ""
+        busy = statistics.median(u[0] for u in dev[key])
+        ms = statistics.median(u[1] for u in dev[key])
+        ref = dev["odirect_huge"]
+        peer = (
+            f" (the O_DIRECT 1-in-flight read: {100 * statistics.median(u[0] for u in ref):.0f}%, "
+            f"{statistics.median(u[1] for u in ref):.2f} ms)"
+            if ref
+            else ""
+        )
+        return f"; device busy {100 * busy:.0f}% of the time, a read {ms:.2f} ms{peer}"
 
     def rmax(key: str) -> float:
         return max(rd[key], default=0.0)
@@ -1090,7 +1143,7 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             note=f"cache emptied with {meta['cold_method']}, checked with "
             f"{meta['cold_verified_by']}: {meta['cold_resident_before_max']} B "
             f"resident{'' if cold_ok else ' — NOT COLD'}; process CPU time / wall time "
-            f"{100 * max(cpu['get_cold']):.0f}% of one core",
+            f"{100 * max(cpu['get_cold']):.0f}% of one core{device_note('get_cold')}",
             samples=rd["get_cold"],
         )
     )
@@ -1103,9 +1156,10 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             lim_cold,
             "best O_DIRECT read of the segment files (1 or 4 in flight)",
             note=f"info: O_DIRECT where the page cache misses (off by default), 2 reads in "
-            f"flight per reader thread (io_uring), same store, alternated with the row above; "
-            f"process CPU time / wall time "
-            f"{100 * max(cpu['get_cold_direct'], default=0):.0f}% of one core",
+            f"flight per reader thread (io_uring; up to 4 threads), same store, alternated "
+            f"with the row above; process CPU time / wall time "
+            f"{100 * max(cpu['get_cold_direct'], default=0):.0f}% of one core"
+            f"{device_note('get_cold_direct')}",
             samples=rd["get_cold_direct"],
         )
     )
@@ -1120,7 +1174,8 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             note=f"info: the row above without io_uring (one synchronous preadv per reader "
             f"thread, straight into the destination's runs), alternated with it; process CPU "
             f"time / wall time "
-            f"{100 * max(cpu['get_cold_direct_sync'], default=0):.0f}% of one core",
+            f"{100 * max(cpu['get_cold_direct_sync'], default=0):.0f}% of one core"
+            f"{device_note('get_cold_direct_sync')}",
             samples=rd["get_cold_direct_sync"],
         )
     )

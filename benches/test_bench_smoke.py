@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -109,6 +110,22 @@ def test_cold_cache_helpers(tmp_path: Path) -> None:
     assert bs.drop_page_cache([f], "fadvise") == "fadvise"
     after, _ = bs.resident_bytes([f])
     assert 0 <= after <= 1 << 20  # tmpfs ignores fadvise: no assertion on the amount
+
+
+def test_device_use(tmp_path: Path) -> None:
+    # 40 reads taking 120 ms in all, the device busy 300 ms of 0.5 s.
+    assert bs.device_use((10, 1000, 2000), (50, 1120, 2300), 0.5) == (0.6, 3.0)
+    assert bs.device_use(None, (1, 2, 3), 1.0) is None
+    assert bs.device_use((0, 0, 0), (0, 0, 0), 0.0) is None
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * 4096)
+    a = bs.disk_counters(f)
+    if a is not None:  # a device the kernel keeps counters for
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        b = bs.disk_counters(f)
+        assert b is not None and all(y >= x >= 0 for x, y in zip(a, b, strict=True))
 
 
 def test_lookup_tiny(benchmark, tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ pub struct Options {
     /// Reader threads one get splits its blocks among (and the threads of a
     /// paged get's or put's copies), the calling one included (never more
     /// than the blocks); `None`: one per core, at most 4, each with 1 MiB or
-    /// more to read. For tests and tuning.
+    /// more to read, or `KVSTORE_GET_READERS`. For tests and tuning.
     pub get_readers: Option<usize>,
     /// Read payloads the page cache does not hold with `O_DIRECT` where the
     /// file system allows it (version-2 segments). Default: off, unless the
@@ -115,7 +115,10 @@ impl Default for Options {
             hot_dir: None,
             index_bytes: crate::index::DEFAULT_MAP_SIZE,
             remote: None,
-            get_readers: None,
+            get_readers: std::env::var("KVSTORE_GET_READERS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&n| n > 0),
             direct_reads: std::env::var_os("KVSTORE_DIRECT_READS").is_some_and(|v| v == "1"),
             read_depth: std::env::var("KVSTORE_READ_DEPTH")
                 .ok()

@@ -36,13 +36,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_store import (  # noqa: E402
-    IO_CHUNK,
-    _mincore_resident,
-    drop_page_cache,
-    python_read,
-    python_read_inflight,
-)
+from bench_store import IO_CHUNK, python_read, python_read_inflight  # noqa: E402
+from pagecache import drop_page_cache, mincore_resident  # noqa: E402
 
 SEGMENT_HEADER = 32
 RECORD_META = 80 + 16 * 4  # record header + 16 token ids (bench_ttft.py's B=16)
@@ -125,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeat):
             for name, fn in patterns.items():  # round-robin: bursts of load hit all alike
                 drop_page_cache([path], "fadvise")
-                resident = max(resident, _mincore_resident(path))
+                resident = max(resident, mincore_resident(path))
                 t0 = time.perf_counter()
                 n = fn()
                 best[name] = min(best[name], time.perf_counter() - t0)

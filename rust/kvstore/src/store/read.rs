@@ -51,8 +51,10 @@ const BYTES_PER_READER: usize = 4 << 20;
 const BYTES_PER_DIRECT_READER: usize = 1 << 20;
 
 /// A buffered get of at most this many bytes that reads from the disk
-/// stays on one reader thread (`one_cold_stream`).
-const COLD_ONE_READER_BYTES: usize = 16 << 20;
+/// stays on one reader thread (`one_cold_stream`): a cold 8 MiB restore
+/// (512 tokens of 16 KiB) took 6.2-6.6 ms on one thread against 7.6-9.8 on
+/// two; at 16 MiB one thread was no faster (benches/README.md).
+const COLD_ONE_READER_BYTES: usize = 8 << 20;
 
 /// Runs `work` over consecutive ranges of a read's blocks, each given as
 /// (its length, its work): the first on the calling thread with `snap`, the

@@ -48,12 +48,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_store import (  # noqa: E402
     IO_CHUNK,
-    _mincore_resident,
     aligned_empty,
-    drop_page_cache,
     python_read,
     python_read_inflight,
 )
+from pagecache import drop_page_cache, mincore_resident  # noqa: E402
 
 SEGMENT_HEADER = 32
 V2_HEAD = 4096  # format v2: a record's head pads its payload to 4 KiB
@@ -218,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeat):
             for name, fn in patterns.items():  # round-robin: bursts of load hit all alike
                 drop_page_cache([path], "fadvise")
-                resident = max(resident, _mincore_resident(path))
+                resident = max(resident, mincore_resident(path))
                 t0 = time.perf_counter()
                 n = fn()
                 best[name] = min(best[name], time.perf_counter() - t0)

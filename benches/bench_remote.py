@@ -51,7 +51,7 @@ import kvstore
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent / "tests"))
-from bench_store import _mincore_resident, drop_page_cache  # noqa: E402
+from pagecache import drop_page_cache, mincore_resident  # noqa: E402
 from support.redis_cluster import CLI, Cluster, cmd, env_ok, free_ports  # noqa: E402
 
 MODEL = "bench/remote@1"
@@ -134,7 +134,7 @@ def prefix_get(c: Cluster, root: Path, args: argparse.Namespace, rows: Rows) -> 
         drop_page_cache(files, "fadvise")
         with hf.open(root / "a", model, fingerprint=fp) as s:  # no hot tier
             segs = [f for f in files if f.suffix == ".kvseg"]
-            resident.append(sum(_mincore_resident(f) for f in segs))
+            resident.append(sum(mincore_resident(f) for f in segs))
             t0 = time.perf_counter()
             got = s.get(tokens)
             return got, time.perf_counter() - t0

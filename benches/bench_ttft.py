@@ -59,7 +59,7 @@ import kvstore
 from kvstore import hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_store import _mincore_resident, drop_page_cache  # noqa: E402
+from pagecache import evict  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, vocab: int) -> Any:
@@ -90,20 +90,6 @@ def build_config(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> Any
 
 
 # ------------------------------------------------------------------------------ page cache
-
-
-def resident_bytes(path: Path) -> int:
-    """Resident bytes of a file (mmap + mincore), shared with bench_store.py."""
-    return _mincore_resident(path)
-
-
-def evict(files: Sequence[Path], method: str) -> tuple[str, int]:
-    """Evicts `files` from the page cache; (method used, bytes still resident).
-    "fadvise" (the default) touches only these files; "drop_caches" empties the
-    whole machine's clean page cache (root only), which disturbs anyone else's
-    measurements."""
-    used = drop_page_cache(files, method)
-    return used, sum(resident_bytes(p) for p in files)
 
 
 def files_under(path: Path) -> list[Path]:

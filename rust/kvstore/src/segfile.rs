@@ -174,6 +174,13 @@ impl SegmentFile {
     }
 }
 
+impl SegmentFile {
+    /// Whether the page cache holds all of bytes `offset..offset + len`.
+    pub(crate) fn cached(&self, offset: u64, len: u64) -> bool {
+        fs::cached(&self.file, offset, len)
+    }
+}
+
 impl Direct {
     fn open(path: &Path) -> Option<Direct> {
         let file = fs::open_direct(path).ok()??;

@@ -50,6 +50,12 @@ const MAX_READERS: usize = 4;
 const BYTES_PER_READER: usize = 4 << 20;
 const BYTES_PER_DIRECT_READER: usize = 1 << 20;
 
+/// A buffered get of at most this many bytes that reads from the disk
+/// stays on one reader thread (`one_cold_stream`): a cold 8 MiB restore
+/// (512 tokens of 16 KiB) took 6.2-6.6 ms on one thread against 7.6-9.8 on
+/// two; at 16 MiB one thread was no faster (benches/README.md).
+const COLD_ONE_READER_BYTES: usize = 8 << 20;
+
 /// Runs `work` over consecutive ranges of a read's blocks, each given as
 /// (its length, its work): the first on the calling thread with `snap`, the
 /// others on scoped threads named `name`, each taking its own snapshot.
@@ -384,12 +390,15 @@ impl Inner {
         out_tokens: usize,
     ) -> Result<usize> {
         let n = ids.len();
-        let readers = reader_threads(
+        let mut readers = reader_threads(
             n,
             self.layout.block_bytes(),
             self.opts.get_readers,
             self.opts.direct_reads,
         );
+        if readers > 1 && self.one_cold_stream(found) {
+            readers = 1;
+        }
         let b = self.layout.block_size as usize;
         let bounds = range_bounds(n, readers);
         let runs = self.layout.split_runs_mut(out, out_tokens, &bounds);
@@ -410,6 +419,47 @@ impl Inner {
             self.read_range(snap, &range, runs, stop)
         };
         in_ranges(snap, "kvstore-read", ranges, &work)
+    }
+
+    /// Whether a small buffered get (at most [`COLD_ONE_READER_BYTES`]) of
+    /// the records `found` reads from the disk: then one reader thread
+    /// reads it, as one sequential stream that the kernel's readahead keeps
+    /// ahead (two threads are two cold streams, each ramping up on its own).
+    /// Not with direct reads or `get_readers` set.
+    fn one_cold_stream(&self, found: &[Found]) -> bool {
+        if self.opts.direct_reads
+            || self.opts.get_readers.is_some()
+            || found.len().saturating_mul(self.layout.block_bytes()) > COLD_ONE_READER_BYTES
+        {
+            return false;
+        }
+        // Each run of adjacent records of a segment asked once.
+        let mut run: Option<(Location, u64)> = None;
+        let mut cold = false;
+        let mut ask = |(loc, end): (Location, u64)| {
+            cold = cold
+                || self
+                    .segment_file(&loc)
+                    .is_ok_and(|f| !f.cached(loc.offset, end - loc.offset));
+        };
+        for f in found {
+            let Found::At(loc) = *f else { continue };
+            match run {
+                Some((first, end)) if first.segment == loc.segment && end == loc.offset => {
+                    run = Some((first, end + loc.record_len));
+                }
+                _ => {
+                    if let Some(r) = run.take() {
+                        ask(r);
+                    }
+                    run = Some((loc, loc.offset + loc.record_len));
+                }
+            }
+        }
+        if let Some(r) = run {
+            ask(r);
+        }
+        cold
     }
 
     /// One reader's range of [`Inner::read_found`], in order, into `runs`

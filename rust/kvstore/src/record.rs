@@ -397,13 +397,7 @@ pub fn check_read(
 
 /// Checks a raw payload read straight into its destination runs.
 pub fn check_raw(h: &RecordHeader, out: &[&mut [u8]]) -> Result<(), String> {
-    check_raw_crc(h.raw_crc, crc_of(out))
-}
-
-/// Checks a raw payload's checksum `got`, computed piece by piece as it was
-/// read, against the header's `raw_crc`.
-pub fn check_raw_crc(raw_crc: u32, got: u32) -> Result<(), String> {
-    if got != raw_crc {
+    if crc_of(out) != h.raw_crc {
         return Err("payload checksum mismatch".into());
     }
     Ok(())

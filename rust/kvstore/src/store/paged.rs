@@ -1,8 +1,9 @@
 //! Gets and puts straight between the store and a serving engine's paged KV
-//! cache (`crate::paged`): a block, from the hot tier or read from its
-//! record, is checked and permuted into the engine's cache a few runs at a
-//! time, through a piece that stays in the CPU's cache; a put gathers a few
-//! blocks at a time. One pass over main memory
+//! cache (`crate::paged`): a hot-tier block is checked and permuted into the
+//! engine's cache a few runs at a time, through a piece that stays in the
+//! CPU's cache; a block from disk is read and checked in a one-block scratch
+//! (in the CPU's cache too), then permuted, and not promoted into the hot
+//! tier (`Inner::read_block`); a put gathers a few blocks at a time. One pass over main memory
 //! each way instead of a canonical staging copy of the whole request, over
 //! several threads where the request is large enough, each writing only its
 //! own cache blocks.
@@ -20,11 +21,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// (and a paged get fetches from the remote tier at once): bounded memory,
 /// and few enough calls that a synced put does not commit per block.
 const GROUP_BYTES: usize = 4 << 20;
-
-/// Bytes of a record's payload a paged load reads at once when the block is
-/// not in the hot tier (`Inner::paged_record`): each piece is checksummed and
-/// scattered while it is in the CPU's cache.
-const DISK_PIECE_BYTES: usize = 64 << 10;
 
 impl Inner {
     /// `get_from` into cache blocks `blocks` of `layers` (one span per layer,
@@ -140,14 +136,14 @@ impl Inner {
 
     /// Blocks `at..end` of `read_paged`, in order, each handed run by run to
     /// `place(k, r, run)`: how many were served before the first that was
-    /// not. A block goes a few runs at a time through a piece that stays in
-    /// the CPU's cache: from the hot tier (`Arena::get_runs`), else from its
-    /// record (`paged_record`). One whose check fails there after some runs
-    /// were placed (changed by another process, or damaged) is read again
-    /// the ordinary way, whole into a scratch block, which places all of its
-    /// runs afresh or ends the prefix before it, so a torn cache block is
-    /// never counted as served. Stops early at a block past `stop` (the
-    /// first one found missing by any range).
+    /// not. A block in the hot tier goes a few runs at a time through a piece
+    /// that stays in the CPU's cache (`Arena::get_runs`); one whose check fails
+    /// there after some runs were placed (changed by another process, or
+    /// damaged) is read again the ordinary way, which places all of its runs
+    /// afresh or ends the prefix before it, so a torn cache block is never
+    /// counted as served. Others are read whole into a scratch block. Stops
+    /// early at a block past `stop` (the first one found missing by any
+    /// range).
     #[allow(clippy::too_many_arguments)]
     fn read_paged_range<'s>(
         &'s self,
@@ -160,99 +156,31 @@ impl Inner {
         mut place: impl FnMut(usize, usize, &mut [u8]),
     ) -> Result<usize> {
         let b = self.layout.block_size as usize;
-        let hot_piece = self.arena.as_ref().map_or(0, Arena::piece_len);
-        let mut piece = vec![0u8; hot_piece.max(self.disk_piece())];
-        let (mut block, mut scratch, mut head) = (Vec::new(), Vec::new(), Vec::new());
+        let mut piece = vec![0u8; self.arena.as_ref().map_or(0, Arena::piece_len)];
+        let (mut block, mut scratch) = (Vec::new(), Vec::new());
         for k in at..end {
             if stop.load(Ordering::Relaxed) < k {
                 return Ok(k - at);
             }
             let block_tokens = &tokens[k * b..(k + 1) * b];
             if let Some(arena) = &self.arena {
-                let piece = &mut piece[..hot_piece];
-                if arena.get_runs(&ids[k], block_tokens, piece, |r, run| place(k, r, run)) {
+                if arena.get_runs(&ids[k], block_tokens, &mut piece, |r, run| place(k, r, run)) {
                     self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
             }
-            let bufs = (&mut head, &mut piece[..], &mut block);
-            let pieced = self.paged_record(snap, &ids[k], block_tokens, bufs, |r, run| {
+            block.resize(self.layout.block_bytes(), 0);
+            let mut runs = self.layout.block_runs_mut(&mut block, b, 0);
+            let served = self.read_block(snap, &ids[k], block_tokens, &mut runs, &mut scratch);
+            if !matches!(served, Ok(true)) {
+                stop.fetch_min(k, Ordering::Relaxed);
+                return served.map(|_| k - at);
+            }
+            for (r, run) in runs.iter_mut().enumerate() {
                 place(k, r, run);
-            });
-            let served = match pieced {
-                Ok(Some(true)) => continue,
-                Ok(None) => {
-                    block.resize(self.layout.block_bytes(), 0);
-                    let mut runs = self.layout.block_runs_mut(&mut block, b, 0);
-                    let served =
-                        self.read_block(snap, &ids[k], block_tokens, &mut runs, &mut scratch);
-                    if matches!(served, Ok(true)) {
-                        for (r, run) in runs.iter_mut().enumerate() {
-                            place(k, r, run);
-                        }
-                        continue;
-                    }
-                    served
-                }
-                Ok(Some(false)) => Ok(false),
-                Err(e) => Err(e),
-            };
-            stop.fetch_min(k, Ordering::Relaxed);
-            return served.map(|_| k - at);
+            }
         }
         Ok(end - at)
-    }
-
-    /// Bytes of the pieces `paged_record` reads a record's payload in: whole
-    /// runs, about `DISK_PIECE_BYTES`, at most the block.
-    fn disk_piece(&self) -> usize {
-        let (run, block) = (self.layout.chunk_bytes(), self.layout.block_bytes());
-        ((DISK_PIECE_BYTES / run).max(1) * run).min(block)
-    }
-
-    /// A block not in the hot tier, from its record a piece at a time
-    /// (`Inner::read_record_runs`, through `piece`), each run handed to
-    /// `place(r, run)`: `Some(true)` served, `Some(false)` not stored,
-    /// `None` to be read the ordinary way (`read_block`): with direct reads
-    /// on (that read decides between `O_DIRECT` and the page cache), for a
-    /// compressed record, and after any failure, which that read meets again
-    /// (quarantining damage, looking a compacted-away record up afresh). With
-    /// a hot tier the pieces land in `block` and the block is promoted, as a
-    /// `get` promotes, so the next process that loads it gets it from memory.
-    fn paged_record<'s>(
-        &'s self,
-        snap: &mut Option<Snap<'s>>,
-        id: &BlockId,
-        tokens: &[u32],
-        (head, piece, block): (&mut Vec<u8>, &mut [u8], &mut Vec<u8>),
-        place: impl FnMut(usize, &mut [u8]),
-    ) -> Result<Option<bool>> {
-        if self.opts.direct_reads {
-            return Ok(None);
-        }
-        let Some(loc) = self.find(snap, id)? else {
-            return Ok(Some(false));
-        };
-        let buf = match self.arena {
-            Some(_) => {
-                block.resize(self.layout.block_bytes(), 0);
-                &mut block[..]
-            }
-            None => piece,
-        };
-        let size = self.disk_piece();
-        if !matches!(
-            self.read_record_runs(&loc, id, tokens, head, buf, size, place),
-            Ok(true)
-        ) {
-            return Ok(None);
-        }
-        self.count_disk_hit(&loc);
-        if self.arena.is_some() {
-            let b = self.layout.block_size as usize;
-            self.promote_block(id, tokens, &self.layout.block_runs_mut(block, b, 0))?;
-        }
-        Ok(Some(true))
     }
 
     /// `put_from` out of cache blocks `blocks` of `layers`: block `start / B +

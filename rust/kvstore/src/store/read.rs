@@ -514,7 +514,7 @@ impl Inner {
     /// record is quarantined on the way. For a paged load (`get_paged`),
     /// whose engine keeps the block in its own cache: promotion cost such a
     /// load from the page cache 1.4x its CPU time and 1.9x its wall time
-    /// (a full hot tier, bench_paged's layout), to spare the next load of
+    /// (a full hot tier, `bench_paged`'s layout), to spare the next load of
     /// the same block, in another engine, 0.35x of its CPU time.
     pub(super) fn read_block<'s>(
         &'s self,

@@ -11,7 +11,9 @@ The layout is bench_vllm.py's (bfloat16, 8 layers, 4 KV heads of 64, blocks of 3
 tokens: 256 KiB a block, 16 MiB for 2K tokens). The caches hold `--cache-blocks`
 blocks per layer (2 GiB at 1024: far more than a CPU cache) and each round lands the
 request in a different random set of them. Loads are timed with the hot tier (the
-shared-memory arena) and without it (the segments in the page cache); the peers are
+shared-memory arena), without it (the segments in the page cache), and from the page
+cache with a full hot tier that does not hold the request (loads before 2026-11-24's
+vload3 promoted each block into it; they no longer do); the peers are
 copies of the same number of bytes between two buffers as large as the request, a
 different pair each round: glibc's memcpy on one thread (numpy.copyto), the same cut
 across as many threads as a load of this size uses (min(cores, 4)), and torch's copy_
@@ -94,8 +96,10 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as hot:
         path = Path(tmp) / "s"
+        others = [[t + (r + 1) * 100_000 for t in tokens] for r in range(a.repeat + 2)]
         with kvstore.open(path, lay, "bench-paged@1", durability="none") as s:
-            s.put(tokens, kv)
+            for t in [tokens, *others]:
+                s.put(t, kv)
         with ThreadPoolExecutor(THREADS) as pool:
             peers = [
                 ("memcpy (glibc, one thread)", lambda d, s: memcpy(d, s)),
@@ -111,7 +115,8 @@ def main() -> int:
             with kvstore.open(
                 path, lay, "bench-paged@1", hot_bytes=hot_bytes, hot_dir=hot if hot_bytes else None
             ) as s:
-                paged.load(s, tokens, 0, None, picks[0])  # warm-up (and promotion)
+                s.get(tokens, out=staging)  # promotion, with a hot tier (a paged load does not)
+                paged.load(s, tokens, 0, None, picks[0])  # warm-up
                 t = best(lambda i, s=s: paged.load(s, tokens, 0, None, picks[i]), a.repeat)
                 rows.append((f"get_paged, {tier}", t))
 
@@ -120,6 +125,23 @@ def main() -> int:
                     paged.move(picks[i], staging, True)
 
                 rows.append((f"get + torch scatter (previous), {tier}", best(old, a.repeat)))
+
+        # Each round another request, from the page cache, with a hot tier that holds
+        # two requests and is full of others (its memory faulted in): where a load
+        # promotes, it evicts and reuses slots, as in a hot tier that is full.
+        with (
+            tempfile.TemporaryDirectory() as warm,
+            kvstore.open(
+                path, lay, "bench-paged@1", hot_bytes=(2 * nbytes * 17) // 16, hot_dir=warm
+            ) as s,
+        ):
+            s.get(others[-1], out=staging)  # a canonical get promotes
+            s.get(others[-2], out=staging)
+
+            def hot_full(i: int, s=s) -> None:
+                paged.load(s, others[i], 0, None, picks[i])
+
+            rows.append(("get_paged, page cache, hot tier full", best(hot_full, a.repeat)))
         # The caches hold what was loaded: the last round's blocks, gathered back.
         back = torch.empty_like(kv)
         paged.move(picks[-1], back, False)

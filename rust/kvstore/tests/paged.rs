@@ -170,7 +170,8 @@ fn gets_land_where_the_layout_says_from_disk_and_hot_tier() {
     for readers in [None, Some(2), Some(3)] {
         let hot = tempfile::tempdir().unwrap();
         for hot_dir in [None, Some(hot.path()), Some(hot.path())] {
-            // Without a hot tier; then with one (disk, promoted); then from it.
+            // Without a hot tier; then with one (from disk: a paged get does
+            // not promote, a canonical get does); then from it.
             let s = open_with(dir.path(), hot_dir, readers);
             let (m, got) = get_paged(&s, &tokens, B, &blocks);
             assert_eq!(m, 5 * B);
@@ -180,7 +181,11 @@ fn gets_land_where_the_layout_says_from_disk_and_hot_tier() {
             );
             if hot_dir.is_some() {
                 let st = s.stats().unwrap();
-                assert_eq!(st.hot_hit_blocks + st.disk_hit_blocks, 4);
+                let hot = s.hot_blocks(&tokens, b"").unwrap()[1].is_some();
+                let want = if hot { (4, 0) } else { (0, 4) };
+                assert_eq!((st.hot_hit_blocks, st.disk_hit_blocks), want);
+                let mut out = vec![0u8; layout().kv_bytes(5 * B).unwrap()];
+                assert_eq!(s.get_into(&tokens, b"", &mut out, 5 * B).unwrap(), 5 * B);
             }
             // V outside the block stride: one thread, whatever is asked.
             let (m, got) = get_paged_as(&s, &split_paged(), &tokens, B, &blocks);
@@ -250,14 +255,15 @@ fn a_damaged_block_is_not_landed_and_ends_the_hit() {
     let (m, got) = get_paged(&s, &tokens, 0, &[3, 5, 6]);
     assert_eq!(m, B);
     // Block 5 (the damaged one) and 6 keep their sentinel bytes.
-    assert!(got == model(&tokens, 0, 1, &[3]));
-    // A thread for each block: the third may have landed block 6 before
-    // the second found the damage (not reported: the prefix still ends at
-    // 1 block), but never anything in block 5.
+    let one = model(&tokens, 0, 1, &[3]);
+    assert!(got == one);
+    // Quarantined now. A thread for each block: the third may have landed
+    // block 6 before the second found the block missing (not reported: the
+    // prefix still ends at 1 block), but never anything in block 5.
     let s = open_with(dir.path(), None, Some(3));
     let (m, got) = get_paged(&s, &tokens, 0, &[3, 5, 6]);
     assert_eq!(m, B);
-    let (one, all) = (model(&tokens, 0, 1, &[3]), model(&tokens, 0, 3, &[3, 5, 6]));
+    let all = model(&tokens, 0, 3, &[3, 5, 6]);
     let block6 = |c: &Vec<Vec<u8>>| -> Vec<Vec<u8>> {
         c.iter()
             .map(|l| l[6 * STRIDE * 2..7 * STRIDE * 2].to_vec())
@@ -270,6 +276,14 @@ fn a_damaged_block_is_not_landed_and_ends_the_hit() {
     }
     assert!(without6 == one);
     assert!(block6(&got) == block6(&one) || block6(&got) == block6(&all));
+}
+
+/// `caches` without cache block `n` of each layer (this file's layout).
+fn without_block(caches: &[Vec<u8>], n: usize) -> Vec<Vec<u8>> {
+    caches
+        .iter()
+        .map(|v| [&v[..n * STRIDE * 2], &v[(n + 1) * STRIDE * 2..]].concat())
+        .collect()
 }
 
 /// Flips byte `at` of `path`.
@@ -296,8 +310,9 @@ fn flip_record(dir: &std::path::Path, k: usize) {
 }
 
 /// A store (and its hot tier's directory) holding 3 blocks of `tokens`, all
-/// promoted into the hot tier by a paged get into `blocks`; with the arena
-/// file's path and where block 1's data lies in it.
+/// in the hot tier (a put writes through to it) and landed by a paged get
+/// into `blocks`; with the arena file's path and where block 1's data lies
+/// in it.
 fn hot_store(
     tokens: &[u32],
     blocks: &[usize],
@@ -309,10 +324,9 @@ fn hot_store(
     u64,
 ) {
     let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    open(dir.path(), None)
-        .put(tokens, &kv_for(&layout(), tokens), 3 * B, b"")
-        .unwrap();
     let s = open(dir.path(), Some(hot.path()));
+    s.put(tokens, &kv_for(&layout(), tokens), 3 * B, b"")
+        .unwrap();
     assert_eq!(get_paged(&s, tokens, 0, blocks).0, 3 * B);
     let arena = s.arena_file().unwrap().unwrap().0;
     let (_, _, at) = s.hot_blocks(tokens, b"").unwrap()[1].unwrap();
@@ -338,20 +352,15 @@ fn a_hot_block_that_fails_its_check_after_landing_is_read_again_or_ends_the_hit(
     let after = s.stats().unwrap();
     assert_eq!(after.hot_hit_blocks - before.hot_hit_blocks, 2);
     assert_eq!(after.disk_hit_blocks - before.disk_hit_blocks, 1);
-    // Damaged in the hot tier (rewritten by the read above, so again) and in
-    // its record: the hit ends before it, and block 6 is not touched.
-    let (_, _, at) = s.hot_blocks(&tokens, b"").unwrap()[1].unwrap();
-    flip(&arena, at + (l.block_bytes() - 3) as u64);
+    // Still damaged in the hot tier (a paged load does not promote, so the
+    // slot was not rewritten) and now in its record too: the hit ends before
+    // it, and block 6 is not touched.
+    assert!(s.hot_blocks(&tokens, b"").unwrap()[1].is_some());
     flip_record(dir.path(), 1);
     let (m, got) = get_paged(&s, &tokens, 0, &blocks);
     assert_eq!(m, B);
     let want = model(&tokens, 0, 1, &blocks[..1]);
-    let outside5 = |c: &[Vec<u8>]| -> Vec<Vec<u8>> {
-        c.iter()
-            .map(|v| [&v[..5 * STRIDE * 2], &v[6 * STRIDE * 2..]].concat())
-            .collect()
-    };
-    assert!(outside5(&got) == outside5(&want));
+    assert!(without_block(&got, 5) == without_block(&want, 5));
 }
 
 #[test]
@@ -411,4 +420,207 @@ fn cache_blocks_outside_the_spans_are_refused_before_any_copy() {
     assert!(s
         .put_paged(&tokens, 0, b"", &paged(), &spans, &[0])
         .is_err());
+}
+
+/// A layout of 6 runs of 16 KiB (96 KiB a block, so a version-2 record's
+/// payload is aligned after padding).
+fn wide() -> Layout {
+    Layout::new(3, 4, 64, DType::Float16, 32).unwrap()
+}
+
+const WIDE_BLOCKS: usize = 4;
+
+/// A paged layout that keeps a block's K, then V, as canonical `[B, H, D]`
+/// runs (the scatter itself is checked above; here, what lands when).
+fn plain(l: &Layout) -> PagedLayout {
+    let (h, d) = (l.num_kv_heads as usize, l.head_dim as usize);
+    let n = l.block_size as usize * h * d;
+    let part = |offset| PagedPart {
+        offset,
+        strides: [h * d, d, 1],
+    };
+    PagedLayout {
+        block_stride: 2 * n,
+        parts: [part(0), part(n)],
+    }
+}
+
+/// Bytes of one run (K or V of one layer of one block).
+fn run_bytes(l: &Layout) -> usize {
+    l.block_size as usize * l.token_bytes()
+}
+
+/// `plain` caches of `WIDE_BLOCKS` blocks per layer, sentinel bytes, with
+/// token block `i` of `tokens` in cache block `blocks[i]` for `i < upto`.
+fn wide_model(l: &Layout, tokens: &[u32], upto: usize, blocks: &[usize]) -> Vec<Vec<u8>> {
+    let kv = kv_for(l, tokens);
+    let (t, tb, b, run) = (
+        tokens.len(),
+        l.token_bytes(),
+        l.block_size as usize,
+        run_bytes(l),
+    );
+    let mut out = vec![vec![0xEE; WIDE_BLOCKS * 2 * run]; l.num_layers as usize];
+    for (i, &c) in blocks.iter().enumerate().take(upto) {
+        for (layer, cache) in out.iter_mut().enumerate() {
+            for k in 0..2 {
+                let src = ((layer * 2 + k) * t + i * b) * tb;
+                let dst = (2 * c + k) * run;
+                cache[dst..dst + run].copy_from_slice(&kv[src..src + run]);
+            }
+        }
+    }
+    out
+}
+
+fn open_layout(dir: &std::path::Path, l: Layout, hot: Option<&std::path::Path>) -> Store {
+    Store::open(
+        dir,
+        Options {
+            fingerprint: Some("paged@1".into()),
+            layout: Some(l),
+            durability: Durability::Sync,
+            hot_bytes: hot.map(|_| 16 << 20),
+            hot_dir: hot.map(std::path::Path::to_path_buf),
+            ..Options::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A store of layout `l` holding 3 blocks of `tokens`, no hot tier.
+fn three_blocks(l: Layout, tokens: &[u32]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open_layout(dir.path(), l, None);
+    s.put(tokens, &kv_for(&l, tokens), tokens.len(), b"")
+        .unwrap();
+    dir
+}
+
+/// `get_paged` of `tokens` from 0 into `blocks` of fresh `plain` caches.
+fn wide_get(s: &Store, l: &Layout, tokens: &[u32], blocks: &[usize]) -> (usize, Vec<Vec<u8>>) {
+    let mut c = vec![vec![0xEE; WIDE_BLOCKS * 2 * run_bytes(l)]; l.num_layers as usize];
+    let mut spans: Vec<&mut [u8]> = c.iter_mut().map(|v| &mut v[..]).collect();
+    let m = s
+        .get_paged(tokens, 0, b"", &plain(l), &mut spans, blocks)
+        .unwrap();
+    (m, c)
+}
+
+fn only_segment(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut segs: Vec<_> = std::fs::read_dir(dir.join("segments"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(segs.len(), 1);
+    segs.pop().unwrap()
+}
+
+#[test]
+fn records_of_many_runs_land_from_disk_and_are_not_promoted() {
+    let l = wide();
+    let b = l.block_size as usize;
+    let tokens = seq(7, 3 * b);
+    let dir = three_blocks(l, &tokens);
+    let blocks = [3, 0, 2];
+    let want = wide_model(&l, &tokens, 3, &blocks);
+    let s = open_layout(dir.path(), l, None);
+    assert_eq!(wide_get(&s, &l, &tokens, &blocks), (3 * b, want.clone()));
+    assert_eq!(s.stats().unwrap().disk_hit_blocks, 3);
+    // With a hot tier: read from disk, twice (the engine keeps what it loads).
+    let hot = tempfile::tempdir().unwrap();
+    let s = open_layout(dir.path(), l, Some(hot.path()));
+    for (disk, hot) in [(3, 0), (6, 0)] {
+        assert_eq!(wide_get(&s, &l, &tokens, &blocks), (3 * b, want.clone()));
+        let st = s.stats().unwrap();
+        assert_eq!((st.disk_hit_blocks, st.hot_hit_blocks), (disk, hot));
+    }
+}
+
+#[test]
+fn a_record_damaged_in_its_last_run_is_not_landed_and_ends_the_hit() {
+    let l = wide();
+    let b = l.block_size as usize;
+    let tokens = seq(8, 3 * b);
+    let blocks = [3, 1, 2];
+    for hot in [false, true] {
+        let dir = three_blocks(l, &tokens);
+        // A byte of block 1's last run.
+        let last = support::payload_offset(&l, 1) + l.block_bytes() as u64 - 9;
+        flip(&only_segment(dir.path()), last);
+        let hot_dir = tempfile::tempdir().unwrap();
+        let s = open_layout(dir.path(), l, hot.then(|| hot_dir.path()));
+        let (m, got) = wide_get(&s, &l, &tokens, &blocks);
+        assert_eq!(m, b, "hot tier {hot}");
+        // Neither it nor the block after it is touched.
+        assert!(got == wide_model(&l, &tokens, 1, &blocks));
+        let st = s.stats().unwrap();
+        assert_eq!((st.disk_hit_blocks, st.damaged_blocks), (1, 1));
+        // Quarantined: the next load ends there without reading it.
+        assert_eq!(wide_get(&s, &l, &tokens, &blocks).0, b);
+    }
+}
+
+#[test]
+fn a_record_with_a_damaged_header_is_not_landed_and_ends_the_hit() {
+    let l = wide();
+    let b = l.block_size as usize;
+    let tokens = seq(9, 3 * b);
+    let dir = three_blocks(l, &tokens);
+    // A byte of block 1's block id, in its header.
+    let meta = kvstore::record::meta_len(&l) as u64;
+    flip(
+        &only_segment(dir.path()),
+        support::payload_offset(&l, 1) - meta + 40,
+    );
+    let s = open_layout(dir.path(), l, None);
+    let blocks = [3, 1, 2];
+    assert_eq!(
+        wide_get(&s, &l, &tokens, &blocks),
+        (b, wide_model(&l, &tokens, 1, &blocks))
+    );
+    assert_eq!(s.stats().unwrap().damaged_blocks, 1);
+}
+
+#[test]
+fn version_1_records_land_and_damaged_ones_end_the_hit() {
+    // This file's layout: records too small to be padded, so rewriting the
+    // segment's header and the MANIFEST as version 1 makes a version-1
+    // store of them (as tests/format_v2.rs does).
+    let l = layout();
+    let tokens = seq(10, 3 * B);
+    let dir = three_blocks(l, &tokens);
+    let seg = only_segment(dir.path());
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&seg)
+        .unwrap();
+    let mut h = [0u8; kvstore::format::SEGMENT_HEADER_LEN];
+    f.read_exact_at(&mut h, 0).unwrap();
+    let (n, _) = kvstore::format::decode_segment_header(&h).unwrap();
+    f.write_all_at(&kvstore::format::encode_segment_header_of(n, 1), 0)
+        .unwrap();
+    let path = dir.path().join("MANIFEST");
+    let m = kvstore::format::Manifest::decode(&std::fs::read(&path).unwrap()).unwrap();
+    let v1 = kvstore::format::Manifest {
+        format_version: 1,
+        ..m
+    };
+    std::fs::write(&path, v1.encode()).unwrap();
+    let blocks = [6, 0, 3];
+    let s = open(dir.path(), None);
+    assert_eq!(s.stats().unwrap().segments_v1, 1);
+    assert_eq!(
+        get_paged(&s, &tokens, 0, &blocks),
+        (3 * B, model(&tokens, 0, 3, &blocks))
+    );
+    drop(s);
+    flip(&seg, support::payload_offset(&l, 2) + 3);
+    let s = open(dir.path(), None);
+    assert_eq!(
+        get_paged(&s, &tokens, 0, &blocks),
+        (2 * B, model(&tokens, 0, 2, &blocks))
+    );
+    assert_eq!(s.stats().unwrap().damaged_blocks, 1);
 }

@@ -1,8 +1,9 @@
 //! Gets and puts straight between the store and a serving engine's paged KV
 //! cache (`crate::paged`): a hot-tier block is checked and permuted into the
 //! engine's cache a few runs at a time, through a piece that stays in the
-//! CPU's cache; a block from disk is read and checked in a one-block scratch,
-//! then permuted; a put gathers a few blocks at a time. One pass over main memory
+//! CPU's cache; a block from disk is read and checked in a one-block scratch
+//! (in the CPU's cache too), then permuted, and not promoted into the hot
+//! tier (`Inner::read_block`); a put gathers a few blocks at a time. One pass over main memory
 //! each way instead of a canonical staging copy of the whole request, over
 //! several threads where the request is large enough, each writing only its
 //! own cache blocks.

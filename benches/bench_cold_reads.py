@@ -46,13 +46,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_store import (  # noqa: E402
-    IO_CHUNK,
-    aligned_empty,
-    python_read,
-    python_read_inflight,
-)
 from pagecache import drop_page_cache, mincore_resident  # noqa: E402
+from peers import IO_CHUNK, aligned_empty, python_read, python_read_inflight  # noqa: E402
 
 SEGMENT_HEADER = 32
 V2_HEAD = 4096  # format v2: a record's head pads its payload to 4 KiB

@@ -33,6 +33,7 @@ def _load():
 
 
 bs = _load()
+import peers  # noqa: E402  (on sys.path through bench_store)
 
 SMALL = [
     "--size-gib",
@@ -94,8 +95,8 @@ def test_plan_blocks() -> None:
 
 
 def test_aligned_buffer_and_kv_view() -> None:
-    a = bs.aligned_empty(4 << 20)
-    assert a.ctypes.data % bs.ALIGN == 0 and a.nbytes == 4 << 20
+    a = peers.aligned_empty(4 << 20)
+    assert a.ctypes.data % peers.ALIGN == 0 and a.nbytes == 4 << 20
     kv = bs.as_kv(a, bs.BIG, 32)
     assert kv.shape == (32, 2, 32, 8, 128) and kv.dtype == torch.bfloat16
     kv.view(torch.int16).fill_(7)
@@ -114,17 +115,17 @@ def test_cold_cache_helpers(tmp_path: Path) -> None:
 
 def test_device_use(tmp_path: Path) -> None:
     # 40 reads taking 120 ms in all, the device busy 300 ms of 0.5 s.
-    assert bs.device_use((10, 1000, 2000), (50, 1120, 2300), 0.5) == (0.6, 3.0)
-    assert bs.device_use(None, (1, 2, 3), 1.0) is None
-    assert bs.device_use((0, 0, 0), (0, 0, 0), 0.0) is None
+    assert peers.device_use((10, 1000, 2000), (50, 1120, 2300), 0.5) == (0.6, 3.0)
+    assert peers.device_use(None, (1, 2, 3), 1.0) is None
+    assert peers.device_use((0, 0, 0), (0, 0, 0), 0.0) is None
     f = tmp_path / "f"
     f.write_bytes(b"x" * 4096)
-    a = bs.disk_counters(f)
+    a = peers.disk_counters(f)
     if a is not None:  # a device the kernel keeps counters for
         fd = os.open(f, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        b = bs.disk_counters(f)
+        b = peers.disk_counters(f)
         assert b is not None and all(y >= x >= 0 for x, y in zip(a, b, strict=True))
 
 
@@ -141,7 +142,7 @@ def test_put_get_roundtrip_tiny(tmp_path: Path, kind: str) -> None:
     seqs = bs.make_seqs(bs.BIG, [2, 1], kind)
     t, stats = bs.put_all(tmp_path / "s", bs.BIG, seqs, "batch", compression="zstd")
     assert t > 0 and stats["blocks"] == 3
-    outs = [bs.as_kv(bs.aligned_empty(s.nbytes), bs.BIG, len(s.tokens)) for s in seqs]
+    outs = [bs.as_kv(peers.aligned_empty(s.nbytes), bs.BIG, len(s.tokens)) for s in seqs]
     with bs.open_store(tmp_path / "s", bs.BIG) as st:
         assert bs.get_into(st, seqs, outs) > 0
         bs.check_equal(seqs, outs)

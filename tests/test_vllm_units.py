@@ -1,12 +1,10 @@
 """kvstore.vllm's pure parts, without vLLM: block-key extras (cache_salt, LoRA
 adapter), which requests are keyed by tokens, the fingerprint's binding to vLLM's
 settings, and the paged block map learnt from synthetic cache writers (affine and
-not), checked against the writers themselves; the CPUs a load's threads may use."""
+not), checked against the writers themselves."""
 
 from __future__ import annotations
 
-import os
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +13,6 @@ torch = pytest.importorskip("torch")
 
 from kvstore.layout import Layout  # noqa: E402
 from kvstore.vllm import keys  # noqa: E402
-from kvstore.vllm.affinity import every_cpu  # noqa: E402
 from kvstore.vllm.paged import PagedKV, affine_strides, paged_block_map  # noqa: E402
 
 # -- keys ---------------------------------------------------------------------------------------
@@ -268,44 +265,3 @@ def test_engine_moves_match_the_writer(tmp_path, pad_cols):
         write_all(write, other, kv[:, :, B:], to)
         for a, b in zip(fresh, other, strict=True):
             assert torch.equal(a, b)
-
-
-# -- CPU affinity around a load ---------------------------------------------------------
-
-
-@pytest.mark.skipif(
-    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="needs CPU affinity and at least two CPUs",
-)
-def test_threads_started_in_a_load_see_every_cpu():
-    # vLLM's CPU worker binds its main thread to one core; threads started inside
-    # every_cpu (the store's readers) must see all the process's CPUs, and the
-    # caller's own binding must come back afterwards, also on an error.
-    allowed = os.sched_getaffinity(0)
-    one = {min(allowed)}
-    seen: list[set[int]] = []
-
-    def record() -> None:
-        seen.append(os.sched_getaffinity(0))
-
-    def started() -> set[int]:
-        t = threading.Thread(target=record)
-        t.start()
-        t.join()
-        return seen.pop()
-
-    os.sched_setaffinity(0, one)
-    try:
-        assert started() == one  # the inheritance that every_cpu undoes
-        with every_cpu():
-            assert started() == allowed
-        assert os.sched_getaffinity(0) == one
-        with pytest.raises(RuntimeError), every_cpu():
-            raise RuntimeError("a failed load")
-        assert os.sched_getaffinity(0) == one
-        os.sched_setaffinity(0, allowed)
-        with every_cpu():  # nothing to widen: left as it was
-            assert started() == allowed
-        assert os.sched_getaffinity(0) == allowed
-    finally:
-        os.sched_setaffinity(0, allowed)

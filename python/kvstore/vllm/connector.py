@@ -27,7 +27,6 @@ from ..layout import Layout, dtype_name
 from ..remote import Remote
 from ..store import Store
 from ..store import open as open_store
-from .affinity import every_cpu
 from .keys import keyed_by_tokens, parse_extra, request_extra, vllm_fingerprint
 from .paged import PagedKV, paged_block_map
 
@@ -585,11 +584,6 @@ class _WorkerHalf:
 
     def load(self, loads: list[_Transfer], recomputed: set[int]) -> None:
         self._failed -= recomputed
-        if loads:
-            with every_cpu():
-                self._load_all(loads)
-
-    def _load_all(self, loads: list[_Transfer]) -> None:
         b = self._layout.block_size
         for tr in loads:
             t0 = time.perf_counter()
@@ -655,12 +649,6 @@ class _WorkerHalf:
             self._jobs.put(tr)  # waits when the queue is full
 
     def _save_loop(self) -> None:
-        # A background thread: off the core vLLM binds its forward pass to, and its
-        # engine calls size their threads by every CPU (see .affinity).
-        with every_cpu():
-            self._save_jobs()
-
-    def _save_jobs(self) -> None:
         while True:
             tr = self._jobs.get()
             if tr is None:

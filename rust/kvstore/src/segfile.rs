@@ -116,7 +116,7 @@ impl SegmentFile {
         if !at.is_multiple_of(d.offset_align) || d.mem_align as u64 > format::PAYLOAD_ALIGN {
             return Plan::Other;
         }
-        if fs::cached(&self.file, at, len as u64) {
+        if self.cached(at, len as u64) {
             return Plan::Cached;
         }
         let start = offset / d.offset_align * d.offset_align;
@@ -148,7 +148,7 @@ impl SegmentFile {
             .as_ref()
             .filter(|d| d.ok.load(Ordering::Relaxed))
         {
-            if at.is_multiple_of(d.offset_align) && !fs::cached(&self.file, at, len as u64) {
+            if at.is_multiple_of(d.offset_align) && !self.cached(at, len as u64) {
                 match d.read(head, payload, offset, at, len) {
                     Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                         d.ok.store(false, Ordering::Relaxed);
@@ -158,6 +158,11 @@ impl SegmentFile {
             }
         }
         self.read_buffered(head, payload, offset)
+    }
+
+    /// Whether the page cache holds all of bytes `offset..offset + len`.
+    pub(crate) fn cached(&self, offset: u64, len: u64) -> bool {
+        fs::cached(&self.file, offset, len)
     }
 
     /// [`SegmentFile::read`] through the page cache, whatever it holds.
@@ -171,13 +176,6 @@ impl SegmentFile {
         bufs.push(IoSliceMut::new(head));
         bufs.extend(payload.iter_mut().map(|p| IoSliceMut::new(p)));
         fs::read_exact_at(&self.file, &mut bufs, offset)
-    }
-}
-
-impl SegmentFile {
-    /// Whether the page cache holds all of bytes `offset..offset + len`.
-    pub(crate) fn cached(&self, offset: u64, len: u64) -> bool {
-        fs::cached(&self.file, offset, len)
     }
 }
 

@@ -434,32 +434,28 @@ impl Inner {
             return false;
         }
         // Each run of adjacent records of a segment asked once.
-        let mut run: Option<(Location, u64)> = None;
-        let mut cold = false;
-        let mut ask = |(loc, end): (Location, u64)| {
-            cold = cold
-                || self
-                    .segment_file(&loc)
-                    .is_ok_and(|f| !f.cached(loc.offset, end - loc.offset));
+        let cold = |(first, end): (Location, u64)| {
+            self.segment_file(&first)
+                .is_ok_and(|f| !f.cached(first.offset, end - first.offset))
         };
+        let mut run: Option<(Location, u64)> = None;
         for f in found {
             let Found::At(loc) = *f else { continue };
-            match run {
-                Some((first, end)) if first.segment == loc.segment && end == loc.offset => {
-                    run = Some((first, end + loc.record_len));
+            match &mut run {
+                Some((first, end)) if first.segment == loc.segment && *end == loc.offset => {
+                    *end += loc.record_len;
                 }
                 _ => {
-                    if let Some(r) = run.take() {
-                        ask(r);
+                    if run
+                        .replace((loc, loc.offset + loc.record_len))
+                        .is_some_and(cold)
+                    {
+                        return true;
                     }
-                    run = Some((loc, loc.offset + loc.record_len));
                 }
             }
         }
-        if let Some(r) = run {
-            ask(r);
-        }
-        cold
+        run.is_some_and(cold)
     }
 
     /// One reader's range of [`Inner::read_found`], in order, into `runs`

@@ -68,6 +68,14 @@ def device_use(
     return busy_ms / 1e3 / seconds, read_ms / max(reads, 1)
 
 
+def pwrite_chunks(fd: int, buf: np.ndarray, pos: int) -> int:
+    """Writes `buf` at `pos` with pwrite of IO_CHUNK bytes (dd bs=2M); the end."""
+    mv = buf.data
+    for off in range(0, len(mv), IO_CHUNK):
+        pos += os.pwrite(fd, mv[off : off + IO_CHUNK], pos)
+    return pos
+
+
 def raw_write(path: Path, bufs: Sequence[np.ndarray], sync: str) -> float:
     """Seconds to write `bufs` (each one sequence's KV bytes) sequentially to a new
     file with pwrite(2 MiB) through the page cache, then fdatasync: after every
@@ -79,9 +87,7 @@ def raw_write(path: Path, bufs: Sequence[np.ndarray], sync: str) -> float:
     try:
         pos = 0
         for buf in bufs:
-            mv = buf.data
-            for off in range(0, len(mv), IO_CHUNK):
-                pos += os.pwrite(fd, mv[off : off + IO_CHUNK], pos)
+            pos = pwrite_chunks(fd, buf, pos)
             if sync == "per_seq":
                 os.fdatasync(fd)
         os.fdatasync(fd)
@@ -100,9 +106,7 @@ def direct_write(path: Path, bufs: Sequence[np.ndarray]) -> float:
     try:
         pos = 0
         for b in bufs:
-            mv = b.data
-            for off in range(0, len(mv), IO_CHUNK):
-                pos += os.pwrite(fd, mv[off : off + IO_CHUNK], pos)
+            pos = pwrite_chunks(fd, b, pos)
         os.fdatasync(fd)
     finally:
         os.close(fd)

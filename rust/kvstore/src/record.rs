@@ -348,11 +348,18 @@ pub fn encode_many<'a>(
     })
 }
 
-/// crc32c over runs of bytes, as if they were one.
+/// crc32c over runs of bytes, as if they were one. Through `crc_fast`'s
+/// folding with carry-less multiplies: 54-58 GB/s on this host's AVX-512
+/// against `crc32c`'s 21-28 (its `crc32` instructions, three streams), which
+/// made the payload check of a paged load from the page cache a sixth of its
+/// time (benches/README.md, issue 14).
 pub fn crc_of<C: AsRef<[u8]>>(chunks: &[C]) -> u32 {
-    chunks
-        .iter()
-        .fold(0, |c, ch| crc32c::crc32c_append(c, ch.as_ref()))
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    for ch in chunks {
+        digest.update(ch.as_ref());
+    }
+    // CRC-32/ISCSI is crc32c: 32 bits in a u64.
+    digest.finalize() as u32
 }
 
 /// Why a record read back cannot be served for the block asked for.
@@ -444,6 +451,29 @@ pub fn decode_compressed(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `crc_of` (`crc_fast`) is the crc32c the format names: the same as the
+    /// `crc32c` crate's, an independent implementation, over runs of every
+    /// length around the folding widths, at every alignment, cut anywhere.
+    #[test]
+    fn crc_of_is_crc32c_over_any_runs() {
+        let bytes: Vec<u8> = (0..70_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let lens = (0..300).chain([511, 512, 513, 4095, 4096, 16_384, 65_537]);
+        for len in lens {
+            for at in [0, 1, 3, 7, 63] {
+                let run = &bytes[at..at + len];
+                let want = crc32c::crc32c(run);
+                assert_eq!(crc_of(&[run]), want, "len {len} at {at}");
+                let cut = len * 5 / 7;
+                let (a, b) = run.split_at(cut);
+                assert_eq!(crc_of(&[a, &[][..], b]), want, "len {len} at {at} cut {cut}");
+            }
+        }
+        assert_eq!(crc_of::<&[u8]>(&[]), 0);
+        assert_eq!(crc_of(&[b"123456789"]), 0xe306_9283);
+    }
 
     /// The format promises "one zstd frame of the high bytes", not how it was
     /// made: a frame full of matches (level 19, as a future encoder or the

@@ -352,10 +352,19 @@ fn a_hot_block_that_fails_its_check_after_landing_is_read_again_or_ends_the_hit(
     let after = s.stats().unwrap();
     assert_eq!(after.hot_hit_blocks - before.hot_hit_blocks, 2);
     assert_eq!(after.disk_hit_blocks - before.disk_hit_blocks, 1);
-    // Still damaged in the hot tier (a paged load does not promote, so the
-    // slot was not rewritten) and now in its record too: the hit ends before
-    // it, and block 6 is not touched.
-    assert!(s.hot_blocks(&tokens, b"").unwrap()[1].is_some());
+    // The slot was rewritten with the record's checked bytes: the next load
+    // lands all three from the hot tier, none from disk, and the same KV.
+    let before = s.stats().unwrap();
+    let (m, again) = get_paged(&s, &tokens, 0, &blocks);
+    assert_eq!(m, 3 * B);
+    assert!(again == got);
+    let after = s.stats().unwrap();
+    assert_eq!(after.hot_hit_blocks - before.hot_hit_blocks, 3);
+    assert_eq!(after.disk_hit_blocks - before.disk_hit_blocks, 0);
+    // Damaged in the hot tier again and now in its record too: the hit ends
+    // before it, and block 6 is not touched.
+    assert_eq!(s.hot_blocks(&tokens, b"").unwrap()[1].unwrap().2, at);
+    flip(&arena, last_run);
     flip_record(dir.path(), 1);
     let (m, got) = get_paged(&s, &tokens, 0, &blocks);
     assert_eq!(m, B);

@@ -3,10 +3,11 @@
 //! engine's cache a few runs at a time, through a piece that stays in the
 //! CPU's cache; a block from disk is read and checked in a one-block scratch
 //! (in the CPU's cache too), then permuted, and not promoted into the hot
-//! tier (`Inner::read_block`); a put gathers a few blocks at a time. One pass over main memory
-//! each way instead of a canonical staging copy of the whole request, over
-//! several threads where the request is large enough, each writing only its
-//! own cache blocks.
+//! tier (`Inner::read_block`), unless the hot tier held it in a slot that
+//! failed its check: that slot is rewritten. A put gathers a few blocks at a
+//! time. One pass over main memory each way instead of a canonical staging
+//! copy of the whole request, over several threads where the request is
+//! large enough, each writing only its own cache blocks.
 
 use super::put::check_start;
 use super::read::{in_ranges, range_bounds, reader_threads, Snap};
@@ -163,11 +164,13 @@ impl Inner {
                 return Ok(k - at);
             }
             let block_tokens = &tokens[k * b..(k + 1) * b];
+            let mut failed_slot = false;
             if let Some(arena) = &self.arena {
                 if arena.get_runs(&ids[k], block_tokens, &mut piece, |r, run| place(k, r, run)) {
                     self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
+                failed_slot = arena.contains(&ids[k]);
             }
             block.resize(self.layout.block_bytes(), 0);
             let mut runs = self.layout.block_runs_mut(&mut block, b, 0);
@@ -175,6 +178,14 @@ impl Inner {
             if !matches!(served, Ok(true)) {
                 stop.fetch_min(k, Ordering::Relaxed);
                 return served.map(|_| k - at);
+            }
+            if failed_slot {
+                // The hot tier holds the block but its slot failed the check
+                // (damaged, or rewritten meanwhile): the checked bytes go
+                // back into it (`Arena::insert` rewrites a damaged slot and
+                // leaves a sound one), so later loads do not fail there and
+                // read the disk again, each time.
+                self.promote_block(&ids[k], block_tokens, &runs)?;
             }
             for (r, run) in runs.iter_mut().enumerate() {
                 place(k, r, run);

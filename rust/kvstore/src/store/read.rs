@@ -654,7 +654,7 @@ impl Inner {
 
     /// Promotes a block read from its record: the next reader, in any
     /// process, gets it from memory.
-    fn promote_block(
+    pub(super) fn promote_block(
         &self,
         id: &BlockId,
         block_tokens: &[u32],

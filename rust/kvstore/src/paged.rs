@@ -440,18 +440,24 @@ mod tests {
         let sizes = [1, 2, 3, 7, 8, 9, 15, 16, 17, 32, 33, 64, 70];
         for &n in &sizes {
             for &m in &sizes {
-                // Padded strides and offsets: nothing but the matrix is touched.
-                let (s, ss, d, ds) = (3, n + 5, 1, m + 3);
-                let src: Vec<u8> = (0..(s + m * ss) * E)
-                    .map(|i| (i * 131 + i / 251) as u8)
-                    .collect();
-                let mut want = vec![0xA5u8; (d + n * ds) * E];
-                let got = want.clone();
-                transpose_model::<E>((&mut want, d, ds), (&src, s, ss), n, m);
-                for stream in [false, true] {
-                    let mut got = got.clone();
-                    transpose::<E>((&mut got, d, ds), (&src, s, ss), n, m, stream);
-                    assert!(got == want, "E {E}, {n} x {m}, stream {stream}");
+                // Padded strides and offsets: nothing but the matrix is
+                // touched; and rows exactly `m` long, back to back.
+                for ds in [m + 3, m] {
+                    let (s, ss, d) = (3, n + 5, 1);
+                    let src: Vec<u8> = (0..(s + m * ss) * E)
+                        .map(|i| (i * 131 + i / 251) as u8)
+                        .collect();
+                    let mut want = vec![0xA5u8; (d + n * ds) * E];
+                    let got = want.clone();
+                    transpose_model::<E>((&mut want, d, ds), (&src, s, ss), n, m);
+                    for stream in [false, true] {
+                        let mut got = got.clone();
+                        transpose::<E>((&mut got, d, ds), (&src, s, ss), n, m, stream);
+                        assert!(
+                            got == want,
+                            "E {E}, {n} x {m}, row stride {ds}, stream {stream}"
+                        );
+                    }
                 }
             }
         }
@@ -476,17 +482,21 @@ mod tests {
             (9, 33),
             (24, 96),
         ] {
-            let (s, ss, ds) = (5, n + 3, m.next_multiple_of(8) + 8);
-            let src: Vec<u8> = (0..(s + m * ss) * 2)
-                .map(|i| (i * 37 + i / 7) as u8)
-                .collect();
-            let mut want = vec![0x5Au8; (8 + n * ds) * 2];
-            let mut got = want.clone();
-            let d = (16 - got.as_ptr() as usize % 16) % 16 / 2;
-            assert!((got.as_ptr() as usize + 2 * d).is_multiple_of(16));
-            transpose_model::<2>((&mut want, d, ds), (&src, s, ss), n, m);
-            transpose::<2>((&mut got, d, ds), (&src, s, ss), n, m, true);
-            assert!(got == want, "{n} x {m}");
+            // Padded rows, and rows of whole lines back to back (32
+            // elements: vLLM's 32-token blocks of K).
+            for ds in [m.next_multiple_of(8) + 8, m.next_multiple_of(8)] {
+                let (s, ss) = (5, n + 3);
+                let src: Vec<u8> = (0..(s + m * ss) * 2)
+                    .map(|i| (i * 37 + i / 7) as u8)
+                    .collect();
+                let mut want = vec![0x5Au8; (8 + n * ds) * 2];
+                let mut got = want.clone();
+                let d = (16 - got.as_ptr() as usize % 16) % 16 / 2;
+                assert!((got.as_ptr() as usize + 2 * d).is_multiple_of(16));
+                transpose_model::<2>((&mut want, d, ds), (&src, s, ss), n, m);
+                transpose::<2>((&mut got, d, ds), (&src, s, ss), n, m, true);
+                assert!(got == want, "{n} x {m}, row stride {ds}");
+            }
         }
     }
 

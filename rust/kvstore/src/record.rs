@@ -350,9 +350,9 @@ pub fn encode_many<'a>(
 
 /// crc32c over runs of bytes, as if they were one. Through `crc_fast`'s
 /// folding with carry-less multiplies: 54-58 GB/s on this host's AVX-512
-/// against `crc32c`'s 21-28 (its `crc32` instructions, three streams), which
-/// made the payload check of a paged load from the page cache a sixth of its
-/// time (benches/README.md, issue 14).
+/// against `crc32c`'s 21-28 (its `crc32` instructions, three streams), with
+/// which the payload check was a fifth of a paged load from the page cache
+/// on one core (0.87 of 3.9 ms; benches/README.md, issue 14).
 pub fn crc_of<C: AsRef<[u8]>>(chunks: &[C]) -> u32 {
     let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
     for ch in chunks {

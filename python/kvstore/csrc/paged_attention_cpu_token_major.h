@@ -1,5 +1,5 @@
-// The token-major decode kernel: bfloat16 queries over bfloat16 caches on
-// AVX512-BF16 (vdpbf16ps), head_dim % 64 == 0. Included by paged_attention_avx512.h's
+// The token-major decode kernel: bfloat16 queries over bfloat16 or fp8 (e4m3, a scale
+// per block and kv head) caches on AVX512-BF16 (vdpbf16ps), head_dim % 64 == 0. Included by paged_attention_avx512.h's
 // AVX512-BF16 build (KVSTORE_DPBF16=1), whose helpers it uses.
 //
 // Why token-major: at long context a decode step streams the KV pages from DRAM, and
@@ -31,9 +31,13 @@
 // Measured against the head-major kernel (benches/README.md, 2026-11-24 decode4 and
 // "A quiet run, 2026-11-24 (third)"): under load on par from DRAM with huge pages and
 // slower with the KV in L2; on a quiet machine 1.12-1.24x faster at 32K from DRAM
-// (batch 1 and 16, 4 KiB and huge pages). Over fp8 caches the same order was 0.93x
-// (fp8's step is bound by instructions, and this order adds some), so fp8 caches stay
-// on the head-major kernel.
+// (batch 1 and 16, 4 KiB and huge pages). Over fp8 caches the first version of this
+// order was 0.93x of the head-major kernel; with q·k two tokens per q load and D 128
+// unrolled it is 1.10x faster in L2 and 1.12-1.15x from DRAM (one thread, 32K, CPU time:
+// 4.86 against 5.38-5.41 ms, 6.27-6.54 against 7.00-7.53; benches/README.md, "fp8
+// token-major"). fp8 rows are looked up as bfloat16 in registers (fp8_bytes_to_bf16;
+// why not shifts: paged_attention_cpu_fp8_bf16.h), and their scales multiply the
+// scores and the probabilities, one per token and kv head (lane_scales).
 // The accumulators and q keep the element orders of Order::DotBf16 / DotFp8 and
 // dot_q_element, so the output is written as the head-major kernel writes it.
 

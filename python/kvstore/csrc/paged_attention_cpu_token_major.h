@@ -39,7 +39,7 @@
 // why not shifts: paged_attention_cpu_fp8_bf16.h), and their scales multiply the
 // scores and the probabilities, one per token and kv head (lane_scales).
 // The accumulators and q keep the element orders of Order::DotBf16 / DotFp8 and
-// dot_q_element, so the output is written as the head-major kernel writes it.
+// dot_q_element, which write_unit_outputs (paged_attention_cpu_avx512.h) reads.
 
 // Token pairs whose P·V goes through the accumulators at once (see pv_heads). Measured,
 // one thread, 32K, GQA 4, D 128, KV in L2 (CPU ms per step): 1 pair 7.1-8.7, 2 pairs

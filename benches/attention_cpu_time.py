@@ -2,8 +2,9 @@
 
 bench_attention.py's layer (8 kv heads x 4 query heads, D 128, block 16, bf16 query),
 one configuration per process: the KV from DRAM (blocks at random places, one copy per
-sequence) or "hot" (every table entry points at one of 4 blocks, which stay in L2: the
-kernel's own speed). Prints the fastest call's process CPU time, which a descheduled
+sequence; --huge: on huge pages, from kvstore.torch.host_pages, as bench_attention's
+"paged huge") or "hot" (every table entry points at one of 4 blocks, which stay in L2:
+the kernel's own speed). Prints the fastest call's process CPU time, which a descheduled
 thread does not inflate (wall time beside it), so old and new kernels can be compared
 in alternating processes while other work runs:
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--hot", action="store_true", help="KV in L2 (4 blocks)")
+    ap.add_argument("--huge", action="store_true", help="KV on huge pages")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=32768)
@@ -58,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         key_cache, value_cache = fp8[0][pick], fp8[1][pick]
         scales = {"key_scales": s[0][pick], "value_scales": s[1][pick]}
 
+    if args.huge:
+        from kvstore.torch import host_pages
+
+        caches = []
+        for c in (key_cache, value_cache):
+            raw, kind = host_pages(c.numel() * c.element_size())
+            caches.append(raw.view(c.dtype).view(c.shape).copy_(c))
+        key_cache, value_cache = caches
+
     def step() -> torch.Tensor:
         return ops.paged_attention(
             q, key_cache, value_cache, tables, seq_lens, HEAD_DIM**-0.5, **scales
@@ -72,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         step()
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
-    where = "L2" if args.hot else "DRAM"
+    where = "L2" if args.hot else f"DRAM ({kind} pages)" if args.huge else "DRAM"
     print(
         f"{args.cache} {where} threads {args.threads} batch {args.batch} context {args.context}: "
         f"CPU ms fastest {min(cpu) * 1e3:.2f}, wall ms fastest {min(wall) * 1e3:.2f} "

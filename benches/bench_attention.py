@@ -29,7 +29,9 @@ per sequence) is timed with
 - fp8: paged_attention over the same KV quantized to float8_e4m3fn by write_kv
   (fp32 scales per block and kv head; 4 KiB pages like "paged 4k"): half the
   bytes of bf16 per token. Its KV/stream counts its own (fp8) bytes, and
-  bf16/fp8 is the speed-up of the fastest fp8 call over the fastest paged 4k one.
+  bf16/fp8 is the speed-up of the fastest fp8 call over the fastest paged 4k one;
+- fp8 huge: the same fp8 KV on huge pages (as paged huge), and huge/fp8h the speed-up
+  of its fastest call over paged huge's.
 
 Bytes or instructions: each case's step (bf16 and fp8) also runs over a table whose
 entries all point at 4 blocks, which stay in each core's L2 ("hot": the kernel's own
@@ -43,7 +45,8 @@ sum over a float32 buffer of --stream-gib (larger than the caches), one
 --stream-slice-mib slice per call (each slice comes from DRAM: it was last read a
 whole buffer ago; a call lasts about as long as a 32K step, so on a busy host an
 uninterrupted call is as likely for the stream as for the op). Stream and op are
-interleaved: each case runs --rounds rounds of (stream, paged 4k, paged huge, fp8),
+interleaved: each case runs --rounds rounds of (stream, paged 4k, paged huge, fp8,
+fp8 huge),
 so a host whose load changes moves both alike, and KV/stream (huge/stream,
 fp8/stream) is a ratio of medians: the median over the rounds of the op's fastest
 call's bytes per second over the median of the stream's fastest calls; the fastest
@@ -302,6 +305,10 @@ def case(
     key8, value8 = src8[0][pick], src8[1][pick]
     kscale8, vscale8 = scales8[0][pick], scales8[1][pick]
     fp8_bytes = kv_bytes // elem
+    raw8, _ = host_pages(2 * key8.numel())
+    huge8 = raw8.view(fp8).view(2, *shape)
+    huge8[0].copy_(key8)
+    huge8[1].copy_(value8)
 
     def paged() -> torch.Tensor:
         return ops.paged_attention(q, key_cache, value_cache, tables, seq_lens, scale)
@@ -314,26 +321,37 @@ def case(
     def paged_huge() -> torch.Tensor:
         return ops.paged_attention(q, huge[0], huge[1], tables, seq_lens, scale)
 
+    def fp8_huge() -> torch.Tensor:
+        return ops.paged_attention(
+            q, huge8[0], huge8[1], tables, seq_lens, scale, key_scales=kscale8, value_scales=vscale8
+        )
+
     row: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
     out = paged()
     row["kernel"] = ops.last_kernel()
     assert torch.equal(out, paged_huge())
     row["fp8_max_abs_diff"] = (paged_fp8().float() - out.float()).abs().max().item()
-    # The stream and the three paged steps interleaved, round by round: each ratio to the
+    assert torch.equal(paged_fp8(), fp8_huge())
+    # The stream and the four paged steps interleaved, round by round: each ratio to the
     # stream is a ratio of medians over the rounds (fastest call per round, both sides).
     streams, fastest, every = paired(
-        stream, {"paged": paged, "huge": paged_huge, "fp8": paged_fp8}, rounds, 3 * seconds
+        stream,
+        {"paged": paged, "huge": paged_huge, "fp8": paged_fp8, "fp8huge": fp8_huge},
+        rounds,
+        3 * seconds,
     )
     row["page_kind"] = page_kind
     row["streams"] = streams
     row["read_stream_bytes_per_s"] = statistics.median(streams)
-    for name, nbytes in (("paged", kv_bytes), ("huge", kv_bytes), ("fp8", fp8_bytes)):
+    named = (("paged", kv_bytes), ("huge", kv_bytes), ("fp8", fp8_bytes), ("fp8huge", fp8_bytes))
+    for name, nbytes in named:
         row[f"{name}_ms_min"] = min(fastest[name]) * 1e3
         row[f"{name}_ms_median"] = statistics.median(every[name]) * 1e3
         row[f"{name}_bytes_per_s"] = nbytes / min(fastest[name])
         rate = statistics.median(nbytes / t for t in fastest[name])
         row[f"{name}_vs_stream"] = rate / row["read_stream_bytes_per_s"]
     row["fp8_speedup"] = row["paged_ms_min"] / row["fp8_ms_min"]
+    row["fp8_huge_speedup"] = row["huge_ms_min"] / row["fp8huge_ms_min"]
     # Bytes or instructions: the same step over HOT_BLOCKS blocks that stay in each
     # core's L2 (every table entry points at one of them) is the kernel's own speed;
     # where it is below the read stream, the step is bound by instructions, not bytes.
@@ -475,13 +493,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{'batch':>7} {'context':>7} {'paged 4k ms':>15} {'paged huge ms':>15} "
         f"{'sdpa ms':>15} {'paged/sdpa':>10} {'KV/stream':>9} {'huge/stream':>11} "
         f"{'fp8 ms':>15} {'fp8/stream':>10} {'bf16/fp8':>8} "
+        f"{'fp8 huge ms':>15} {'huge/fp8h':>9} "
         f"{'vllm ms':>15} {'vllm/stream':>11} {'paged/vllm':>10} "
         f"{'vllm fp8 ms':>15} {'fp8/vllm fp8':>12}"
     )
     print(head)
     print(
         f"{'':>15} {'fastest median':>15} {'fastest median':>15} {'fastest median':>15}"
-        f"{'':>33} {'fastest median':>15}{'':>21}{'fastest median':>15}"
+        f"{'':>33} {'fastest median':>15}{'':>21}{'fastest median':>15}{'':>10}"
+        f"{'fastest median':>15}"
         f"{'':>24}{'fastest median':>15}"
     )
     print("-" * len(head))
@@ -506,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['huge_ms_min']:>7.2f} {r['huge_ms_median']:>7.2f} {sdpa} "
             f"{r['vs_read_stream']:>9.2f} {r['huge_vs_read_stream']:>11.2f} "
             f"{r['fp8_ms_min']:>7.2f} {r['fp8_ms_median']:>7.2f} "
-            f"{r['fp8_vs_read_stream']:>10.2f} {r['fp8_speedup']:>7.2f}x {vllm}"
+            f"{r['fp8_vs_read_stream']:>10.2f} {r['fp8_speedup']:>7.2f}x "
+            f"{r['fp8huge_ms_min']:>7.2f} {r['fp8huge_ms_median']:>7.2f} "
+            f"{r['fp8_huge_speedup']:>8.2f}x {vllm}"
         )
     reduced = sorted(
         {
@@ -570,10 +592,12 @@ def main(argv: list[str] | None = None) -> int:
             + " (target >= 0.8; on a busy host the stream suffers more than the op)"
         )
     long = [r["fp8_speedup"] for r in rows if r["context"] >= 32768]
+    long_huge = [r["fp8_huge_speedup"] for r in rows if r["context"] >= 32768]
     if long:
         print(
             f"fp8 over {args.dtype} at >= 32K: {min(long):.2f}x to {max(long):.2f}x "
-            "(fastest calls; target >= 1.6x); largest |fp8 - paged| "
+            f"(huge pages {min(long_huge):.2f}x to {max(long_huge):.2f}x; "
+            "fastest calls; target >= 1.6x); largest |fp8 - paged| "
             f"{max(r['fp8_max_abs_diff'] for r in rows):.3g}"
         )
     peer = [r["speed_vs_vllm"] for r in rows if "speed_vs_vllm" in r]

@@ -110,6 +110,25 @@ def test_fp8_split_k_matches_float64_reference(split_k, group, head_dim, block_s
     check_fp8_against_reference(case, 1 / math.sqrt(head_dim))
 
 
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_fp8_kv_heads_of_one_score_vector_keep_their_own_scales(monkeypatch, group):
+    """One thread and no split: a work item holds every kv head of a sequence, so the
+    token-major kernel's score vectors (16 query heads each) span several kv heads, and
+    group 3 splits a kv head across two vectors; each head's K and V scales must still
+    be its own (8 kv heads, scales that differ per head)."""
+    monkeypatch.delenv("KVSTORE_SPLIT_MIN_TOKENS", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        case = fp8_case([1, 37, 301], 8, group, 128, torch.bfloat16, seed=20 + group)
+        check_fp8_against_reference(case, 1 / math.sqrt(128))
+        info = ops.last_kernel()
+        assert info["threads"] == 1 and info["partitions"] == 1, info
+        assert info["isa"] == expected_isa(torch.bfloat16, True, 128), info
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fp8_odd_block_size_and_head_dim():
     # head_dim 72: no AVX-512 kernel (not a multiple of 16), scalar tails of the widening.
     case = fp8_case([1, 29, 77], 3, 2, 72, torch.float32, block_size=5, seed=3)

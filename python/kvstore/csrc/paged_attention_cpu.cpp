@@ -136,7 +136,7 @@ constexpr int64_t kHeadLanes = 16;
 constexpr int64_t kTokenTile = 16;
 inline int64_t head_lanes_up(int64_t n) { return ceil_div(n, kHeadLanes) * kHeadLanes; }
 inline int64_t tm_floats(int64_t heads) {
-  return (kTokenTile + kTokenTile / 2) * head_lanes_up(heads) + 16;
+  return (kTokenTile + kTokenTile / 2 + 2) * head_lanes_up(heads) + 16;
 }
 
 // A run of work units of one step (a unit is a sequence, a partition and a kv head,
@@ -233,13 +233,8 @@ __attribute__((target(KVSTORE_AVX512))) void attend_avx512(const Params& p, cons
 template <Kind C>
 __attribute__((target(KVSTORE_AVX512 ",avx512bf16,avx512vbmi"))) void attend_avx512bf16(
     const Params& p, const Scratch& w, int64_t b, int64_t e) {
-  // bfloat16 caches stream token-major (paged_attention_cpu_token_major.h says why);
-  // fp8 caches stay head-major, where their instruction-bound step is faster.
-  if constexpr (C == Kind::FP8) {
-    cpu_avx512bf16::attend_units<Kind::BF16, C>(p, w, b, e);
-  } else {
-    cpu_avx512bf16::attend_units_token_major(p, w, b, e);
-  }
+  // bfloat16 and fp8 caches stream token-major (paged_attention_cpu_token_major.h says why).
+  cpu_avx512bf16::attend_units_token_major<C>(p, w, b, e);
 }
 
 template <Kind K, Kind C>

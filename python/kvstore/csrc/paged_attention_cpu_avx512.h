@@ -2,7 +2,10 @@
 // `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")` in namespace
 // cpu_avx512, and once more with avx512bf16 and KVSTORE_DPBF16=1 in namespace
 // cpu_avx512bf16 (no include guard, no #include: the includer provides Params, Scratch,
-// Kind, Storage and the common header).
+// Kind, Storage and the common header). That second build decodes bfloat16 queries
+// token-major (paged_attention_cpu_token_major.h, included at the end), with vdpbf16ps
+// over bfloat16 and fp8 caches, and uses this file's helpers only: the head-major
+// kernel below runs in the first build (no AVX512-BF16, or fp32/fp16 queries).
 //
 // At long context a decode step is a stream over the KV pages: the kernel must consume
 // bytes faster than DRAM delivers them (measured: the previous kernel ran at about 6
@@ -11,8 +14,6 @@
 //   split into its even and odd elements (a shift and a mask of 32-bit lanes, two
 //   integer ops per 64 bytes) instead of being widened in order, and q and the output
 //   accumulators are kept in that even/odd order, which a dot product does not see;
-// - with a bfloat16 query on a CPU with AVX512-BF16, q·k is vdpbf16ps on the raw rows
-//   (products of two bfloat16 are exact in fp32), half the instructions of widening;
 // - e4m3 bytes become fp32 with three integer ops per 16 (sign-extend, shift, mask: the
 //   exponent and mantissa land in fp32's fields, so every value, subnormals included,
 //   is exact times 2^-120); the factor 2^120 and the (block, head) scales multiply the
@@ -24,11 +25,8 @@
 //   tree instead of one 16-lane reduction per token;
 // - the next tile's rows of the head being computed are prefetched token by token
 //   while this tile's scores are computed (pages are scattered, the hardware
-//   prefetchers cannot cross to the next block; with AVX512-BF16 and head sizes 64 and
-//   128 the V rows go during P·V instead, spreading the misses: one thread's 32K step
-//   from DRAM 14 -> 12 ms in bfloat16, 11 -> 8 ms in fp8, medians of 4 A/B rounds on a
-//   busy host), and rows are located by walking the block table, not by a division per
-//   token. _MM_HINT_T1 measured best (T0, NTA: 1.5-2x slower; none: 2-3x).
+//   prefetchers cannot cross to the next block), and rows are located by walking the
+//   block table, not by a division per token. _MM_HINT_T1 measured best (T0, NTA: 1.5-2x slower; none: 2-3x).
 // Needs head_dim % 16 == 0 (% 32 for bfloat16 caches); other head sizes use the AVX2
 // kernel.
 
@@ -38,8 +36,9 @@ constexpr int64_t kGroupTile = 4;  // query heads sharing a loaded K or V vector
 // The factor between an e4m3 value and the fp32 that fp8x16 makes of its byte.
 constexpr float kFp8Unit = 0x1p120f;
 
-// Whether q·k runs on vdpbf16ps: a bfloat16 query, a bfloat16 or fp8 cache (fp8 rows
-// become bfloat16 by table lookup, fp8_to_bf16x64), and this build has it.
+// Whether q·k runs on vdpbf16ps (the token-major kernel): a bfloat16 query, a bfloat16
+// or fp8 cache (fp8 rows become bfloat16 by table lookup, fp8_to_bf16x64), and this
+// build has it.
 template <Kind K, Kind C>
 constexpr bool kDot = KVSTORE_DPBF16 && K == Kind::BF16 && (C == Kind::BF16 || C == Kind::FP8);
 
@@ -60,7 +59,7 @@ KVSTORE_INLINE int64_t row_element(int64_t a) {
     const int64_t c = a & ~int64_t{31}, r = a & 31;
     return c + 2 * (r & 15) + (r >> 4);
   } else if constexpr (O == Order::DotBf16 || O == Order::DotFp8) {
-    // P·V on vdpbf16ps (pv_tile_dot): each 64 as four vectors of 16, the words of two
+    // P·V on vdpbf16ps (interleave_rows, token-major): each 64 as four vectors of 16, the words of two
     // tokens' rows interleaved by vpunpckl/hwd (lane 4L + i of the low one is word
     // 8L + i of the rows, of the high one word 8L + 4 + i), from two 32-element loads
     // (bfloat16) or from fp8_to_bf16x64's a and b (word w of a is element
@@ -105,47 +104,7 @@ KVSTORE_INLINE __m512 fp8x16(const uint8_t* p) {
 }
 
 #if KVSTORE_DPBF16
-// The bfloat16 bits of e4m3 magnitudes 0 .. 127, exact (subnormals m * 2^-9 are
-// bfloat16 normals; 0x7f is NaN).
-constexpr uint16_t fp8_bf16_bits(int m) {
-  if (m == 0x7F) return 0x7FC0;
-  const int e = m >> 3, man = m & 7;
-  if (e > 0) return static_cast<uint16_t>(((e + 120) << 7) | (man << 4));
-  if (man == 0) return 0;
-  const int k = man >= 4 ? 2 : man >= 2 ? 1 : 0;  // man = 2^k * (1 + f)
-  return static_cast<uint16_t>(((k - 9 + 127) << 7) | ((man - (1 << k)) << (7 - k)));
-}
-
-struct Fp8Tables {
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t hi[128];
-};
-constexpr Fp8Tables make_fp8_tables() {
-  Fp8Tables t{};
-  for (int m = 0; m < 128; ++m) {
-    t.lo[m] = static_cast<uint8_t>(fp8_bf16_bits(m) & 0xFF);
-    t.hi[m] = static_cast<uint8_t>(fp8_bf16_bits(m) >> 8);
-  }
-  return t;
-}
-constexpr Fp8Tables kFp8Tables = make_fp8_tables();
-
-// 64 e4m3 bytes to 64 bfloat16, exactly (NaN included), in two vectors: a 128-entry
-// byte table lookup (vpermi2b) each for the low and the high byte of the magnitude's
-// bfloat16, the sign into the high byte, and the bytes interleaved into words. Word w
-// of a is byte 16 (w / 8) + w % 8 of x, of b that + 8 (the 128-bit lanes of vpunpck).
-KVSTORE_INLINE void fp8_bytes_to_bf16(__m512i x, __m512i& a, __m512i& b) {
-  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Tables.lo), x,
-                                              _mm512_load_si512(kFp8Tables.lo + 64));
-  __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Tables.hi), x,
-                                        _mm512_load_si512(kFp8Tables.hi + 64));
-  hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
-  a = _mm512_unpacklo_epi8(lo, hi);
-  b = _mm512_unpackhi_epi8(lo, hi);
-}
-KVSTORE_INLINE void fp8_to_bf16x64(const uint8_t* p, __m512i& a, __m512i& b) {
-  fp8_bytes_to_bf16(_mm512_loadu_si512(p), a, b);
-}
+#include "paged_attention_cpu_fp8_bf16.h"
 #endif
 
 template <Kind C>
@@ -199,56 +158,9 @@ struct TileRows {
 
 // dots[g * 16 + j] = q_g · k_j (16 lanes, to be summed) for GT query heads and the
 // tile's tokens; prefetches the next tile's rows along the way when `prefetch`.
-// DC: head_dim known at compile time (kDot only; 0: D at run time).
-template <Kind K, Kind C, int GT, int DC>
+template <Kind K, Kind C, int GT>
 KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int64_t D,
                             bool prefetch, __m512* __restrict dots) {
-#if KVSTORE_DPBF16
-  if constexpr (kDot<K, C> && DC > 0) {
-    // q of the GT heads in registers for the whole tile (16 vectors at GT 4, D 128): a
-    // 64-byte load takes both of a Zen 4 core's load ports, and reloading q for every
-    // token made q·k wait on loads (20 per 16 vdpbf16ps), not on the dot products.
-    const auto* qb = reinterpret_cast<const uint16_t*>(q);
-    __m512i qr[GT][DC / 32];
-    for (int g = 0; g < GT; ++g) {
-      for (int i = 0; i < DC / 32; ++i) qr[g][i] = _mm512_loadu_si512(qb + g * DC + 32 * i);
-    }
-    for (int64_t j = 0; j < t.n; ++j) {
-      // The next tile's K rows here, its V rows in pv_tile_dot: half the prefetches at
-      // a time, so they do not fill the core's miss buffers and hold up the loads.
-      if (prefetch && j < t.next_n) {
-        for (int64_t b = 0; b < t.row_bytes; b += 64) _mm_prefetch(t.next_k[j] + b, _MM_HINT_T1);
-      }
-      const auto* k = t.k[j];
-      __m512 acc[GT], acc2[GT];
-      for (int g = 0; g < GT; ++g) acc[g] = acc2[g] = _mm512_setzero_ps();
-      for (int d = 0; d < DC; d += 64) {
-        __m512i ka, kb;
-        if constexpr (C == Kind::FP8) {
-          fp8_to_bf16x64(k + d, ka, kb);
-        } else {
-          ka = _mm512_loadu_si512(k + d);
-          kb = _mm512_loadu_si512(k + d + 32);
-        }
-        for (int g = 0; g < GT; ++g) {
-          acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qr[g][d / 32], (__m512bh)ka);
-          if constexpr (C == Kind::FP8) {
-            // One accumulator per head: the lookup tables and the conversion's
-            // temporaries need the registers of the second (with it, 34 live vectors
-            // at GT 4, D 128: spills, i.e. loads on the ports that q·k waits on).
-            acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qr[g][d / 32 + 1], (__m512bh)kb);
-          } else {
-            acc2[g] = _mm512_dpbf16_ps(acc2[g], (__m512bh)qr[g][d / 32 + 1], (__m512bh)kb);
-          }
-        }
-      }
-      for (int g = 0; g < GT; ++g) {
-        dots[g * kTile + j] = C == Kind::FP8 ? acc[g] : _mm512_add_ps(acc[g], acc2[g]);
-      }
-    }
-    return;
-  }
-#endif
   for (int64_t j = 0; j < t.n; ++j) {
     if (prefetch && j < t.next_n) {
       for (int64_t b = 0; b < t.row_bytes; b += 64) {
@@ -259,37 +171,7 @@ KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int
     const auto* k = t.k[j];
     __m512 acc[GT], acc2[GT];
     for (int g = 0; g < GT; ++g) acc[g] = acc2[g] = _mm512_setzero_ps();
-    if constexpr (kDot<K, C> && C == Kind::FP8) {
-#if KVSTORE_DPBF16
-      const auto* qb = reinterpret_cast<const uint16_t*>(q);
-      for (int64_t d = 0; d < D; d += 64) {
-        __m512i ka, kb;
-        fp8_to_bf16x64(k + d, ka, kb);
-        for (int g = 0; g < GT; ++g) {
-          const __m512i qa = _mm512_loadu_si512(qb + g * D + d);
-          const __m512i qc = _mm512_loadu_si512(qb + g * D + d + 32);
-          acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qa, (__m512bh)ka);
-          acc2[g] = _mm512_dpbf16_ps(acc2[g], (__m512bh)qc, (__m512bh)kb);
-        }
-      }
-#endif
-    } else if constexpr (kDot<K, C>) {
-#if KVSTORE_DPBF16
-      // q holds bfloat16 bits here (see attend_units).
-      // Two accumulators per head (D % 64 == 0 here): half the latency chain of vdpbf16ps.
-      const auto* qb = reinterpret_cast<const uint16_t*>(q);
-      for (int64_t d = 0; d < D; d += 64) {
-        const __m512i kv = _mm512_loadu_si512(k + d);
-        const __m512i kv2 = _mm512_loadu_si512(k + d + 32);
-        for (int g = 0; g < GT; ++g) {
-          const __m512i qv = _mm512_loadu_si512(qb + g * D + d);
-          const __m512i qv2 = _mm512_loadu_si512(qb + g * D + d + 32);
-          acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)qv, (__m512bh)kv);
-          acc2[g] = _mm512_dpbf16_ps(acc2[g], (__m512bh)qv2, (__m512bh)kv2);
-        }
-      }
-#endif
-    } else if constexpr (C == Kind::BF16) {
+    if constexpr (C == Kind::BF16) {
       for (int64_t d = 0; d < D; d += 32) {
         const __m512i kv = _mm512_loadu_si512(k + d);
         const __m512 ke = bf16_even(kv), ko = bf16_odd(kv);
@@ -342,85 +224,21 @@ KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
   }
 }
 
-#if KVSTORE_DPBF16
-// acc[g][.] += sum_j p[g][j] * v_j for GT query heads on vdpbf16ps: the rows of tokens
-// j and j + 1 interleaved word by word, times the bfloat16 pair (p[g][j], p[g][j + 1]);
-// half the instructions of fp32 FMAs. The probabilities are rounded to bfloat16
-// (relative 2^-9, the rounding of the bfloat16 output; their sum stays fp32). An odd
-// last token pairs with itself at probability 0. 64 columns at a time (Order::Dot*).
-template <Kind C, int GT>
-KVSTORE_INLINE void pv_tile_dot(float* __restrict acc, const uint16_t* __restrict pb,
-                                const TileRows<C>& t, int64_t D, bool prefetch_v) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    __m512 a[GT][4];
-    for (int g = 0; g < GT; ++g) {
-      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c);
-    }
-    for (int64_t j = 0; j < t.n; j += 2) {
-      if (prefetch_v && d0 == 0) {
-        // The next tile's V rows of tokens j and j + 1 (its K rows went in qk_tile).
-        for (int64_t n = j; n < j + 2 && n < t.next_n; ++n) {
-          for (int64_t b = 0; b < t.row_bytes; b += 64) _mm_prefetch(t.next_v[n] + b, _MM_HINT_T1);
-        }
-      }
-      const int64_t j1 = j + 1 < t.n ? j + 1 : j;
-      __m512i u[4];
-      if constexpr (C == Kind::FP8) {
-        // The two rows' bytes interleaved first, then looked up: each byte pair becomes
-        // the pair of bfloat16 that vdpbf16ps takes, in the same order as interleaving
-        // converted rows by words, with 12 integer ops per 64 columns instead of 14.
-        const __m512i x = _mm512_loadu_si512(t.v[j] + d0);
-        const __m512i y = _mm512_loadu_si512(t.v[j1] + d0);
-        fp8_bytes_to_bf16(_mm512_unpacklo_epi8(x, y), u[0], u[1]);
-        fp8_bytes_to_bf16(_mm512_unpackhi_epi8(x, y), u[2], u[3]);
-      } else {
-        const __m512i x0 = _mm512_loadu_si512(t.v[j] + d0);
-        const __m512i x1 = _mm512_loadu_si512(t.v[j] + d0 + 32);
-        const __m512i y0 = _mm512_loadu_si512(t.v[j1] + d0);
-        const __m512i y1 = _mm512_loadu_si512(t.v[j1] + d0 + 32);
-        u[0] = _mm512_unpacklo_epi16(x0, y0);
-        u[1] = _mm512_unpackhi_epi16(x0, y0);
-        u[2] = _mm512_unpacklo_epi16(x1, y1);
-        u[3] = _mm512_unpackhi_epi16(x1, y1);
-      }
-      for (int g = 0; g < GT; ++g) {
-        uint32_t pair;
-        __builtin_memcpy(&pair, pb + g * kTile + j, sizeof(pair));
-        const __m512i pp = _mm512_set1_epi32(static_cast<int>(pair));
-        for (int c = 0; c < 4; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)pp, (__m512bh)u[c]);
-      }
-    }
-    for (int g = 0; g < GT; ++g) {
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, a[g][c]);
-    }
-  }
-}
-#endif
-
 // One tile of one kv head for GT query heads (state index i0 .. i0 + GT - 1).
 template <Kind K, Kind C, int GT>
 KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const TileRows<C>& t,
                                 bool prefetch, __m512* dots) {
-  // q of head i: fp32, or bfloat16 bits (kDot) packed at half the stride.
-  const float* q = kDot<K, C> ? w.q + i0 * D / 2 : w.q + i0 * D;
-  if (kDot<K, C> && D == 128) {
-    qk_tile<K, C, GT, 128>(q, t, D, prefetch, dots);
-  } else if (kDot<K, C> && D == 64) {
-    qk_tile<K, C, GT, 64>(q, t, D, prefetch, dots);
-  } else {
-    qk_tile<K, C, GT, 0>(q, t, D, prefetch, dots);
-  }
+  qk_tile<K, C, GT>(w.q + i0 * D, t, D, prefetch, dots);
   float* p = w.scores;  // [GT, 16]
-  // kDot: the probabilities as bfloat16, [GT, 16] and one word of padding.
-  auto* pb = reinterpret_cast<uint16_t*>(w.scores + GT * kTile);
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   const __mmask16 valid = static_cast<__mmask16>((1u << t.n) - 1u);
   for (int g = 0; g < GT; ++g) {
     const int64_t i = i0 + g;
     // Lanes past n hold -inf: their exp is 0 (the stale dots there are never read).
     __m512 raw = transpose_sum16(dots + g * kTile);
-    if constexpr (C == Kind::FP8 && !kDot<K, C>) raw = _mm512_mul_ps(raw, _mm512_set1_ps(kFp8Unit));
-    if constexpr (C == Kind::FP8 || kDot<K, C>) raw = _mm512_mul_ps(raw, _mm512_load_ps(t.kmul));
+    if constexpr (C == Kind::FP8) {
+      raw = _mm512_mul_ps(_mm512_mul_ps(raw, _mm512_set1_ps(kFp8Unit)), _mm512_load_ps(t.kmul));
+    }
     const __m512 sc = _mm512_mask_blend_ps(valid, neg_inf, raw);
     // Once the running max is reached, most tiles do not raise it: skip softmax_merge's
     // two scalar expf then (a sixth of the step's time at 32K), exp(0) being 1 exactly.
@@ -429,14 +247,7 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
         tile_max <= w.m[i] ? SoftmaxMerge{w.m[i], 1.f, 0.f} : softmax_merge(w.m[i], tile_max);
     const __m512 e = exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(mg.max)));
     const __m512 pv = C == Kind::FP8 ? _mm512_mul_ps(e, _mm512_load_ps(t.vmul)) : e;
-    if constexpr (kDot<K, C>) {
-#if KVSTORE_DPBF16
-      const __m256bh h = _mm512_cvtneps_pbh(pv);
-      __builtin_memcpy(pb + g * kTile, &h, sizeof(h));
-#endif
-    } else {
-      _mm512_storeu_ps(p + g * kTile, pv);
-    }
+    _mm512_storeu_ps(p + g * kTile, pv);
     float* acc = w.acc + i * D;
     if (mg.scale_a != 1.f) {
       const __m512 s = _mm512_set1_ps(mg.scale_a);
@@ -448,11 +259,7 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
     w.m[i] = mg.max;
   }
   float* acc = w.acc + i0 * D;
-  if constexpr (kDot<K, C>) {
-#if KVSTORE_DPBF16
-    pv_tile_dot<C, GT>(acc, pb, t, D, prefetch && (D == 128 || D == 64));
-#endif
-  } else if (D % 64 == 0) {
+  if (D % 64 == 0) {
     pv_tile<K, C, GT, 4>(acc, p, t, D);
   } else if (D % 32 == 0) {
     pv_tile<K, C, GT, 2>(acc, p, t, D);
@@ -560,6 +367,8 @@ KVSTORE_INLINE void write_unit_outputs(const Params& p, const Scratch& w, int64_
 // computes.
 template <Kind K, Kind C>
 KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
+  // The AVX512-BF16 build decodes bfloat16 queries token-major (attend_units_token_major).
+  static_assert(!kDot<K, C>, "vdpbf16ps decoding is paged_attention_cpu_token_major.h's");
   using T = typename Storage<C>::type;
   using TQ = typename Storage<K>::type;
   const int64_t D = p.head_dim, G = p.group, H = p.num_kv_heads, P = p.num_partitions;
@@ -571,7 +380,6 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
   for (auto& d : dots) d = _mm512_setzero_ps();  // lanes past a short tile: read, never used
   TileRows<C> t{};
   t.row_bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < kTile; ++j) t.kmul[j] = p.scale;  // kDot: q is not pre-scaled
   int64_t blk[kTile], off[kTile], next_blk[kTile], next_off[kTile];
   for (int64_t unit = begin; unit < end;) {
     const UnitRun u = unit_run(p, unit, end);
@@ -581,14 +389,9 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
 
     const int64_t heads = (h1 - h0) * G;
     const TQ* q = static_cast<const TQ*>(p.query) + (s * p.num_heads + h0 * G) * D;
-    if constexpr (kDot<K, C>) {
-      auto* qb = reinterpret_cast<uint16_t*>(w.q);
-      for (int64_t i = 0; i < heads * D; ++i) qb[i] = q[(i / D) * D + dot_q_element<C>(i % D)];
-    } else {
-      for (int64_t i = 0; i < heads * D; ++i) {
-        const int64_t e = (i / D) * D + row_element<kOrder<K, C>>(i % D);
-        w.q[i] = widen_scalar<K>(q[e]) * p.scale;
-      }
+    for (int64_t i = 0; i < heads * D; ++i) {
+      const int64_t e = (i / D) * D + row_element<kOrder<K, C>>(i % D);
+      w.q[i] = widen_scalar<K>(q[e]) * p.scale;
     }
     for (int64_t i = 0; i < heads * D; ++i) w.acc[i] = 0.f;
     for (int64_t i = 0; i < heads; ++i) {
@@ -612,8 +415,7 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
           t.k[j] = kc + blk[j] * p.k_block_stride + off[j] * row_stride + h * D;
           t.v[j] = vc + blk[j] * p.v_block_stride + off[j] * row_stride + h * D;
           if constexpr (C == Kind::FP8) {
-            // kDot: q is not pre-scaled.
-            t.kmul[j] = p.key_scales[blk[j] * p.k_scale_stride + h] * (kDot<K, C> ? p.scale : 1.f);
+            t.kmul[j] = p.key_scales[blk[j] * p.k_scale_stride + h];
             t.vmul[j] = p.value_scales[blk[j] * p.v_scale_stride + h];
           }
         }
@@ -634,7 +436,7 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
           case 1: attend_tile<K, C, 1>(w, i_h + g, D, t, g == 0, dots); break;
           default: break;
         }
-        if constexpr (C == Kind::FP8 && !kDot<K, C>) {
+        if constexpr (C == Kind::FP8) {
           // A NaN byte is a NaN value: the reference's softmax makes every output of
           // the group NaN, and so does a NaN accumulator here (merges keep it).
           if (fp8_tile_has_nan(t, D)) {

@@ -9,7 +9,8 @@
 //! bytes written since a file's last sync are cut at a random length (and the
 //! kept part may read back as zeros, as when the size reached the disk before
 //! the data), files whose directory entry was never synced vanish, and renames
-//! not followed by a directory sync are undone. LMDB is trusted to keep its own
+//! not followed by a directory sync are undone (a file the rename replaced
+//! comes back). LMDB is trusted to keep its own
 //! synced commits (it is not routed through these hooks), which is exactly the
 //! property under test: no commit may point at bytes a power loss can take.
 //!
@@ -61,14 +62,26 @@ mod imp {
         new_entry: bool,
     }
 
+    /// A rename a power loss may undo.
+    struct Renamed {
+        from: PathBuf,
+        to: PathBuf,
+        /// What `to` held before, if the rename replaced a file: undoing
+        /// the rename brings it back, as a file system that never saw the
+        /// new entry would.
+        replaced: Option<Vec<u8>>,
+    }
+
     #[derive(Default)]
     struct State {
         plan: Option<(u64, Mode)>,
         /// Every step since `arm`, in order.
         trace: Vec<Op>,
         files: HashMap<(u64, u64), Tracked>,
-        /// Renames (from, to) whose directory was not synced since.
-        renames: Vec<(PathBuf, PathBuf)>,
+        /// Renames not followed by a sync of their directory.
+        renames: Vec<Renamed>,
+        /// The bytes of the file the next rename replaces (`replacing`).
+        replaced: Option<Vec<u8>>,
         /// Power loss armed at a write: lose power once it is done.
         after_write: Option<u64>,
     }
@@ -206,15 +219,25 @@ mod imp {
         }
     }
 
+    /// Called just before a rename onto `to`: keeps what `to` holds.
+    pub fn replacing(to: &Path) {
+        let old = std::fs::read(to).ok();
+        with(|s| s.replaced = old);
+    }
+
     pub fn renamed(from: &Path, to: &Path) {
         let (from, to) = (canon(from), canon(to));
         with(|s| {
+            // The replaced file is gone; its tracking must not act on the
+            // file that now has its name.
+            s.files.retain(|_, t| t.path != to);
             for t in s.files.values_mut() {
                 if t.path == from {
                     t.path.clone_from(&to);
                 }
             }
-            s.renames.push((from, to));
+            let replaced = s.replaced.take();
+            s.renames.push(Renamed { from, to, replaced });
         });
     }
 
@@ -227,7 +250,7 @@ mod imp {
                 }
             }
             s.renames
-                .retain(|(_, to)| to.parent().map(Path::to_path_buf) != Some(dir.clone()));
+                .retain(|r| r.to.parent().map(Path::to_path_buf) != Some(dir.clone()));
         });
     }
 
@@ -255,12 +278,25 @@ mod imp {
         let (files, renames) =
             with(|s| (std::mem::take(&mut s.files), std::mem::take(&mut s.renames)));
         let mut files: Vec<Tracked> = files.into_values().collect();
-        files.sort_by(|a, b| a.path.cmp(&b.path));
-        for (from, to) in renames.into_iter().rev() {
-            if rng.below(2) == 0 {
-                let _ = std::fs::rename(&to, &from);
+        for r in renames.into_iter().rev() {
+            let undo = rng.below(2) == 0;
+            if undo {
+                let _ = std::fs::rename(&r.to, &r.from);
+                if let Some(old) = r.replaced {
+                    let _ = std::fs::write(&r.to, old);
+                }
+            }
+            for t in files.iter_mut().filter(|t| t.path == r.to) {
+                if undo {
+                    t.path.clone_from(&r.from);
+                } else {
+                    // A rename that reached the disk carries its file's
+                    // entry with it: the file no longer vanishes.
+                    t.new_entry = false;
+                }
             }
         }
+        files.sort_by(|a, b| a.path.cmp(&b.path));
         for t in files {
             if t.new_entry && rng.below(2) == 0 {
                 let _ = std::fs::remove_file(&t.path);
@@ -314,6 +350,8 @@ mod imp {
     #[inline]
     pub fn created(_: &File) {}
     #[inline]
+    pub fn replacing(_: &Path) {}
+    #[inline]
     pub fn renamed(_: &Path, _: &Path) {}
     #[inline]
     pub fn dir_synced(_: &Path) {}
@@ -322,4 +360,4 @@ mod imp {
 #[cfg(feature = "fault-injection")]
 pub use imp::{arm, count_only, steps, trace};
 
-pub(crate) use imp::{before, created, dir_synced, renamed, synced, wrote};
+pub(crate) use imp::{before, created, dir_synced, renamed, replacing, synced, wrote};

@@ -262,6 +262,7 @@ pub fn remove_file(path: &Path) -> io::Result<()> {
 /// A hooked rename.
 pub fn rename(from: &Path, to: &Path) -> io::Result<()> {
     fault::before(fault::Op::Rename, None)?;
+    fault::replacing(to);
     std::fs::rename(from, to)?;
     fault::renamed(from, to);
     Ok(())

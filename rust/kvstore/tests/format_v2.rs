@@ -537,7 +537,11 @@ mod upgrade_crash {
         let s = Store::open(dir, opts(l, Durability::Sync, READS[0])).unwrap();
         match plan.split_once(':') {
             Some(("crash", n)) => fault::arm(n.parse().unwrap(), Mode::Crash),
-            Some(("power", n)) => fault::arm(n.parse().unwrap(), Mode::PowerLoss { seed: 7 }),
+            Some(("power", n_seed)) => {
+                let (n, seed) = n_seed.split_once(':').unwrap();
+                let seed = seed.parse().unwrap();
+                fault::arm(n.parse().unwrap(), Mode::PowerLoss { seed });
+            }
             _ => fault::count_only(),
         }
         let t = new_seq();
@@ -585,34 +589,49 @@ mod upgrade_crash {
         let r = trace.find('R').expect("the upgrade renames") + 1;
         assert_eq!(&trace[r - 3..=r], "WSRS", "{trace}");
         assert_eq!(manifest_version(&dir), format::FORMAT_VERSION);
-        for mode in ["crash", "power"] {
-            for nth in r - 2..=r + 2 {
-                if mode == "power" && nth == r + 1 {
-                    // Power lost between the rename and the directory's
-                    // fsync: the simulation undoes the rename by renaming
-                    // back, which loses the MANIFEST it replaced (a real
-                    // file system keeps the old entry). Not a state a disk
-                    // can be left in, so not one to check.
-                    continue;
-                }
-                let dir = root.path().join(format!("{mode}-{nth}"));
-                v1_store(&dir);
-                run_child(&dir, &format!("{mode}:{nth}"));
-                let case = format!("{mode} at step {nth} ({})", &trace[nth - 1..nth]);
-                let version = manifest_version(&dir);
-                assert!((1..=format::FORMAT_VERSION).contains(&version), "{case}");
-                if mode == "crash" && nth > r {
-                    assert_eq!(version, format::FORMAT_VERSION, "{case}: renamed before");
-                }
-                assert!(all_exact(&dir, &seqs), "{case}");
-                let s = Store::open(&dir, opts(l, Durability::Sync, READS[0])).unwrap();
-                assert!(s.verify(&|_, _| {}).unwrap().damaged.is_empty(), "{case}");
-                let t = new_seq();
-                assert_eq!(s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap(), t.len());
-                drop(s);
-                assert_eq!(manifest_version(&dir), format::FORMAT_VERSION, "{case}");
-                assert!(all_exact(&dir, &[&seqs[..], &[t][..]].concat()), "{case}");
+        // Power lost just before the directory's fsync may keep or undo
+        // the rename (the old MANIFEST comes back): seeds that give both.
+        let mut versions_after_rename = std::collections::BTreeSet::new();
+        let plans = ["crash", "power"].into_iter().flat_map(|mode| {
+            (r - 2..=r + 2).flat_map(move |nth| {
+                let seeds = if mode == "power" && nth == r + 1 {
+                    0..8
+                } else {
+                    7..8
+                };
+                seeds.map(move |seed| (mode, nth, seed))
+            })
+        });
+        for (mode, nth, seed) in plans {
+            let dir = root.path().join(format!("{mode}-{nth}-{seed}"));
+            v1_store(&dir);
+            let plan = match mode {
+                "power" => format!("power:{nth}:{seed}"),
+                _ => format!("{mode}:{nth}"),
+            };
+            run_child(&dir, &plan);
+            let case = format!("{plan} ({})", &trace[nth - 1..nth]);
+            let version = manifest_version(&dir);
+            assert!((1..=format::FORMAT_VERSION).contains(&version), "{case}");
+            if mode == "power" && nth == r + 1 {
+                versions_after_rename.insert(version);
             }
+            if mode == "crash" && nth > r {
+                assert_eq!(version, format::FORMAT_VERSION, "{case}: renamed before");
+            }
+            assert!(all_exact(&dir, &seqs), "{case}");
+            let s = Store::open(&dir, opts(l, Durability::Sync, READS[0])).unwrap();
+            assert!(s.verify(&|_, _| {}).unwrap().damaged.is_empty(), "{case}");
+            let t = new_seq();
+            assert_eq!(s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap(), t.len());
+            drop(s);
+            assert_eq!(manifest_version(&dir), format::FORMAT_VERSION, "{case}");
+            assert!(all_exact(&dir, &[&seqs[..], &[t][..]].concat()), "{case}");
         }
+        assert_eq!(
+            versions_after_rename.into_iter().collect::<Vec<_>>(),
+            vec![1, format::FORMAT_VERSION],
+            "power lost before the directory's fsync: the rename both kept and undone"
+        );
     }
 }

@@ -53,8 +53,12 @@ const BYTES_PER_DIRECT_READER: usize = 1 << 20;
 /// A buffered get of at most this many bytes that reads from the disk
 /// stays on one reader thread (`one_cold_stream`): a cold 8 MiB restore
 /// (512 tokens of 16 KiB) took 6.2-6.6 ms on one thread against 7.6-9.8 on
-/// two; at 16 MiB one thread was no faster (benches/README.md).
-const COLD_ONE_READER_BYTES: usize = 8 << 20;
+/// two; cold 16 and 32 MiB restores (1K and 2K tokens) took a median
+/// 10.3-13.3 and 20.1-21.1 ms on one thread against 12.5-16.2 and
+/// 24.2-25.9 on two, with a third less CPU time (3.5-4.0 against 5.2-5.6
+/// ms at 16 MiB): two threads are two streams, and the device moves
+/// between them (benches/README.md, the cold restores of 2026-11-24).
+const COLD_ONE_READER_BYTES: usize = 32 << 20;
 
 /// Runs `work` over consecutive ranges of a read's blocks, each given as
 /// (its length, its work): the first on the calling thread with `snap`, the

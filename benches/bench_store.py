@@ -1106,7 +1106,7 @@ def _lookup_rows(b: _Bench, lookup_tokens: int, lookup_runs: int) -> None:
         Row(
             K,
             f"lookup, {lookup_tokens} tokens, empty store (the walk stops after its first "
-            "chunk: 1024 ids hashed and probed)",
+            "chunk: 64 ids hashed and probed)",
             lk["miss"] * 1e3,
             "ms",
             note=f"median of {lookup_runs} (min {lo['miss']:.3f} ms)",

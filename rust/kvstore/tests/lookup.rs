@@ -20,7 +20,7 @@ mod support;
 use support::{kv_for, prefix_matches, seq, NO_PROGRESS};
 
 /// Small blocks (4 tokens, 64 bytes of KV), so chains of thousands of
-/// blocks (several of the walk's 1024-block chunks) stay small.
+/// blocks (several of the walk's chunks, up to 1024 blocks) stay small.
 fn layout() -> Layout {
     Layout::new(1, 1, 4, DType::Float16, 4).unwrap()
 }
@@ -92,8 +92,8 @@ fn check(dir: &Path, s: &Store, tokens: &[u32], want: usize) {
 fn holes_end_the_prefix_where_the_model_says() {
     let l = layout();
     // Chains below the chunked walk's threshold (64 blocks) and of several
-    // 1024-block chunks; holes at chunk edges, at the start, at the end, and
-    // several at once.
+    // chunks (64 blocks, doubling up to 1024); holes at chunk edges, at the
+    // start, at the end, and several at once.
     let cases: &[(usize, &[usize])] = &[
         (40, &[]),
         (40, &[17]),
@@ -101,6 +101,11 @@ fn holes_end_the_prefix_where_the_model_says() {
         (100, &[37]),
         (1500, &[]),
         (1500, &[0]),
+        (1500, &[63]),
+        (1500, &[64]),
+        (1500, &[192, 191]),
+        (1500, &[448, 960]),
+        (2500, &[1984]),
         (1500, &[511]),
         (1500, &[512]),
         (1500, &[1023, 7]),

@@ -25,8 +25,11 @@ use crate::index::Location;
 pub(super) const CHUNKED_MIN_BLOCKS: usize = 64;
 
 /// Blocks hashed, then probed, per step: large enough to sort usefully,
-/// small enough that a miss early in a long chain stops hashing soon.
+/// small enough that a miss early in a long chain stops hashing soon. The
+/// first step is smaller and each one doubles up to `CHUNK`: a new prompt,
+/// stored nowhere, is told apart after hashing `FIRST_CHUNK` blocks.
 const CHUNK: usize = 1024;
+const FIRST_CHUNK: usize = 64;
 
 impl Inner {
     /// Number of leading full blocks of `tokens` that are stored.
@@ -45,7 +48,9 @@ impl Inner {
         // a miss (`find`).
         let mut snap = Some(snap);
         while n < blocks {
-            self.hash_to(&mut ids, tokens, blocks, extra);
+            // Only as far as the probe: a miss (a new prompt, most often at
+            // its first block) must not pay for hashing the whole chain.
+            self.hash_to(&mut ids, tokens, n + 1, extra);
             let id = &ids[n];
             if !self.holds(&mut snap, id)? {
                 break;
@@ -75,8 +80,10 @@ impl Inner {
         let mut ids = Vec::with_capacity(blocks);
         let mut n = self.closed_prefix(snap, tokens, extra, &mut ids)?;
         let mut scratch = Probe::default();
+        let mut chunk = FIRST_CHUNK;
         while n < blocks {
-            let end = (n + CHUNK).min(blocks);
+            let end = (n + chunk).min(blocks);
+            chunk = (2 * chunk).min(CHUNK);
             self.hash_to(&mut ids, tokens, end, extra);
             let run = self.stored_run(snap, &ids[n..end], &mut scratch)?;
             n += run;

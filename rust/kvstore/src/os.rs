@@ -393,6 +393,125 @@ pub(crate) fn transpose_8x8_u16(
     }
 }
 
+/// Whether `transpose_16x8_u16_stream` runs on this CPU (AVX2).
+pub(crate) fn has_wide_transpose() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `transpose_8x8_u16` of two tiles side by side, streamed from registers:
+/// the 16 bytes at `src[s + j * ss..]` (row `j < 16`) hold elements `(j,
+/// 0..8)`, which land at element `j` of the 32 bytes at `dst[d + i * ds..]`
+/// (row `i < 8`), written with non-temporal stores (`stream_fence` before
+/// the bytes are handed on). Offsets and strides in bytes; each `dst` row
+/// must start on a 32-byte boundary. Panics where a row is out of bounds or
+/// misaligned, or without AVX2 (`has_wide_transpose`). The two tiles go
+/// through the 8x8 network at once, one in each 128-bit lane, and each row
+/// leaves in one 32-byte store: a quarter of the stores of the tiles staged
+/// in the CPU's cache and then streamed (K's transpose into vLLM's CPU
+/// layout was bound by its stores).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn transpose_16x8_u16_stream(
+    (dst, d, ds): (&mut [u8], usize, usize),
+    (src, s, ss): (&[u8], usize, usize),
+) {
+    let end = |at: usize, stride: usize, rows: usize, len: usize| {
+        stride
+            .checked_mul(rows - 1)?
+            .checked_add(at)?
+            .checked_add(len)
+    };
+    assert!(has_wide_transpose(), "transpose_16x8_u16_stream needs AVX2");
+    assert!(
+        end(s, ss, 16, 16).is_some_and(|e| e <= src.len()),
+        "tile rows out of bounds"
+    );
+    assert!(
+        end(d, ds, 8, 32).is_some_and(|e| e <= dst.len()),
+        "tile rows out of bounds"
+    );
+    let dp = dst.as_mut_ptr().wrapping_add(d);
+    assert!(
+        (dp as usize).is_multiple_of(32) && ds.is_multiple_of(32),
+        "tile rows not on 32-byte boundaries"
+    );
+    // SAFETY: the CPU has AVX2 (asserted). Source rows `j < 16` are the 16
+    // bytes at `s + j * ss` and destination rows `i < 8` the 32 bytes at `d
+    // + i * ds`, inside their slices (asserted, without overflow); the
+    // destination rows are 32-byte aligned (asserted), as the streaming
+    // store needs; `src` and `dst` are distinct slices.
+    unsafe { transpose_16x8_u16_avx2(dp, ds, src.as_ptr().add(s), ss) }
+}
+
+/// The body of `transpose_16x8_u16_stream`.
+///
+/// # Safety
+///
+/// The CPU must have AVX2; `src + j * ss` must be readable for 16 bytes
+/// (`j < 16`) and `dst + i * ds` writable for 32 bytes and 32-byte aligned
+/// (`i < 8`), the two not overlapping.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::cast_ptr_alignment)] // `loadu` takes any alignment; `dst` rows are checked
+unsafe fn transpose_16x8_u16_avx2(dst: *mut u8, ds: usize, src: *const u8, ss: usize) {
+    use std::arch::x86_64::{
+        __m128i, __m256i, _mm256_castsi128_si256, _mm256_inserti128_si256, _mm256_stream_si256,
+        _mm256_unpackhi_epi16, _mm256_unpackhi_epi32, _mm256_unpackhi_epi64, _mm256_unpacklo_epi16,
+        _mm256_unpacklo_epi32, _mm256_unpacklo_epi64, _mm_loadu_si128,
+    };
+    // Row `i` in the low lane, row `i + 8` in the high one.
+    let a: [__m256i; 8] = std::array::from_fn(|i| {
+        // SAFETY: rows `i` and `i + 8` are readable for 16 bytes (caller);
+        // `loadu` takes any alignment.
+        unsafe {
+            let lo = _mm_loadu_si128(src.add(i * ss).cast::<__m128i>());
+            let hi = _mm_loadu_si128(src.add((i + 8) * ss).cast::<__m128i>());
+            _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi)
+        }
+    });
+    let t = [
+        _mm256_unpacklo_epi16(a[0], a[1]),
+        _mm256_unpackhi_epi16(a[0], a[1]),
+        _mm256_unpacklo_epi16(a[2], a[3]),
+        _mm256_unpackhi_epi16(a[2], a[3]),
+        _mm256_unpacklo_epi16(a[4], a[5]),
+        _mm256_unpackhi_epi16(a[4], a[5]),
+        _mm256_unpacklo_epi16(a[6], a[7]),
+        _mm256_unpackhi_epi16(a[6], a[7]),
+    ];
+    let u = [
+        _mm256_unpacklo_epi32(t[0], t[2]),
+        _mm256_unpackhi_epi32(t[0], t[2]),
+        _mm256_unpacklo_epi32(t[1], t[3]),
+        _mm256_unpackhi_epi32(t[1], t[3]),
+        _mm256_unpacklo_epi32(t[4], t[6]),
+        _mm256_unpackhi_epi32(t[4], t[6]),
+        _mm256_unpacklo_epi32(t[5], t[7]),
+        _mm256_unpackhi_epi32(t[5], t[7]),
+    ];
+    let r = [
+        _mm256_unpacklo_epi64(u[0], u[4]),
+        _mm256_unpackhi_epi64(u[0], u[4]),
+        _mm256_unpacklo_epi64(u[1], u[5]),
+        _mm256_unpackhi_epi64(u[1], u[5]),
+        _mm256_unpacklo_epi64(u[2], u[6]),
+        _mm256_unpackhi_epi64(u[2], u[6]),
+        _mm256_unpacklo_epi64(u[3], u[7]),
+        _mm256_unpackhi_epi64(u[3], u[7]),
+    ];
+    for (i, v) in r.into_iter().enumerate() {
+        // SAFETY: row `i < 8` is writable for 32 bytes and 32-byte aligned
+        // (caller).
+        unsafe { _mm256_stream_si256(dst.add(i * ds).cast::<__m256i>(), v) };
+    }
+}
+
 /// Copies `src` into `dst` (equal lengths) with non-temporal stores where
 /// `dst` is 16-byte aligned and a multiple of 16 bytes long, else with a
 /// plain copy. A paged load's destination is a serving engine's cache, far

@@ -253,6 +253,9 @@ const STRIP: usize = 64;
 /// Columns of `transpose_tiles`'s streamed rows: 4 tiles of two-byte
 /// elements, one 64-byte cache line of each `dst` row.
 const LINE: usize = 4 * TILE;
+/// Columns of `transpose_tiles`'s rows written from registers (AVX2): two
+/// tiles, 32 bytes of each `dst` row.
+const WIDE: usize = 2 * TILE;
 
 /// Copies an `n × m` matrix of `E`-byte elements whose rows are contiguous
 /// in `dst` and whose columns are contiguous in `src`: element `(i, j)` from
@@ -290,10 +293,29 @@ fn transpose_tiles(
     stream: bool,
 ) {
     let (tn, tm) = (n / TILE * TILE, m / TILE * TILE);
-    let lines = if stream { m / LINE * LINE } else { 0 };
+    // With AVX2 and `dst` rows on 32-byte boundaries, 16 columns of a row
+    // of tiles go from registers to `dst` at once (`wide`); else whole
+    // lines through the staging block.
+    let wide = if stream && wide_rows(dst, d, ds) {
+        m / WIDE * WIDE
+    } else {
+        0
+    };
+    let lines = if stream && wide == 0 {
+        m / LINE * LINE
+    } else {
+        wide
+    };
     let mut stage = [0u8; TILE * LINE * 2];
     for i0 in (0..tn).step_by(TILE) {
-        for j0 in (0..lines).step_by(LINE) {
+        for j0 in (0..wide).step_by(WIDE) {
+            #[cfg(target_arch = "x86_64")]
+            crate::os::transpose_16x8_u16_stream(
+                (dst, (d + i0 * ds + j0) * 2, ds * 2),
+                (src, (s + j0 * ss + i0) * 2, ss * 2),
+            );
+        }
+        for j0 in (wide..lines).step_by(LINE) {
             for t in 0..LINE / TILE {
                 let from = (s + (j0 + t * TILE) * ss + i0) * 2;
                 tile_8x8_u16((&mut stage, t * TILE * 2, LINE * 2), (src, from, ss * 2));
@@ -316,6 +338,14 @@ fn transpose_tiles(
     for i in tn..n {
         row::<2>(dst, d + i * ds, 1, src, s + i, ss, m);
     }
+}
+
+/// Whether `transpose_tiles` may write `dst`'s rows (two-byte elements
+/// from element `d`, `ds` apart) `WIDE` columns at a time: AVX2, and every
+/// row on a 32-byte boundary.
+fn wide_rows(dst: &[u8], d: usize, ds: usize) -> bool {
+    let first = (dst.as_ptr() as usize).wrapping_add(2 * d);
+    crate::os::has_wide_transpose() && first.is_multiple_of(32) && (2 * ds).is_multiple_of(32)
 }
 
 /// An 8x8 tile of 2-byte elements, byte offsets and strides: the 16 bytes
@@ -495,6 +525,41 @@ mod tests {
                 assert!((got.as_ptr() as usize + 2 * d).is_multiple_of(16));
                 transpose_model::<2>((&mut want, d, ds), (&src, s, ss), n, m);
                 transpose::<2>((&mut got, d, ds), (&src, s, ss), n, m, true);
+                assert!(got == want, "{n} x {m}, row stride {ds}");
+            }
+        }
+    }
+
+    #[test]
+    fn rows_on_32_byte_boundaries_transpose_like_the_model() {
+        // `dst` rows 32-byte aligned: with AVX2, 16 columns at a time from
+        // registers (`WIDE`), the columns past the last 16 in tiles and
+        // element by element.
+        assert!(
+            !cfg!(target_arch = "x86_64") || crate::os::has_wide_transpose(),
+            "an x86-64 CPU without AVX2: this test would not reach the wide path"
+        );
+        for &(n, m) in &[
+            (8usize, 16usize),
+            (64, 32),
+            (64, 48),
+            (16, 40),
+            (9, 33),
+            (24, 96),
+            (64, 17),
+        ] {
+            for ds in [m.next_multiple_of(16) + 16, m.next_multiple_of(16)] {
+                let (s, ss) = (3, n + 5);
+                let src: Vec<u8> = (0..(s + m * ss) * 2)
+                    .map(|i| (i * 29 + i / 5) as u8)
+                    .collect();
+                let mut want = vec![0x3Cu8; (16 + n * ds) * 2];
+                let mut got = want.clone();
+                let d = (32 - got.as_ptr() as usize % 32) % 32 / 2;
+                assert!(wide_rows(&got, d, ds) == crate::os::has_wide_transpose());
+                transpose_model::<2>((&mut want, d, ds), (&src, s, ss), n, m);
+                transpose::<2>((&mut got, d, ds), (&src, s, ss), n, m, true);
+                crate::os::stream_fence();
                 assert!(got == want, "{n} x {m}, row stride {ds}");
             }
         }

@@ -324,6 +324,46 @@ pub(crate) fn ofd_lock(file: &std::fs::File, how: OfdLock) -> std::io::Result<bo
     }
 }
 
+/// The 8x8 transpose of two-byte elements as 24 unpacks, on 128-bit vectors
+/// or on each 128-bit lane of wider ones (the unpack intrinsics are named
+/// by the caller): `$a` holds 8 rows, the result the 8 columns.
+#[cfg(target_arch = "x86_64")]
+macro_rules! unpack_8x8_u16 {
+    ($a:expr, $lo16:ident, $hi16:ident, $lo32:ident, $hi32:ident, $lo64:ident, $hi64:ident) => {{
+        let a = $a;
+        let t = [
+            $lo16(a[0], a[1]),
+            $hi16(a[0], a[1]),
+            $lo16(a[2], a[3]),
+            $hi16(a[2], a[3]),
+            $lo16(a[4], a[5]),
+            $hi16(a[4], a[5]),
+            $lo16(a[6], a[7]),
+            $hi16(a[6], a[7]),
+        ];
+        let u = [
+            $lo32(t[0], t[2]),
+            $hi32(t[0], t[2]),
+            $lo32(t[1], t[3]),
+            $hi32(t[1], t[3]),
+            $lo32(t[4], t[6]),
+            $hi32(t[4], t[6]),
+            $lo32(t[5], t[7]),
+            $hi32(t[5], t[7]),
+        ];
+        [
+            $lo64(u[0], u[4]),
+            $hi64(u[0], u[4]),
+            $lo64(u[1], u[5]),
+            $hi64(u[1], u[5]),
+            $lo64(u[2], u[6]),
+            $hi64(u[2], u[6]),
+            $lo64(u[3], u[7]),
+            $hi64(u[3], u[7]),
+        ]
+    }};
+}
+
 /// Transposes an 8x8 tile of 2-byte elements: the 16 bytes at
 /// `src[s + i * ss..]` (row `i`) hold elements `(i, 0..8)`, which land at
 /// element `i` of the 16 bytes at `dst[d + j * ds..]` (row `j`), each
@@ -357,36 +397,15 @@ pub(crate) fn transpose_8x8_u16(
     // do not overlap; `loadu`/`storeu` take any alignment.
     unsafe {
         let a: [_; 8] = std::array::from_fn(|i| _mm_loadu_si128(sp.add(s + i * ss).cast()));
-        let t = [
-            _mm_unpacklo_epi16(a[0], a[1]),
-            _mm_unpackhi_epi16(a[0], a[1]),
-            _mm_unpacklo_epi16(a[2], a[3]),
-            _mm_unpackhi_epi16(a[2], a[3]),
-            _mm_unpacklo_epi16(a[4], a[5]),
-            _mm_unpackhi_epi16(a[4], a[5]),
-            _mm_unpacklo_epi16(a[6], a[7]),
-            _mm_unpackhi_epi16(a[6], a[7]),
-        ];
-        let u = [
-            _mm_unpacklo_epi32(t[0], t[2]),
-            _mm_unpackhi_epi32(t[0], t[2]),
-            _mm_unpacklo_epi32(t[1], t[3]),
-            _mm_unpackhi_epi32(t[1], t[3]),
-            _mm_unpacklo_epi32(t[4], t[6]),
-            _mm_unpackhi_epi32(t[4], t[6]),
-            _mm_unpacklo_epi32(t[5], t[7]),
-            _mm_unpackhi_epi32(t[5], t[7]),
-        ];
-        let r = [
-            _mm_unpacklo_epi64(u[0], u[4]),
-            _mm_unpackhi_epi64(u[0], u[4]),
-            _mm_unpacklo_epi64(u[1], u[5]),
-            _mm_unpackhi_epi64(u[1], u[5]),
-            _mm_unpacklo_epi64(u[2], u[6]),
-            _mm_unpackhi_epi64(u[2], u[6]),
-            _mm_unpacklo_epi64(u[3], u[7]),
-            _mm_unpackhi_epi64(u[3], u[7]),
-        ];
+        let r = unpack_8x8_u16!(
+            a,
+            _mm_unpacklo_epi16,
+            _mm_unpackhi_epi16,
+            _mm_unpacklo_epi32,
+            _mm_unpackhi_epi32,
+            _mm_unpacklo_epi64,
+            _mm_unpackhi_epi64
+        );
         for (j, v) in r.into_iter().enumerate() {
             _mm_storeu_si128(dp.add(d + j * ds).cast(), v);
         }
@@ -475,36 +494,15 @@ unsafe fn transpose_16x8_u16_avx2(dst: *mut u8, ds: usize, src: *const u8, ss: u
             _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi)
         }
     });
-    let t = [
-        _mm256_unpacklo_epi16(a[0], a[1]),
-        _mm256_unpackhi_epi16(a[0], a[1]),
-        _mm256_unpacklo_epi16(a[2], a[3]),
-        _mm256_unpackhi_epi16(a[2], a[3]),
-        _mm256_unpacklo_epi16(a[4], a[5]),
-        _mm256_unpackhi_epi16(a[4], a[5]),
-        _mm256_unpacklo_epi16(a[6], a[7]),
-        _mm256_unpackhi_epi16(a[6], a[7]),
-    ];
-    let u = [
-        _mm256_unpacklo_epi32(t[0], t[2]),
-        _mm256_unpackhi_epi32(t[0], t[2]),
-        _mm256_unpacklo_epi32(t[1], t[3]),
-        _mm256_unpackhi_epi32(t[1], t[3]),
-        _mm256_unpacklo_epi32(t[4], t[6]),
-        _mm256_unpackhi_epi32(t[4], t[6]),
-        _mm256_unpacklo_epi32(t[5], t[7]),
-        _mm256_unpackhi_epi32(t[5], t[7]),
-    ];
-    let r = [
-        _mm256_unpacklo_epi64(u[0], u[4]),
-        _mm256_unpackhi_epi64(u[0], u[4]),
-        _mm256_unpacklo_epi64(u[1], u[5]),
-        _mm256_unpackhi_epi64(u[1], u[5]),
-        _mm256_unpacklo_epi64(u[2], u[6]),
-        _mm256_unpackhi_epi64(u[2], u[6]),
-        _mm256_unpacklo_epi64(u[3], u[7]),
-        _mm256_unpackhi_epi64(u[3], u[7]),
-    ];
+    let r = unpack_8x8_u16!(
+        a,
+        _mm256_unpacklo_epi16,
+        _mm256_unpackhi_epi16,
+        _mm256_unpacklo_epi32,
+        _mm256_unpackhi_epi32,
+        _mm256_unpacklo_epi64,
+        _mm256_unpackhi_epi64
+    );
     for (i, v) in r.into_iter().enumerate() {
         // SAFETY: row `i < 8` is writable for 32 bytes and 32-byte aligned
         // (caller).

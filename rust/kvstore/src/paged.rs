@@ -500,34 +500,35 @@ mod tests {
         transposes_like_the_model::<4>();
     }
 
-    #[test]
-    fn streamed_rows_on_16_byte_boundaries_transpose_like_the_model() {
-        // `dst` rows 16-byte aligned, so that whole lines go through the
-        // streaming stores (elsewhere they fall back to plain ones).
-        for &(n, m) in &[
-            (8usize, 32usize),
-            (64, 32),
-            (16, 64),
-            (64, 40),
-            (9, 33),
-            (24, 96),
-        ] {
-            // Padded rows, and rows of whole lines back to back (32
-            // elements: vLLM's 32-token blocks of K).
-            for ds in [m.next_multiple_of(8) + 8, m.next_multiple_of(8)] {
+    /// Streamed transposes of two-byte elements into `dst` rows that start
+    /// on `align`-byte boundaries, padded and back to back, like the model.
+    fn aligned_rows_transpose_like_the_model(align: usize, shapes: &[(usize, usize)]) {
+        let per = align / 2; // elements
+        for &(n, m) in shapes {
+            for ds in [m.next_multiple_of(per) + per, m.next_multiple_of(per)] {
                 let (s, ss) = (5, n + 3);
                 let src: Vec<u8> = (0..(s + m * ss) * 2)
                     .map(|i| (i * 37 + i / 7) as u8)
                     .collect();
-                let mut want = vec![0x5Au8; (8 + n * ds) * 2];
+                let mut want = vec![0x5Au8; (per + n * ds) * 2];
                 let mut got = want.clone();
-                let d = (16 - got.as_ptr() as usize % 16) % 16 / 2;
-                assert!((got.as_ptr() as usize + 2 * d).is_multiple_of(16));
+                let d = (align - got.as_ptr() as usize % align) % align / 2;
+                assert!((got.as_ptr() as usize + 2 * d).is_multiple_of(align));
                 transpose_model::<2>((&mut want, d, ds), (&src, s, ss), n, m);
                 transpose::<2>((&mut got, d, ds), (&src, s, ss), n, m, true);
-                assert!(got == want, "{n} x {m}, row stride {ds}");
+                crate::os::stream_fence();
+                assert!(got == want, "{n} x {m}, row stride {ds}, {align}-byte rows");
             }
         }
+    }
+
+    #[test]
+    fn streamed_rows_on_16_byte_boundaries_transpose_like_the_model() {
+        // `dst` rows 16-byte aligned, so that whole lines go through the
+        // streaming stores (elsewhere they fall back to plain ones); rows of
+        // whole lines back to back are vLLM's 32-token blocks of K.
+        let shapes = [(8, 32), (64, 32), (16, 64), (64, 40), (9, 33), (24, 96)];
+        aligned_rows_transpose_like_the_model(16, &shapes);
     }
 
     #[test]
@@ -535,34 +536,22 @@ mod tests {
         // `dst` rows 32-byte aligned: with AVX2, 16 columns at a time from
         // registers (`WIDE`), the columns past the last 16 in tiles and
         // element by element.
+        let probe = vec![0u8; 64];
+        let d = (32 - probe.as_ptr() as usize % 32) % 32 / 2;
         assert!(
-            !cfg!(target_arch = "x86_64") || crate::os::has_wide_transpose(),
+            wide_rows(&probe, d, 16) || !cfg!(target_arch = "x86_64"),
             "an x86-64 CPU without AVX2: this test would not reach the wide path"
         );
-        for &(n, m) in &[
-            (8usize, 16usize),
+        let shapes = [
+            (8, 16),
             (64, 32),
             (64, 48),
             (16, 40),
             (9, 33),
             (24, 96),
             (64, 17),
-        ] {
-            for ds in [m.next_multiple_of(16) + 16, m.next_multiple_of(16)] {
-                let (s, ss) = (3, n + 5);
-                let src: Vec<u8> = (0..(s + m * ss) * 2)
-                    .map(|i| (i * 29 + i / 5) as u8)
-                    .collect();
-                let mut want = vec![0x3Cu8; (16 + n * ds) * 2];
-                let mut got = want.clone();
-                let d = (32 - got.as_ptr() as usize % 32) % 32 / 2;
-                assert!(wide_rows(&got, d, ds) == crate::os::has_wide_transpose());
-                transpose_model::<2>((&mut want, d, ds), (&src, s, ss), n, m);
-                transpose::<2>((&mut got, d, ds), (&src, s, ss), n, m, true);
-                crate::os::stream_fence();
-                assert!(got == want, "{n} x {m}, row stride {ds}");
-            }
-        }
+        ];
+        aligned_rows_transpose_like_the_model(32, &shapes);
     }
 
     #[test]

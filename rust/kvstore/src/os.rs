@@ -541,8 +541,9 @@ pub(crate) fn stream_copy(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
-/// Orders the `stream_copy` stores before every later store (and so before
-/// whatever tells another thread the bytes are there).
+/// Orders the streaming stores (`stream_copy`, `transpose_16x8_u16_stream`)
+/// before every later store (and so before whatever tells another thread
+/// the bytes are there).
 #[inline]
 pub(crate) fn stream_fence() {
     #[cfg(target_arch = "x86_64")]

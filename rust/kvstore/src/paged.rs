@@ -284,7 +284,9 @@ fn transpose<const E: usize>(
 /// and columns past the last whole tile go element by element. With
 /// `stream`, each `LINE` columns of a row of tiles are transposed into a
 /// staging block in the CPU's cache, then streamed out a whole `dst` line
-/// per row, so that no line of `dst` is read before it is written.
+/// per row, so that no line of `dst` is read before it is written; or,
+/// where `wide_rows` says so, each `WIDE` columns go from registers to
+/// `dst` in one streaming store per row (`os::transpose_16x8_u16_stream`).
 fn transpose_tiles(
     (dst, d, ds): (&mut [u8], usize, usize),
     (src, s, ss): (&[u8], usize, usize),
@@ -308,8 +310,8 @@ fn transpose_tiles(
     };
     let mut stage = [0u8; TILE * LINE * 2];
     for i0 in (0..tn).step_by(TILE) {
+        #[cfg(target_arch = "x86_64")]
         for j0 in (0..wide).step_by(WIDE) {
-            #[cfg(target_arch = "x86_64")]
             crate::os::transpose_16x8_u16_stream(
                 (dst, (d + i0 * ds + j0) * 2, ds * 2),
                 (src, (s + j0 * ss + i0) * 2, ss * 2),

@@ -41,7 +41,7 @@ impl Inner {
         let (mut ids, mut n) = if blocks >= CHUNKED_MIN_BLOCKS {
             self.walk_stored(&snap, tokens, extra)?
         } else {
-            (self.keyer.chain(tokens, b, extra), 0)
+            (Vec::with_capacity(blocks), 0)
         };
         // From the first block not found (or from the start): one block at
         // a time, with this handle's pending writes and a fresh snapshot on

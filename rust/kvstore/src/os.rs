@@ -364,6 +364,16 @@ macro_rules! unpack_8x8_u16 {
     }};
 }
 
+/// One past the last byte of `rows` rows of `len` bytes, the first at `at`
+/// and each `stride` after the one before; `None` where that overflows.
+#[cfg(target_arch = "x86_64")]
+fn rows_end(at: usize, stride: usize, rows: usize, len: usize) -> Option<usize> {
+    stride
+        .checked_mul(rows - 1)?
+        .checked_add(at)?
+        .checked_add(len)
+}
+
 /// Transposes an 8x8 tile of 2-byte elements: the 16 bytes at
 /// `src[s + i * ss..]` (row `i`) hold elements `(i, 0..8)`, which land at
 /// element `i` of the 16 bytes at `dst[d + j * ds..]` (row `j`), each
@@ -380,13 +390,12 @@ pub(crate) fn transpose_8x8_u16(
         _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpackhi_epi32,
         _mm_unpackhi_epi64, _mm_unpacklo_epi16, _mm_unpacklo_epi32, _mm_unpacklo_epi64,
     };
-    let end = |at: usize, stride: usize| stride.checked_mul(7)?.checked_add(at)?.checked_add(16);
     assert!(
-        end(s, ss).is_some_and(|e| e <= src.len()),
+        rows_end(s, ss, 8, 16).is_some_and(|e| e <= src.len()),
         "tile rows out of bounds"
     );
     assert!(
-        end(d, ds).is_some_and(|e| e <= dst.len()),
+        rows_end(d, ds, 8, 16).is_some_and(|e| e <= dst.len()),
         "tile rows out of bounds"
     );
     let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
@@ -440,19 +449,13 @@ pub(crate) fn transpose_16x8_u16_stream(
     (dst, d, ds): (&mut [u8], usize, usize),
     (src, s, ss): (&[u8], usize, usize),
 ) {
-    let end = |at: usize, stride: usize, rows: usize, len: usize| {
-        stride
-            .checked_mul(rows - 1)?
-            .checked_add(at)?
-            .checked_add(len)
-    };
     assert!(has_wide_transpose(), "transpose_16x8_u16_stream needs AVX2");
     assert!(
-        end(s, ss, 16, 16).is_some_and(|e| e <= src.len()),
+        rows_end(s, ss, 16, 16).is_some_and(|e| e <= src.len()),
         "tile rows out of bounds"
     );
     assert!(
-        end(d, ds, 8, 32).is_some_and(|e| e <= dst.len()),
+        rows_end(d, ds, 8, 32).is_some_and(|e| e <= dst.len()),
         "tile rows out of bounds"
     );
     let dp = dst.as_mut_ptr().wrapping_add(d);

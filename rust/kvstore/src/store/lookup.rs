@@ -48,9 +48,10 @@ impl Inner {
         // a miss (`find`).
         let mut snap = Some(snap);
         while n < blocks {
-            // Only as far as the probe: a miss (a new prompt, most often at
-            // its first block) must not pay for hashing the whole chain.
-            self.hash_to(&mut ids, tokens, n + 1, extra);
+            // Ahead of the probe by doubling steps: a miss (a new prompt,
+            // most often at its first block) does not pay for hashing the
+            // whole chain, and a hit hashes in a few calls, not one a block.
+            self.hash_to(&mut ids, tokens, (2 * n).clamp(n + 1, blocks), extra);
             let id = &ids[n];
             if !self.holds(&mut snap, id)? {
                 break;

@@ -139,9 +139,10 @@ const S_CRC: usize = 72; // `data_crc` of the slot's data, zero-extended
 const S_TOKENS: usize = 80; // block_size × u32
 
 /// The slot checksum runs this many crc32c chains, chain `k` over the block's
-/// runs `k, k + LANES, k + 2 × LANES, …`: a reader computes all of them in the
-/// same pass as its copy (`SharedMap::read_crc32c`), which then runs as fast
-/// as a plain copy (one chain alone is slower than memory).
+/// runs `k, k + LANES, k + 2 × LANES, …`: made for `crc32` instructions, four
+/// chains interleaved with a copy, when one chain was slower than memory.
+/// With `crate::crc`'s folding one chain is not, but the lanes stay: they are
+/// the arena's layout, which other processes read.
 const LANES: usize = 4;
 /// Piece size of the scratch buffer for checksumming a slot in place.
 const SCRATCH: usize = 64 << 10;
@@ -152,7 +153,7 @@ fn fold(lanes: [u32; LANES]) -> u64 {
     for (b, lane) in bytes.chunks_exact_mut(4).zip(lanes) {
         b.copy_from_slice(&lane.to_le_bytes());
     }
-    u64::from(crc32c::crc32c(&bytes))
+    u64::from(crate::crc::crc32c(&bytes))
 }
 
 /// Outcome of an insert.
@@ -681,52 +682,24 @@ impl Arena {
         {
             return false; // not this layout's block: never read past the slot
         }
-        let stored = self.stored_crc(slot);
-        let base = self.data(slot);
+        let (base, run) = (self.data(slot), self.chunk_bytes);
         let mut lanes = [0u32; LANES];
-        for (g, group) in out.chunks_mut(LANES).enumerate() {
-            self.copy_runs(base, g * LANES, group, &mut lanes);
+        for (i, o) in out.iter_mut().enumerate() {
+            lanes[i % LANES] = self.map.read_crc32c(base + i * run, o, lanes[i % LANES]);
         }
-        fold(lanes) == stored && self.confirm(slot, version)
+        fold(lanes) == self.stored_crc(slot) && self.confirm(slot, version)
     }
 
-    /// Copies runs `first..` (`first` a multiple of `LANES`; at most `LANES`
-    /// runs, one per buffer of `group`) of the block whose data starts at
-    /// `base` into `group`, each folded into its checksum lane (run `i` into
-    /// lane `i % LANES`) in the same pass.
-    fn copy_runs(
-        &self,
-        base: usize,
-        first: usize,
-        group: &mut [&mut [u8]],
-        lanes: &mut [u32; LANES],
-    ) {
-        let run = self.chunk_bytes;
-        if let Ok(full) = <&mut [&mut [u8]; LANES]>::try_from(&mut *group) {
-            let offs = std::array::from_fn(|k| base + (first + k) * run);
-            *lanes = self
-                .map
-                .read_crc32c(offs, full.each_mut().map(|c| &mut **c), *lanes);
-        } else {
-            for (k, chunk) in group.iter_mut().enumerate() {
-                let [crc] =
-                    self.map
-                        .read_crc32c([base + (first + k) * run], [&mut **chunk], [lanes[k]]);
-                lanes[k] = crc;
-            }
-        }
-    }
-
-    /// Bytes of the `piece` that `get_runs` takes.
+    /// Bytes of the `piece` that `get_runs` takes: one run.
     pub fn piece_len(&self) -> usize {
-        LANES * self.chunk_bytes
+        self.chunk_bytes
     }
 
-    /// `get` a few runs at a time, for a caller that puts each run elsewhere
-    /// at once (a paged load): `LANES` runs at a time are copied into
-    /// `piece` (`LANES` runs long, small enough to stay in the CPU's cache)
-    /// with their checksum lanes in the same pass, then each is handed to
-    /// `place(i, run)`, so no block-sized scratch is written and read back.
+    /// `get` for a caller that puts each run elsewhere at once (a paged
+    /// load): each run is copied into `piece` (one run long, in the CPU's
+    /// cache), checksummed there, and handed to `place(i, piece)`, so no
+    /// block-sized scratch is written and read back, and what is placed is
+    /// what was checksummed, whatever another process does to the slot.
     /// True only if every run was the block's, unchanged and undamaged,
     /// checked after the last `place`: on false, what `place` made of the
     /// runs may be torn or wrong and must not be used (nor counted as served).
@@ -735,23 +708,22 @@ impl Arena {
         id: &BlockId,
         tokens: &[u32],
         piece: &mut [u8],
-        mut place: impl FnMut(usize, &mut [u8]),
+        mut place: impl FnMut(usize, &[u8]),
     ) -> bool {
         let Some((slot, version)) = self.holding(id) else {
             return false;
         };
         let run = self.chunk_bytes;
-        if !self.tokens_match(slot, tokens) || piece.len() != LANES * run {
-            return false; // a collision, or not this layout's runs
+        if !self.tokens_match(slot, tokens) || piece.len() != run {
+            return false; // a collision, or not this layout's piece
         }
-        let (base, runs) = (self.data(slot), self.block_bytes / run);
+        let base = self.data(slot);
         let mut lanes = [0u32; LANES];
-        for g in (0..runs).step_by(LANES) {
-            let mut group: Vec<&mut [u8]> = piece.chunks_exact_mut(run).take(runs - g).collect();
-            self.copy_runs(base, g, &mut group, &mut lanes);
-            for (k, chunk) in group.into_iter().enumerate() {
-                place(g + k, chunk);
-            }
+        for i in 0..self.block_bytes / run {
+            lanes[i % LANES] = self
+                .map
+                .read_crc32c(base + i * run, piece, lanes[i % LANES]);
+            place(i, piece);
         }
         fold(lanes) == self.stored_crc(slot) && self.confirm(slot, version)
     }
@@ -788,18 +760,16 @@ impl Arena {
     }
 
     /// The checksum of `slot`'s data as it is now (torn if a writer is at
-    /// it: readers check the version afterwards).
+    /// it: readers check the version afterwards), through a small scratch.
     fn data_crc(&self, slot: usize) -> u64 {
-        let mut buf = vec![0u8; SCRATCH.min(self.chunk_bytes)];
+        let (base, run) = (self.data(slot), self.chunk_bytes);
+        let mut buf = vec![0u8; SCRATCH.min(run)];
         let mut lanes = [0u32; LANES];
-        for i in 0..self.block_bytes / self.chunk_bytes {
-            let start = self.data(slot) + i * self.chunk_bytes;
-            let mut off = start;
-            while off < start + self.chunk_bytes {
-                let piece = &mut buf[..SCRATCH.min(start + self.chunk_bytes - off)];
-                self.map.read(off, piece);
-                lanes[i % LANES] = crc32c::crc32c_append(lanes[i % LANES], piece);
-                off += piece.len();
+        for i in 0..self.block_bytes / run {
+            for at in (0..run).step_by(buf.len()) {
+                let piece = &mut buf[..SCRATCH.min(run - at)];
+                let off = base + i * run + at;
+                lanes[i % LANES] = self.map.read_crc32c(off, piece, lanes[i % LANES]);
             }
         }
         fold(lanes)
@@ -980,16 +950,9 @@ impl Arena {
         }
         let (base, run) = (self.data(slot), self.chunk_bytes);
         let mut lanes = [0u32; LANES];
-        for (g, group) in chunks.chunks_exact(LANES).enumerate() {
-            let group: &[&[u8]; LANES] = group.try_into().expect("LANES runs");
-            let offs = std::array::from_fn(|k| base + (g * LANES + k) * run);
-            lanes = self.map.write_crc32c(offs, *group, lanes);
-        }
-        for (i, c) in chunks.iter().enumerate().skip(chunks.len() / LANES * LANES) {
-            let [crc] = self
-                .map
-                .write_crc32c([base + i * run], [c], [lanes[i % LANES]]);
-            lanes[i % LANES] = crc;
+        for (i, c) in chunks.iter().enumerate() {
+            lanes[i % LANES] = crate::crc::append(lanes[i % LANES], c);
+            self.map.write(base + i * run, c);
         }
         self.map
             .u64_at(h + S_CRC)
@@ -1116,6 +1079,31 @@ mod tests {
     use super::*;
     use crate::layout::DType;
 
+    /// `read_crc32c` copies and gives the `crc32c` crate's
+    /// `crc32c_append` of what it copied, for any length (tails and several
+    /// pieces included), offset and seed.
+    #[test]
+    fn read_crc32c_is_copy_then_crc32c() {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(1 << 17).unwrap();
+        let map = SharedMap::new(&file, 1 << 17).unwrap();
+        let bytes: Vec<u8> = (0..1u32 << 17)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        map.write(0, &bytes);
+        for len in [0, 1, 7, 8, 9, 63, 64, 1000, 4099, 16_384, 16_385, 40_000] {
+            for (skew, seed) in [(0, 0), (1, 1), (5, 0xdead_beef), (8, u32::MAX)] {
+                let off = skew + 3 * len % 7000;
+                let mut buf = vec![0u8; len + 3];
+                let dst = &mut buf[skew % 3..skew % 3 + len];
+                let got = map.read_crc32c(off, dst, seed);
+                let want = &bytes[off..off + len];
+                assert_eq!(dst, want, "{len} {skew}");
+                assert_eq!(got, crc32c::crc32c_append(seed, want), "{len} {skew}");
+            }
+        }
+    }
+
     /// An existing arena is checked against the geometry its own size gives:
     /// that must be the geometry it was created with, for any `hot_bytes`.
     #[test]
@@ -1143,49 +1131,6 @@ mod tests {
             // Sizes no arena has: no overflow, no panic.
             for h in [0, 1, 4096, u64::MAX, u64::MAX / 2, (1 << 63) + 12345] {
                 let _ = Geometry::for_size(layout, h);
-            }
-        }
-    }
-
-    /// The fused copies + checksums give what a copy and `crc32c_append` give,
-    /// for any number of lanes, length (tails included) and alignment.
-    #[test]
-    fn read_crc32c_is_copy_then_crc32c() {
-        let file = tempfile::tempfile().unwrap();
-        file.set_len(1 << 16).unwrap();
-        let map = SharedMap::new(&file, 1 << 16).unwrap();
-        let bytes: Vec<u8> = (0..1u32 << 16)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-            .collect();
-        map.write(0, &bytes);
-        for len in [0, 1, 7, 8, 9, 63, 64, 1000, 4099] {
-            for skew in [0, 1, 5, 8] {
-                let offs: [usize; 4] = std::array::from_fn(|k| skew + k * 5000 + 3 * k);
-                let seeds = [0, 1, 0xdead_beef, u32::MAX];
-                let mut bufs = [(); 4].map(|()| vec![0u8; len + 3]);
-                let dsts = bufs.each_mut().map(|b| &mut b[skew % 3..skew % 3 + len]);
-                let got = map.read_crc32c(offs, dsts, seeds);
-                for k in 0..4 {
-                    let want = &bytes[offs[k]..offs[k] + len];
-                    assert_eq!(&bufs[k][skew % 3..skew % 3 + len], want);
-                    assert_eq!(
-                        got[k],
-                        crc32c::crc32c_append(seeds[k], want),
-                        "{len} {skew} {k}"
-                    );
-                }
-                let mut one = vec![0u8; len];
-                let [c] = map.read_crc32c([offs[2]], [&mut one[..]], [7]);
-                assert_eq!(c, crc32c::crc32c_append(7, &bytes[offs[2]..offs[2] + len]));
-                // And back: written at other offsets, same checksums.
-                let back: [usize; 4] = std::array::from_fn(|k| 30_000 + skew + k * 5003);
-                let srcs = bufs.each_ref().map(|b| &b[skew % 3..skew % 3 + len]);
-                assert_eq!(map.write_crc32c(back, srcs, seeds), got);
-                for k in 0..4 {
-                    let mut check = vec![0u8; len];
-                    map.read(back[k], &mut check);
-                    assert_eq!(check, bytes[offs[k]..offs[k] + len]);
-                }
             }
         }
     }

@@ -237,7 +237,7 @@ pub(crate) fn decode_exponent(
     for dst in out.iter_mut() {
         let m = dst.len() / 2;
         join_planes(&low[at..at + m], &scratch[at..at + m], dst);
-        crc = crc32c::crc32c_append(crc, dst);
+        crc = crate::crc::append(crc, dst);
         at += m;
     }
     if at != n {

@@ -138,7 +138,7 @@ pub fn encode_segment_header_of(segment: u64, version: u32) -> [u8; SEGMENT_HEAD
     h[8..12].copy_from_slice(&version.to_le_bytes());
     h[12..16].copy_from_slice(&(SEGMENT_HEADER_LEN as u32).to_le_bytes());
     h[16..24].copy_from_slice(&segment.to_le_bytes());
-    let crc = crc32c::crc32c(&h[0..24]);
+    let crc = crate::crc::crc32c(&h[0..24]);
     h[24..28].copy_from_slice(&crc.to_le_bytes());
     h
 }
@@ -154,7 +154,7 @@ pub fn decode_segment_header(h: &[u8]) -> Result<(u64, u32), String> {
     if h[0..8] != SEGMENT_MAGIC {
         return Err("segment header: bad magic".into());
     }
-    if u32_at(h, 24) != crc32c::crc32c(&h[0..24]) {
+    if u32_at(h, 24) != crate::crc::crc32c(&h[0..24]) {
         return Err("segment header: checksum mismatch".into());
     }
     let version = u32_at(h, 8);
@@ -225,7 +225,7 @@ impl Manifest {
     /// The bytes of the MANIFEST file.
     pub fn encode(&self) -> Vec<u8> {
         let json = serde_json::to_string_pretty(self).expect("manifest serializes");
-        let crc = crc32c::crc32c(json.as_bytes());
+        let crc = crate::crc::crc32c(json.as_bytes());
         format!("{json}\ncrc32c {crc:08x}\n").into_bytes()
     }
 
@@ -242,7 +242,7 @@ impl Manifest {
             .strip_prefix("crc32c ")
             .ok_or("MANIFEST: bad checksum line")?;
         let crc = u32::from_str_radix(crc_hex, 16).map_err(|_| "MANIFEST: bad checksum value")?;
-        if crc != crc32c::crc32c(json.as_bytes()) {
+        if crc != crate::crc::crc32c(json.as_bytes()) {
             return Err("MANIFEST: checksum mismatch".into());
         }
         let m: Manifest = serde_json::from_str(json).map_err(|e| format!("MANIFEST: {e}"))?;

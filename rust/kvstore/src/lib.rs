@@ -39,6 +39,7 @@ internal_mods!(codec, format, index, record, scan);
 mod arena;
 mod arenas;
 mod clock;
+mod crc;
 mod dir;
 mod error;
 #[cfg(feature = "fault-injection")]

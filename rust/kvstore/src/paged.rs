@@ -126,13 +126,13 @@ impl PagedLayout {
         &self,
         layout: &Layout,
         r: usize,
-        run: &mut [u8],
+        run: &[u8],
         layers: &mut [&mut [u8]],
         block: usize,
     ) {
         let part = &self.parts[r % 2];
         let at = block * self.block_stride + part.offset;
-        copy(layout, part, Move::Into(&mut *layers[r / 2], at), run);
+        copy(layout, part, Move::Into(&mut *layers[r / 2], at, run));
     }
 
     /// Copies cache block `block` of `layers` into `runs` (a block's canonical
@@ -147,7 +147,7 @@ impl PagedLayout {
         for (l, layer) in layers.iter().enumerate() {
             for (kv, part) in self.parts.iter().enumerate() {
                 let at = block * self.block_stride + part.offset;
-                copy(layout, part, Move::OutOf(layer, at), runs[2 * l + kv]);
+                copy(layout, part, Move::OutOf(layer, at, runs[2 * l + kv]));
             }
         }
     }
@@ -169,31 +169,27 @@ fn canonical_strides(layout: &Layout) -> [usize; 3] {
 }
 
 /// One direction of a copy between a paged part (its layer's memory and
-/// the part's first element there) and a canonical run.
+/// the part's first element there) and a canonical run (the third field).
 enum Move<'a> {
-    Into(&'a mut [u8], usize),
-    OutOf(&'a [u8], usize),
+    Into(&'a mut [u8], usize, &'a [u8]),
+    OutOf(&'a [u8], usize, &'a mut [u8]),
 }
 
-/// Copies one `[B, H, D]` part between the paged side and `canon`, walking
-/// the axes in the paged side's order (largest stride outermost): its memory
-/// is the one not in the CPU's cache, so it is read or written in order,
-/// while `canon`, one block's scratch, stays in cache.
-fn copy(layout: &Layout, part: &PagedPart, paged: Move<'_>, canon: &mut [u8]) {
+/// Copies one `[B, H, D]` part between the paged side and the canonical
+/// run, walking the axes in the paged side's order (largest stride
+/// outermost): a paged cache is the memory not in the CPU's cache, so it is
+/// read or written in order, while the run (a hot-tier read's one-run piece,
+/// or one block's scratch) stays in cache.
+fn copy(layout: &Layout, part: &PagedPart, paged: Move<'_>) {
     match layout.dtype.size() {
-        1 => copy_sized::<1>(layout, part, paged, canon),
-        2 => copy_sized::<2>(layout, part, paged, canon),
-        4 => copy_sized::<4>(layout, part, paged, canon),
+        1 => copy_sized::<1>(layout, part, paged),
+        2 => copy_sized::<2>(layout, part, paged),
+        4 => copy_sized::<4>(layout, part, paged),
         n => unreachable!("no dtype has {n}-byte elements"),
     }
 }
 
-fn copy_sized<const E: usize>(
-    layout: &Layout,
-    part: &PagedPart,
-    mut paged: Move<'_>,
-    canon: &mut [u8],
-) {
+fn copy_sized<const E: usize>(layout: &Layout, part: &PagedPart, mut paged: Move<'_>) {
     let dims = dims(layout);
     let cs = canonical_strides(layout);
     let ps = part.strides;
@@ -204,14 +200,14 @@ fn copy_sized<const E: usize>(
         let o = 3 - pa - 2; // the third axis
         for x in 0..dims[o] {
             match &mut paged {
-                Move::Into(dst, at) => transpose::<E>(
+                Move::Into(dst, at, canon) => transpose::<E>(
                     (dst, *at + x * ps[o], ps[2]),
                     (canon, x * cs[o], cs[pa]),
                     dims[2],
                     dims[pa],
                     true,
                 ),
-                Move::OutOf(src, at) => transpose::<E>(
+                Move::OutOf(src, at, canon) => transpose::<E>(
                     (canon, x * cs[o], cs[pa]),
                     (src, *at + x * ps[o], ps[2]),
                     dims[pa],
@@ -233,12 +229,16 @@ fn copy_sized<const E: usize>(
             match &mut paged {
                 // Contiguous on both sides (V on vLLM's CPU backend: a
                 // head's row of D values): streamed into the cache.
-                Move::Into(dst, at) if ps[a] == 1 && cs[a] == 1 => {
+                Move::Into(dst, at, canon) if ps[a] == 1 && cs[a] == 1 => {
                     let (d, n) = ((*at + p) * E, dims[a] * E);
                     crate::os::stream_copy(&mut dst[d..d + n], &canon[c * E..c * E + n]);
                 }
-                Move::Into(dst, at) => row::<E>(dst, *at + p, ps[a], canon, c, cs[a], dims[a]),
-                Move::OutOf(src, at) => row::<E>(canon, c, cs[a], src, *at + p, ps[a], dims[a]),
+                Move::Into(dst, at, canon) => {
+                    row::<E>(dst, *at + p, ps[a], canon, c, cs[a], dims[a]);
+                }
+                Move::OutOf(src, at, canon) => {
+                    row::<E>(canon, c, cs[a], src, *at + p, ps[a], dims[a]);
+                }
             }
         }
     }

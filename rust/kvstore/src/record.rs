@@ -78,8 +78,8 @@ pub fn encode_meta(
 }
 
 fn header_crc(meta: &[u8]) -> u32 {
-    let c = crc32c::crc32c(&meta[0..72]);
-    crc32c::crc32c_append(c, &meta[RECORD_HEADER_LEN..])
+    let c = crate::crc::crc32c(&meta[0..72]);
+    crate::crc::append(c, &meta[RECORD_HEADER_LEN..])
 }
 
 /// Decodes the fixed 80-byte header. Only lengths are checked here (against
@@ -278,7 +278,7 @@ pub fn encode<'a>(
     chunks: &'a [&'a [u8]],
 ) -> Result<Encoded<'a>> {
     let raw_len = layout.block_bytes() as u64;
-    let raw_crc = crc_of(chunks);
+    let raw_crc = crate::crc::of(chunks);
     let elem = layout.elem_size();
     let (flags, compressed) = match codec {
         Codec::Zstd(level) => {
@@ -307,7 +307,7 @@ pub fn encode<'a>(
         }
     };
     let (stored_len, stored_crc) = match &compressed {
-        Some(z) => (z.len() as u64, crc32c::crc32c(z)),
+        Some(z) => (z.len() as u64, crate::crc::crc32c(z)),
         None => (raw_len, raw_crc),
     };
     let meta = encode_meta(flags, id, tokens, stored_len, raw_len, stored_crc, raw_crc);
@@ -346,20 +346,6 @@ pub fn encode_many<'a>(
         }
         out
     })
-}
-
-/// crc32c over runs of bytes, as if they were one. Through `crc_fast`'s
-/// folding with carry-less multiplies: 54-58 GB/s on this host's AVX-512
-/// against `crc32c`'s 21-28 (its `crc32` instructions, three streams), with
-/// which the payload check was a fifth of a paged load from the page cache
-/// on one core (0.87 of 3.9 ms; benches/README.md, issue 14).
-pub fn crc_of<C: AsRef<[u8]>>(chunks: &[C]) -> u32 {
-    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
-    for ch in chunks {
-        digest.update(ch.as_ref());
-    }
-    // CRC-32/ISCSI is crc32c: 32 bits in a u64.
-    digest.finalize() as u32
 }
 
 /// Why a record read back cannot be served for the block asked for.
@@ -404,7 +390,7 @@ pub fn check_read(
 
 /// Checks a raw payload read straight into its destination runs.
 pub fn check_raw(h: &RecordHeader, out: &[&mut [u8]]) -> Result<(), String> {
-    if crc_of(out) != h.raw_crc {
+    if crate::crc::of(out) != h.raw_crc {
         return Err("payload checksum mismatch".into());
     }
     Ok(())
@@ -419,7 +405,7 @@ pub fn decode_compressed(
     out: &mut [&mut [u8]],
     scratch: &mut Vec<u8>,
 ) -> Result<(), String> {
-    if crc32c::crc32c(stored) != h.stored_crc {
+    if crate::crc::crc32c(stored) != h.stored_crc {
         return Err("stored payload checksum mismatch".into());
     }
     let raw_len = layout.block_bytes();
@@ -439,7 +425,7 @@ pub fn decode_compressed(
     } else {
         &decoded
     };
-    if crc32c::crc32c(plain) != h.raw_crc {
+    if crate::crc::crc32c(plain) != h.raw_crc {
         return Err("decoded payload checksum mismatch".into());
     }
     for (dst, src) in out.iter_mut().zip(plain.chunks(layout.chunk_bytes())) {
@@ -451,29 +437,6 @@ pub fn decode_compressed(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `crc_of` (`crc_fast`) is the crc32c the format names: the same as the
-    /// `crc32c` crate's, an independent implementation, over runs of every
-    /// length around the folding widths, at every alignment, cut anywhere.
-    #[test]
-    fn crc_of_is_crc32c_over_any_runs() {
-        let bytes: Vec<u8> = (0..70_000u32)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-            .collect();
-        let lens = (0..300).chain([511, 512, 513, 4095, 4096, 16_384, 65_537]);
-        for len in lens {
-            for at in [0, 1, 3, 7, 63] {
-                let run = &bytes[at..at + len];
-                let want = crc32c::crc32c(run);
-                assert_eq!(crc_of(&[run]), want, "len {len} at {at}");
-                let cut = len * 5 / 7;
-                let (a, b) = run.split_at(cut);
-                assert_eq!(crc_of(&[a, &[][..], b]), want, "len {len} at {at} cut {cut}");
-            }
-        }
-        assert_eq!(crc_of::<&[u8]>(&[]), 0);
-        assert_eq!(crc_of(&[b"123456789"]), 0xe306_9283);
-    }
 
     /// The format promises "one zstd frame of the high bytes", not how it was
     /// made: a frame full of matches (level 19, as a future encoder or the

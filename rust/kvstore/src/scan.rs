@@ -449,7 +449,7 @@ impl<R: ReadAt + ?Sized> Scanner<'_, R> {
         while left > 0 {
             let n = PAYLOAD_CHUNK.min(left as usize);
             self.r.read_exact_at(&mut self.chunk[..n], at)?;
-            crc = crc32c::crc32c_append(crc, &self.chunk[..n]);
+            crc = crate::crc::append(crc, &self.chunk[..n]);
             at += n as u64;
             left -= n as u64;
         }

@@ -1,7 +1,7 @@
 //! Gets and puts straight between the store and a serving engine's paged KV
 //! cache (`crate::paged`): a hot-tier block is checked and permuted into the
-//! engine's cache a few runs at a time, through a piece that stays in the
-//! CPU's cache; a block from disk is read and checked in a one-block scratch
+//! engine's cache a run at a time, through a piece that stays in the CPU's
+//! cache; a block from disk is read and checked in a one-block scratch
 //! (in the CPU's cache too), then permuted, and not promoted into the hot
 //! tier (`Inner::read_block`), unless the hot tier held it in a slot that
 //! failed its check: that slot is rewritten. A put gathers a few blocks at a
@@ -110,7 +110,7 @@ impl Inner {
             None
         };
         let Some(mut spans) = spans else {
-            let place = |k: usize, r: usize, run: &mut [u8]| {
+            let place = |k: usize, r: usize, run: &[u8]| {
                 paged.scatter_run(lay, r, run, layers, blocks[k]);
             };
             return self.read_paged_range(snap, ids, tokens, 0, n, &stop, place);
@@ -125,7 +125,7 @@ impl Inner {
         }
         let range = |snap: &mut Option<Snap<'s>>,
                      (at, end, part): (usize, usize, &mut [Vec<&mut [u8]>])| {
-            let place = |k: usize, r: usize, run: &mut [u8]| {
+            let place = |k: usize, r: usize, run: &[u8]| {
                 let own: &mut Vec<&mut [u8]> = &mut part[k - at];
                 paged.scatter_run(lay, r, run, own, 0);
             };
@@ -137,7 +137,7 @@ impl Inner {
 
     /// Blocks `at..end` of `read_paged`, in order, each handed run by run to
     /// `place(k, r, run)`: how many were served before the first that was
-    /// not. A block in the hot tier goes a few runs at a time through a piece
+    /// not. A block in the hot tier goes a run at a time through a piece
     /// that stays in the CPU's cache (`Arena::get_runs`); one whose check fails
     /// there after some runs were placed (changed by another process, or
     /// damaged) is read again the ordinary way, which places all of its runs
@@ -154,7 +154,7 @@ impl Inner {
         at: usize,
         end: usize,
         stop: &AtomicUsize,
-        mut place: impl FnMut(usize, usize, &mut [u8]),
+        mut place: impl FnMut(usize, usize, &[u8]),
     ) -> Result<usize> {
         let b = self.layout.block_size as usize;
         let mut piece = vec![0u8; self.arena.as_ref().map_or(0, Arena::piece_len)];

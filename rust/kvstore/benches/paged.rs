@@ -80,6 +80,14 @@ fn bench(c: &mut Criterion) {
     for tokens in &prompts {
         s.put(tokens, &kv, TOKENS, b"").expect("put");
     }
+    // All of them in the hot tier: no load below reads the segments.
+    for tokens in &prompts {
+        let hot = s.hot_blocks(tokens, b"").expect("hot blocks");
+        assert!(
+            hot.iter().all(Option::is_some),
+            "a block not in the hot tier"
+        );
+    }
     let mut turn = 0;
     let n = TOKENS / B;
     // Every 7th cache block: scattered over the caches, each used once.
@@ -102,8 +110,10 @@ fn bench(c: &mut Criterion) {
     g.bench_function("get_into (hot tier)", |b| {
         b.iter(|| {
             turn += 1;
-            s.get_into(&prompts[turn % REQUESTS], b"", black_box(&mut out), TOKENS)
-                .expect("get")
+            let got = s
+                .get_into(&prompts[turn % REQUESTS], b"", black_box(&mut out), TOKENS)
+                .expect("get");
+            assert_eq!(got, TOKENS);
         });
     });
     let rows = [

@@ -24,7 +24,7 @@
 //! Each slot has a version counter used as a seqlock. A writer makes it odd,
 //! fills id, tokens, data and the data's checksum, then makes it even.
 //! Readers take no lock: they read an even version, compare the id and token
-//! ids, copy the data (checksumming it in the same pass), and read the
+//! ids, copy the data (checksumming each piece of the copy as it lands), and read the
 //! version again; a change means the copy may be torn
 //! or the slot reused, and the copy is thrown away (the caller falls back to
 //! the segment files). A writer that died mid-write leaves an odd version:
@@ -919,7 +919,7 @@ impl Arena {
     }
 
     /// Writes a block into `slot` under the slot's seqlock (odd version
-    /// while torn, then even), its data checksummed in the same pass. The
+    /// while torn, then even), each run checksummed, then copied in. The
     /// caller holds the arena's write lock.
     fn write_slot(
         &self,
@@ -1101,6 +1101,63 @@ mod tests {
                 assert_eq!(dst, want, "{len} {skew}");
                 assert_eq!(got, crc32c::crc32c_append(seed, want), "{len} {skew}");
             }
+        }
+    }
+
+    /// `get_runs` hands `place` the bytes it checksummed, in a piece outside
+    /// the mapping: a byte flipped in the slot after its run was read does
+    /// not reach what was placed (the load is right and is served), and one
+    /// flipped in a run not read yet fails the check.
+    #[test]
+    fn get_runs_places_what_it_checksummed() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(3, 1, 8, DType::Float16, 16).unwrap();
+        let owner = Owner {
+            store_id: "0".repeat(32),
+            store_path: dir.path().to_path_buf(),
+        };
+        let a = Arena::open(
+            &dir.path().join("arena"),
+            &layout,
+            &[7; 32],
+            4 << 20,
+            &owner,
+        )
+        .unwrap();
+        let run = a.chunk_bytes;
+        let block: Vec<u8> = (0..a.block_bytes).map(|i| (i * 31 + i / 7) as u8).collect();
+        let runs: Vec<&[u8]> = block.chunks(run).collect();
+        let (id, tokens) = ([3u8; 32], vec![5u32; 16]);
+        assert_eq!(
+            a.insert(&id, &tokens, &runs, 0, 0, 0).unwrap(),
+            Inserted::Stored
+        );
+        let (slot, _) = a.holding(&id).unwrap();
+        let map = a.map.addr()..a.map.addr() + a.map.len();
+        for (flip_run, served) in [(0, true), (2, false)] {
+            let at = a.data(slot) + flip_run * run + 5;
+            let mut placed = vec![0u8; a.block_bytes];
+            let mut piece = vec![0u8; a.piece_len()];
+            let ok = a.get_runs(&id, &tokens, &mut piece, |i, r| {
+                assert!(
+                    !map.contains(&(r.as_ptr() as usize)),
+                    "placed from the mapping"
+                );
+                placed[i * run..(i + 1) * run].copy_from_slice(r);
+                if i == 0 {
+                    // Another process, without the seqlock.
+                    let mut b = [0u8];
+                    a.map.read(at, &mut b);
+                    a.map.write(at, &[!b[0]]);
+                }
+            });
+            assert_eq!(ok, served, "flip in run {flip_run}");
+            if served {
+                assert!(placed == block, "wrong bytes served");
+            }
+            let mut b = [0u8];
+            a.map.read(at, &mut b);
+            a.map.write(at, &[!b[0]]);
         }
     }
 

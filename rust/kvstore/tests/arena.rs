@@ -369,6 +369,47 @@ impl RawArena {
 }
 
 #[test]
+fn slot_checksums_are_the_lanes_of_the_arena_format() {
+    // The arena's layout, which every process mapping it reads: a slot's
+    // checksum is the crc32c of four crc32c lanes (little-endian), lane k
+    // over runs k, k + 4, ... of the block in order. Computed here with the
+    // crc32c crate, independently of the engine's. 5 layers: 10 runs, so
+    // lanes 0 and 1 have three runs and lanes 2 and 3 two.
+    let layout = Layout::new(5, 1, 8, DType::Float16, 16).unwrap();
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = Options {
+        layout: Some(layout),
+        ..opts(hot.path(), 4 << 20)
+    };
+    let t = seq(50, 64);
+    let kv: Vec<u8> = (0..layout.kv_bytes(64).unwrap())
+        .map(|i| (i * 97 + i / 251) as u8)
+        .collect();
+    Store::open(dir.path(), o)
+        .unwrap()
+        .put(&t, &kv, 64, b"")
+        .unwrap();
+    let raw = RawArena::open(hot.path());
+    let (block, run) = (layout.block_bytes(), 16 * layout.token_bytes());
+    assert_eq!(block / run, 10);
+    let used = raw.used();
+    assert_eq!(used.len(), 4);
+    for slot in used {
+        let mut data = vec![0u8; block];
+        raw.file
+            .read_exact_at(&mut data, raw.slot_data(slot))
+            .unwrap();
+        let mut lanes = [0u32; 4];
+        for (i, r) in data.chunks_exact(run).enumerate() {
+            lanes[i % 4] = crc32c::crc32c_append(lanes[i % 4], r);
+        }
+        let folded: Vec<u8> = lanes.iter().flat_map(|l| l.to_le_bytes()).collect();
+        let want = u64::from(crc32c::crc32c(&folded));
+        assert_eq!(raw.word(raw.slot_hdr(slot) + S_CRC), want, "slot {slot}");
+    }
+}
+
+#[test]
 fn damaged_header_geometry_is_refused_never_trusted() {
     let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let t = seq(10, 64);

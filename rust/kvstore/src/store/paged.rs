@@ -187,7 +187,7 @@ impl Inner {
                 // read the disk again, each time.
                 self.promote_block(&ids[k], block_tokens, &runs)?;
             }
-            for (r, run) in runs.iter_mut().enumerate() {
+            for (r, run) in runs.iter().enumerate() {
                 place(k, r, run);
             }
         }

@@ -147,8 +147,15 @@ const LANES: usize = 4;
 /// Piece size of the scratch buffer for checksumming a slot in place.
 const SCRATCH: usize = 64 << 10;
 
-/// The slot checksum from its lanes' crc32c: the crc32c of the lanes' values.
-fn fold(lanes: [u32; LANES]) -> u64 {
+/// The slot checksum of a block of `runs` runs, the one place that says how
+/// runs go into lanes: run `i` is appended to lane `i % LANES` by
+/// `append(i, lane)` (which returns that lane's crc32c with run `i` after
+/// it), in run order; then the crc32c of the lanes' values, little-endian.
+fn slot_crc(runs: usize, mut append: impl FnMut(usize, u32) -> u32) -> u64 {
+    let mut lanes = [0u32; LANES];
+    for i in 0..runs {
+        lanes[i % LANES] = append(i, lanes[i % LANES]);
+    }
     let mut bytes = [0u8; 4 * LANES];
     for (b, lane) in bytes.chunks_exact_mut(4).zip(lanes) {
         b.copy_from_slice(&lane.to_le_bytes());
@@ -683,11 +690,10 @@ impl Arena {
             return false; // not this layout's block: never read past the slot
         }
         let (base, run) = (self.data(slot), self.chunk_bytes);
-        let mut lanes = [0u32; LANES];
-        for (i, o) in out.iter_mut().enumerate() {
-            lanes[i % LANES] = self.map.read_crc32c(base + i * run, o, lanes[i % LANES]);
-        }
-        fold(lanes) == self.stored_crc(slot) && self.confirm(slot, version)
+        let crc = slot_crc(out.len(), |i, lane| {
+            self.map.read_crc32c(base + i * run, out[i], lane)
+        });
+        crc == self.stored_crc(slot) && self.confirm(slot, version)
     }
 
     /// Bytes of the `piece` that `get_runs` takes: one run.
@@ -718,14 +724,12 @@ impl Arena {
             return false; // a collision, or not this layout's piece
         }
         let base = self.data(slot);
-        let mut lanes = [0u32; LANES];
-        for i in 0..self.block_bytes / run {
-            lanes[i % LANES] = self
-                .map
-                .read_crc32c(base + i * run, piece, lanes[i % LANES]);
+        let crc = slot_crc(self.block_bytes / run, |i, lane| {
+            let lane = self.map.read_crc32c(base + i * run, piece, lane);
             place(i, piece);
-        }
-        fold(lanes) == self.stored_crc(slot) && self.confirm(slot, version)
+            lane
+        });
+        crc == self.stored_crc(slot) && self.confirm(slot, version)
     }
 
     /// Where block `id` (with `tokens`) lies: `(slot, version, data offset)`,
@@ -764,15 +768,13 @@ impl Arena {
     fn data_crc(&self, slot: usize) -> u64 {
         let (base, run) = (self.data(slot), self.chunk_bytes);
         let mut buf = vec![0u8; SCRATCH.min(run)];
-        let mut lanes = [0u32; LANES];
-        for i in 0..self.block_bytes / run {
+        slot_crc(self.block_bytes / run, |i, mut lane| {
             for at in (0..run).step_by(buf.len()) {
                 let piece = &mut buf[..SCRATCH.min(run - at)];
-                let off = base + i * run + at;
-                lanes[i % LANES] = self.map.read_crc32c(off, piece, lanes[i % LANES]);
+                lane = self.map.read_crc32c(base + i * run + at, piece, lane);
             }
-        }
-        fold(lanes)
+            lane
+        })
     }
 
     /// The slot holding block `id` and its (even) version, if any. Lock-free:
@@ -949,14 +951,11 @@ impl Arena {
                 .store(*t, Ordering::Relaxed);
         }
         let (base, run) = (self.data(slot), self.chunk_bytes);
-        let mut lanes = [0u32; LANES];
-        for (i, c) in chunks.iter().enumerate() {
-            lanes[i % LANES] = crate::crc::append(lanes[i % LANES], c);
-            self.map.write(base + i * run, c);
-        }
-        self.map
-            .u64_at(h + S_CRC)
-            .store(fold(lanes), Ordering::Relaxed);
+        let crc = slot_crc(chunks.len(), |i, lane| {
+            self.map.write(base + i * run, chunks[i]);
+            crate::crc::append(lane, chunks[i])
+        });
+        self.map.u64_at(h + S_CRC).store(crc, Ordering::Relaxed);
         self.map
             .u64_at(h + S_PRIORITY)
             .store(priority, Ordering::Relaxed);

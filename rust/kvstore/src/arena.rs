@@ -75,8 +75,8 @@
 use crate::error::{Error, IoContext, Result};
 use crate::id::BlockId;
 use crate::layout::Layout;
-use crate::os::SharedMap;
 use crate::os::{ofd_lock, OfdLock};
+use crate::os::{Rows, SharedMap};
 use crate::pages::PageKind;
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -141,9 +141,10 @@ const S_TOKENS: usize = 80; // block_size × u32
 /// The slot checksum runs this many crc32c chains, chain `k` over the block's
 /// runs `k, k + LANES, k + 2 × LANES, …`: made for `crc32` instructions, four
 /// chains interleaved with a copy, when one chain was slower than memory.
-/// With `crate::crc`'s folding one chain is not, but the lanes stay: they are
-/// the arena's layout, which other processes read.
-const LANES: usize = 4;
+/// A paged load reads a block that way (`RunReader`), four runs at a time,
+/// each straight into its destination; the other reads checksum a run at a
+/// time with `crate::crc`'s folding.
+pub(crate) const LANES: usize = 4;
 /// Piece size of the scratch buffer for checksumming a slot in place.
 const SCRATCH: usize = 64 << 10;
 
@@ -156,11 +157,75 @@ fn slot_crc(runs: usize, mut append: impl FnMut(usize, u32) -> u32) -> u64 {
     for i in 0..runs {
         lanes[i % LANES] = append(i, lanes[i % LANES]);
     }
+    fold_lanes(lanes)
+}
+
+/// The slot checksum from its lanes' values (`slot_crc`).
+fn fold_lanes(lanes: [u32; LANES]) -> u64 {
     let mut bytes = [0u8; 4 * LANES];
     for (b, lane) in bytes.chunks_exact_mut(4).zip(lanes) {
         b.copy_from_slice(&lane.to_le_bytes());
     }
     u64::from(crate::crc::crc32c(&bytes))
+}
+
+/// A block's runs as `Arena::read_runs` hands them to its caller: read in
+/// order, up to `LANES` at a time (`read`), each run's rows landed where
+/// the caller says, each checksummed into its lane as it is copied.
+pub(crate) struct RunReader<'a> {
+    arena: &'a Arena,
+    /// The slot's data in the mapping.
+    base: usize,
+    /// The next run to read.
+    next: usize,
+    lanes: [u32; LANES],
+}
+
+impl RunReader<'_> {
+    /// Rows of a run, `[B, H]`, and bytes of a row (`D` values): the shape
+    /// `read`'s destinations are given in.
+    pub fn shape(&self) -> ([usize; 2], usize) {
+        let a = self.arena;
+        (a.rows, a.chunk_bytes / (a.rows[0] * a.rows[1]))
+    }
+
+    /// Reads the block's next `outs.len()` runs (at most `LANES`; fewer only
+    /// for the last ones) into `outs`, in order: run `next + j`'s row `(t,
+    /// h)` lands as `outs[j]` says. Each row's bytes are loaded once, both
+    /// checksummed and stored (`SharedMap::read_rows_crc32c` where the CPU
+    /// has it, else row by row through `SharedMap::read_crc32c`).
+    pub fn read(&mut self, outs: &mut [Rows<'_>]) {
+        let a = self.arena;
+        let (n, run) = (outs.len(), a.chunk_bytes);
+        assert!(
+            n <= LANES && self.next + n <= a.block_bytes / run,
+            "RunReader::read: past the block's last run"
+        );
+        if n == 0 {
+            return;
+        }
+        let (shape, row) = self.shape();
+        let src: [usize; LANES] = std::array::from_fn(|j| self.base + (self.next + j) * run);
+        let mut crcs: [u32; LANES] = std::array::from_fn(|j| self.lanes[(self.next + j) % LANES]);
+        let (src, crcs) = (&src[..n], &mut crcs[..n]);
+        if crate::os::has_fused_rows() && row.is_multiple_of(32) {
+            a.map.read_rows_crc32c(src, outs, shape, row, crcs);
+        } else {
+            for ((o, crc), from) in outs.iter_mut().zip(crcs.iter_mut()).zip(src) {
+                for t in 0..shape[0] {
+                    for h in 0..shape[1] {
+                        let at = o.at + t * o.strides[0] + h * o.strides[1];
+                        let off = from + (t * shape[1] + h) * row;
+                        *crc = a.map.read_crc32c(off, &mut o.dst[at..at + row], *crc);
+                    }
+                }
+            }
+        }
+        for (j, &crc) in crcs.iter().enumerate() {
+            self.lanes[(self.next + j) % LANES] = crc;
+        }
+        self.next += n;
+    }
 }
 
 /// Outcome of an insert.
@@ -234,6 +299,8 @@ pub(crate) struct Arena {
     slot_size: usize,
     data_off: usize,
     block_size: usize,
+    /// Rows of a run, `[B, H]` (`RunReader::shape`).
+    rows: [usize; 2],
     block_bytes: usize,
     chunk_bytes: usize,
     page_kind: PageKind,
@@ -531,6 +598,7 @@ impl Arena {
             slot_size: geo.slot_size,
             data_off: geo.data_off,
             block_size: layout.block_size as usize,
+            rows: [layout.block_size as usize, layout.num_kv_heads as usize],
             block_bytes: layout.block_bytes(),
             chunk_bytes: layout.chunk_bytes(),
             page_kind,
@@ -696,40 +764,38 @@ impl Arena {
         crc == self.stored_crc(slot) && self.confirm(slot, version)
     }
 
-    /// Bytes of the `piece` that `get_runs` takes: one run.
-    pub fn piece_len(&self) -> usize {
-        self.chunk_bytes
-    }
-
-    /// `get` for a caller that puts each run elsewhere at once (a paged
-    /// load): each run is copied into `piece` (one run long, in the CPU's
-    /// cache), checksummed there, and handed to `place(i, piece)`, so no
-    /// block-sized scratch is written and read back, and what is placed is
+    /// `get` for a caller that lands each run elsewhere at once (a paged
+    /// load), through `land`, which reads the block's runs in order with
+    /// the `RunReader` it is given, each straight into its destination:
+    /// no block-sized scratch is written and read back, and what lands is
     /// what was checksummed, whatever another process does to the slot.
-    /// True only if every run was the block's, unchanged and undamaged,
-    /// checked after the last `place`: on false, what `place` made of the
-    /// runs may be torn or wrong and must not be used (nor counted as served).
-    pub fn get_runs(
+    /// True only if `land` read every run and each was the block's,
+    /// unchanged and undamaged, checked after the last: on false, what
+    /// landed may be torn or wrong and must not be used (nor counted as
+    /// served).
+    pub fn read_runs(
         &self,
         id: &BlockId,
         tokens: &[u32],
-        piece: &mut [u8],
-        mut place: impl FnMut(usize, &[u8]),
+        land: impl FnOnce(&mut RunReader<'_>),
     ) -> bool {
         let Some((slot, version)) = self.holding(id) else {
             return false;
         };
-        let run = self.chunk_bytes;
-        if !self.tokens_match(slot, tokens) || piece.len() != run {
-            return false; // a collision, or not this layout's piece
+        if !self.tokens_match(slot, tokens) {
+            return false; // a collision
         }
-        let base = self.data(slot);
-        let crc = slot_crc(self.block_bytes / run, |i, lane| {
-            let lane = self.map.read_crc32c(base + i * run, piece, lane);
-            place(i, piece);
-            lane
-        });
-        crc == self.stored_crc(slot) && self.confirm(slot, version)
+        let mut reader = RunReader {
+            arena: self,
+            base: self.data(slot),
+            next: 0,
+            lanes: [0; LANES],
+        };
+        land(&mut reader);
+        let runs = self.block_bytes / self.chunk_bytes;
+        reader.next == runs
+            && fold_lanes(reader.lanes) == self.stored_crc(slot)
+            && self.confirm(slot, version)
     }
 
     /// Where block `id` (with `tokens`) lies: `(slot, version, data offset)`,
@@ -1078,11 +1144,8 @@ mod tests {
     use super::*;
     use crate::layout::DType;
 
-    /// `read_crc32c` copies and gives the `crc32c` crate's
-    /// `crc32c_append` of what it copied, for any length (tails and several
-    /// pieces included), offset and seed.
-    #[test]
-    fn read_crc32c_is_copy_then_crc32c() {
+    /// A 128 KiB mapping of a temporary file, and the bytes written there.
+    fn mapped_bytes() -> (SharedMap, Vec<u8>) {
         let file = tempfile::tempfile().unwrap();
         file.set_len(1 << 17).unwrap();
         let map = SharedMap::new(&file, 1 << 17).unwrap();
@@ -1090,6 +1153,15 @@ mod tests {
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
             .collect();
         map.write(0, &bytes);
+        (map, bytes)
+    }
+
+    /// `read_crc32c` copies and gives the `crc32c` crate's
+    /// `crc32c_append` of what it copied, for any length (tails and several
+    /// pieces included), offset and seed.
+    #[test]
+    fn read_crc32c_is_copy_then_crc32c() {
+        let (map, bytes) = mapped_bytes();
         for len in [0, 1, 7, 8, 9, 63, 64, 1000, 4099, 16_384, 16_385, 40_000] {
             for (skew, seed) in [(0, 0), (1, 1), (5, 0xdead_beef), (8, u32::MAX)] {
                 let off = skew + 3 * len % 7000;
@@ -1103,60 +1175,134 @@ mod tests {
         }
     }
 
-    /// `get_runs` hands `place` the bytes it checksummed, in a piece outside
-    /// the mapping: a byte flipped in the slot after its run was read does
-    /// not reach what was placed (the load is right and is served), and one
-    /// flipped in a run not read yet fails the check.
+    /// `read_rows_crc32c` lands each run's rows where its `Rows` say
+    /// (strided, streamed or not, aligned or not) and returns the crc32c of
+    /// each run appended to its seed, for one to four runs: against a
+    /// plain copy and the `crc32c` crate.
     #[test]
-    fn get_runs_places_what_it_checksummed() {
-        let dir = tempfile::tempdir().unwrap();
-        let layout = Layout::new(3, 1, 8, DType::Float16, 16).unwrap();
-        let owner = Owner {
-            store_id: "0".repeat(32),
-            store_path: dir.path().to_path_buf(),
-        };
-        let a = Arena::open(
-            &dir.path().join("arena"),
-            &layout,
-            &[7; 32],
-            4 << 20,
-            &owner,
-        )
-        .unwrap();
-        let run = a.chunk_bytes;
-        let block: Vec<u8> = (0..a.block_bytes).map(|i| (i * 31 + i / 7) as u8).collect();
-        let runs: Vec<&[u8]> = block.chunks(run).collect();
-        let (id, tokens) = ([3u8; 32], vec![5u32; 16]);
-        assert_eq!(
-            a.insert(&id, &tokens, &runs, 0, 0, 0).unwrap(),
-            Inserted::Stored
-        );
-        let (slot, _) = a.holding(&id).unwrap();
-        let map = a.map.addr()..a.map.addr() + a.map.len();
-        for (flip_run, served) in [(0, true), (2, false)] {
-            let at = a.data(slot) + flip_run * run + 5;
-            let mut placed = vec![0u8; a.block_bytes];
-            let mut piece = vec![0u8; a.piece_len()];
-            let ok = a.get_runs(&id, &tokens, &mut piece, |i, r| {
-                assert!(
-                    !map.contains(&(r.as_ptr() as usize)),
-                    "placed from the mapping"
-                );
-                placed[i * run..(i + 1) * run].copy_from_slice(r);
-                if i == 0 {
-                    // Another process, without the seqlock.
-                    let mut b = [0u8];
-                    a.map.read(at, &mut b);
-                    a.map.write(at, &[!b[0]]);
+    fn read_rows_crc32c_is_a_strided_copy_and_crc32c() {
+        if !crate::os::has_fused_rows() {
+            return; // `RunReader` takes the row-by-row path there (tested below)
+        }
+        let (map, bytes) = mapped_bytes();
+        let (shape, row) = ([5, 3], 64);
+        let run = shape[0] * shape[1] * row;
+        for n in 1..=4 {
+            for (skew, stream) in [(0, true), (0, false), (8, true), (32, true)] {
+                // Run s: at 1000 * s + 3 (unaligned), into its own buffer,
+                // token-major with a gap, heads 2 rows apart.
+                let strides = [3 * 2 * row + 32, 2 * row];
+                let src: Vec<usize> = (0..n).map(|s| 1000 * s + 3 + 7 * run * s).collect();
+                let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 4 * run + 128]).collect();
+                let seeds: Vec<u32> = (0..n).map(|s| 0x1234_5678 * s as u32).collect();
+                let mut crcs = seeds.clone();
+                {
+                    let mut outs: Vec<Rows<'_>> = bufs
+                        .iter_mut()
+                        .map(|b| {
+                            let at = (32 - b.as_ptr() as usize % 32) % 32 + skew;
+                            Rows {
+                                dst: &mut b[..],
+                                at,
+                                strides,
+                                stream,
+                            }
+                        })
+                        .collect();
+                    map.read_rows_crc32c(&src, &mut outs, shape, row, &mut crcs);
                 }
-            });
-            assert_eq!(ok, served, "flip in run {flip_run}");
-            if served {
-                assert!(placed == block, "wrong bytes served");
+                crate::os::stream_fence();
+                for s in 0..n {
+                    let want = &bytes[src[s]..src[s] + run];
+                    let at = (32 - bufs[s].as_ptr() as usize % 32) % 32 + skew;
+                    let mut got = Vec::new();
+                    for t in 0..shape[0] {
+                        for h in 0..shape[1] {
+                            let o = at + t * strides[0] + h * strides[1];
+                            got.extend_from_slice(&bufs[s][o..o + row]);
+                        }
+                    }
+                    assert!(got == want, "n {n} run {s} skew {skew} stream {stream}");
+                    assert_eq!(
+                        crcs[s],
+                        crc32c::crc32c_append(seeds[s], want),
+                        "n {n} run {s}"
+                    );
+                }
             }
-            let mut b = [0u8];
-            a.map.read(at, &mut b);
-            a.map.write(at, &[!b[0]]);
+        }
+    }
+
+    /// `read_runs` lands the bytes it checksummed, never a second read of
+    /// the slot: a byte flipped in the slot after its run was read does not
+    /// reach what landed (the read is right and is served), one flipped in a
+    /// run not read yet fails the check, and so does a reader that stops
+    /// before the last run. Rows of 32 bytes (the fused copy, where the CPU
+    /// has it) and of 16 (row by row).
+    #[test]
+    fn read_runs_lands_what_it_checksummed() {
+        for head_dim in [16, 8] {
+            let dir = tempfile::tempdir().unwrap();
+            let layout = Layout::new(3, 2, head_dim, DType::Float16, 16).unwrap();
+            let owner = Owner {
+                store_id: "0".repeat(32),
+                store_path: dir.path().to_path_buf(),
+            };
+            let a = Arena::open(
+                &dir.path().join("arena"),
+                &layout,
+                &[7; 32],
+                4 << 20,
+                &owner,
+            )
+            .unwrap();
+            let run = a.chunk_bytes;
+            let block: Vec<u8> = (0..a.block_bytes).map(|i| (i * 31 + i / 7) as u8).collect();
+            let runs: Vec<&[u8]> = block.chunks(run).collect();
+            let (id, tokens) = ([3u8; 32], vec![5u32; 16]);
+            assert_eq!(
+                a.insert(&id, &tokens, &runs, 0, 0, 0).unwrap(),
+                Inserted::Stored
+            );
+            let (slot, _) = a.holding(&id).unwrap();
+            // Runs 0-3 are read at once, then 4-5.
+            for (flip_run, stop, served) in [(0, 6, true), (4, 6, false), (5, 4, false)] {
+                let at = a.data(slot) + flip_run * run + 5;
+                let mut landed = vec![0u8; a.block_bytes];
+                let ok = a.read_runs(&id, &tokens, |reader| {
+                    let ([_, heads], row) = reader.shape();
+                    let mut chunks = landed.chunks_exact_mut(run);
+                    for g in [0..4, 4..stop] {
+                        let mut outs: Vec<Rows<'_>> = chunks
+                            .by_ref()
+                            .take(g.len())
+                            .map(|dst| Rows {
+                                dst,
+                                at: 0,
+                                strides: [heads * row, row],
+                                stream: false,
+                            })
+                            .collect();
+                        reader.read(&mut outs);
+                        if g.start == 0 {
+                            // Another process, without the seqlock.
+                            let mut b = [0u8];
+                            a.map.read(at, &mut b);
+                            a.map.write(at, &[!b[0]]);
+                        }
+                    }
+                });
+                assert_eq!(
+                    ok, served,
+                    "D {head_dim}: flip in run {flip_run}, {stop} runs"
+                );
+                if served {
+                    assert!(landed == block, "wrong bytes served");
+                }
+                let mut b = [0u8];
+                a.map.read(at, &mut b);
+                a.map.write(at, &[!b[0]]);
+            }
         }
     }
 

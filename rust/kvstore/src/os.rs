@@ -34,10 +34,10 @@ pub(crate) fn open_lmdb(
 }
 
 /// Bytes `SharedMap::read_crc32c` copies before it checksums them, in the
-/// L1 data cache then (half of it on the CPUs measured). A paged load of 16
-/// MiB from a hot tier in DRAM, one thread, took 1.17-1.23 ms this way
-/// against 1.75-1.80 with `crc32` instructions on four streams interleaved
-/// with the copy (`cargo bench --bench paged`; benches/README.md, issue 14).
+/// L1 data cache then (half of it on the CPUs measured): the reads into a
+/// buffer of the caller's (`get(out=)`, a slot's check). A paged load
+/// instead lands each row in the engine's cache as it checksums it
+/// (`SharedMap::read_rows_crc32c`).
 const CRC_PIECE: usize = 16 << 10;
 
 /// A shared, writable mapping of a file (the hot-tier arena), addressed by
@@ -125,6 +125,102 @@ impl SharedMap {
             crc = crate::crc::append(crc, piece);
         }
         crc
+    }
+
+    /// Copies up to four runs out of the mapping, each checksummed as it
+    /// goes, in one pass: run `s` is the `shape[0] * shape[1]` rows of
+    /// `row` bytes that lie end to end at `src[s]`, its row `(t, h)` lands
+    /// as `outs[s]` says, and the return is `crc32c_append(crcs[s], run s)`
+    /// for each. Every 32 bytes is loaded once and both fed to a `crc32`
+    /// chain of its own run (up to four chains interleaved, so the
+    /// instruction's latency is hidden) and stored from the same register:
+    /// what lands is what was checksummed, whatever another process does to
+    /// the slot meanwhile. Rows of an `outs` entry with `stream` go out with
+    /// streaming stores where they are 32-byte aligned (call `stream_fence`
+    /// before the bytes are handed on): the reads of the slot and the
+    /// writes to a paged cache then share one pass, as in memcpy. Needs
+    /// `has_fused_rows()` and `row` a multiple of 32; panics otherwise, or
+    /// where a row lies outside its slice or the mapping. Same concurrency
+    /// caveat as `read`.
+    pub fn read_rows_crc32c(
+        &self,
+        src: &[usize],
+        outs: &mut [Rows<'_>],
+        shape: [usize; 2],
+        row: usize,
+        crcs: &mut [u32],
+    ) {
+        let n = src.len();
+        assert!(
+            (1..=4).contains(&n) && outs.len() == n && crcs.len() == n,
+            "read_rows_crc32c: one to four runs, each with its rows and crc"
+        );
+        assert!(has_fused_rows(), "read_rows_crc32c needs AVX2 and SSE4.2");
+        assert!(
+            row > 0 && row.is_multiple_of(32),
+            "rows must be a multiple of 32 bytes"
+        );
+        let rows = shape[0].checked_mul(shape[1]).expect("rows");
+        let bytes = rows.checked_mul(row).expect("run bytes");
+        let mut dst = [std::ptr::null_mut::<u8>(); 4];
+        let mut strides = [[0usize; 2]; 4];
+        let mut stream = [false; 4];
+        let mut from = [std::ptr::null::<u8>(); 4];
+        for s in 0..n {
+            self.check(src[s], bytes, 1);
+            let o = &mut outs[s];
+            let end = (0..2)
+                .try_fold(o.at, |end, a| {
+                    shape[a]
+                        .saturating_sub(1)
+                        .checked_mul(o.strides[a])?
+                        .checked_add(end)
+                })
+                .and_then(|e| e.checked_add(row));
+            assert!(
+                rows == 0 || end.is_some_and(|e| e <= o.dst.len()),
+                "read_rows_crc32c: a row lies outside its destination"
+            );
+            dst[s] = o.dst.as_mut_ptr().wrapping_add(o.at);
+            strides[s] = o.strides;
+            stream[s] = o.stream
+                && (dst[s] as usize).is_multiple_of(32)
+                && o.strides.iter().all(|st| st.is_multiple_of(32));
+            from[s] = self.map.as_ptr().wrapping_add(src[s]);
+        }
+        if rows == 0 {
+            return;
+        }
+        let mut c = [0u32; 4];
+        c[..n].copy_from_slice(crcs);
+        let job = FusedRows {
+            from,
+            dst,
+            strides,
+            stream,
+            shape,
+            row,
+        };
+        // SAFETY: the CPU has AVX2 and SSE4.2 (asserted). Run `s < n` is
+        // `bytes` readable bytes of the mapping at `from[s]`; each of its
+        // rows `(t, h)` is `row` writable bytes at `dst[s] + t * strides[s][0]
+        // + h * strides[s][1]`, inside `outs[s].dst` (asserted above, without
+        // overflow), which is a Rust slice and so neither overlaps the
+        // mapping nor another run's destination; streamed rows are 32-byte
+        // aligned (checked: `dst[s]` and both strides are, and `row` is a
+        // multiple of 32).
+        #[cfg(target_arch = "x86_64")]
+        let c = unsafe {
+            match n {
+                1 => fused_rows_avx2::<1>(&job, c),
+                2 => fused_rows_avx2::<2>(&job, c),
+                3 => fused_rows_avx2::<3>(&job, c),
+                _ => fused_rows_avx2::<4>(&job, c),
+            }
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("has_fused_rows is false: {}", job.row + c[0] as usize);
+        crcs.copy_from_slice(&c[..n]);
     }
 
     /// Copies bytes into the mapping (the caller holds the arena's write lock
@@ -448,6 +544,138 @@ pub(crate) fn stream_copy(dst: &mut [u8], src: &[u8]) {
         return;
     }
     dst.copy_from_slice(src);
+}
+
+/// Where `SharedMap::read_rows_crc32c` lands one run: its row `(t, h)` at
+/// `dst[at + t * strides[0] + h * strides[1]..]`, with streaming stores if
+/// `stream` (a destination in main memory, not read again soon).
+pub(crate) struct Rows<'a> {
+    pub dst: &'a mut [u8],
+    pub at: usize,
+    pub strides: [usize; 2],
+    pub stream: bool,
+}
+
+/// Whether `SharedMap::read_rows_crc32c` runs on this CPU (AVX2, SSE4.2).
+pub(crate) fn has_fused_rows() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("sse4.2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `read_rows_crc32c`'s checked arguments, as pointers.
+struct FusedRows {
+    from: [*const u8; 4],
+    dst: [*mut u8; 4],
+    strides: [[usize; 2]; 4],
+    stream: [bool; 4],
+    shape: [usize; 2],
+    row: usize,
+}
+
+/// 32 bytes loaded from `p` by exactly one instruction. A plain load's
+/// value may be loaded again where the compiler finds it cheaper (it
+/// turned the words fed to `crc32` into `crc32` instructions reading
+/// memory): a second read of a slot that another process may be writing,
+/// whose value need not be the one stored.
+///
+/// # Safety
+///
+/// The CPU must have AVX; `p` must be readable for 32 bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn load_once(p: *const u8) -> std::arch::x86_64::__m256i {
+    let v;
+    // SAFETY: `p` is readable for 32 bytes (caller); `vmovdqu` takes any
+    // alignment and touches neither the stack nor the flags.
+    unsafe {
+        std::arch::asm!(
+            "vmovdqu {v}, ymmword ptr [{p}]",
+            p = in(reg) p,
+            v = out(ymm_reg) v,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+    v
+}
+
+/// The loop of `read_rows_crc32c` over its first `N` runs: row by row, 32
+/// bytes of each run in turn, so that the `N` crc32 chains interleave.
+///
+/// # Safety
+///
+/// The CPU must have AVX2 and SSE4.2; for `s < N`, `job.from[s]` must be
+/// readable for `shape[0] * shape[1] * row` bytes and each row `(t, h)` at
+/// `job.dst[s] + t * strides[s][0] + h * strides[s][1]` writable for `row`
+/// bytes (32-byte aligned where `stream[s]`), no destination overlapping a
+/// source or another run's rows; `row` a multiple of 32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,sse4.2")]
+#[allow(clippy::cast_ptr_alignment)] // `loadu`/`storeu` take any alignment; streamed rows are checked
+unsafe fn fused_rows_avx2<const N: usize>(job: &FusedRows, mut crc: [u32; 4]) -> [u32; 4] {
+    use std::arch::x86_64::{
+        __m256i, _mm256_castsi256_si128, _mm256_extracti128_si256, _mm256_storeu_si256,
+        _mm256_stream_si256, _mm_crc32_u64, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_prefetch,
+        _MM_HINT_T0,
+    };
+    // Bytes ahead of each load that its run is prefetched: loads that
+    // miss one after another leave DRAM idle (one thread, 16 MiB paged
+    // load: 1.64-1.73 ms without, 1.23-1.40 at 2 KiB, worse at 0.5, 1, 4
+    // and 8 KiB). Past a run's end it is a hint into another run or slot.
+    const PREFETCH: usize = 2048;
+    let [tokens, heads] = job.shape;
+    // The instruction updates the register form (inverted, both ways).
+    let mut c: [u64; 4] = crc.map(|x| u64::from(!x));
+    let mut src = job.from;
+    for t in 0..tokens {
+        for h in 0..heads {
+            let to: [*mut u8; 4] = std::array::from_fn(|s| {
+                job.dst[s]
+                    .wrapping_add(t * job.strides[s][0])
+                    .wrapping_add(h * job.strides[s][1])
+            });
+            for k in (0..job.row).step_by(32) {
+                for s in 0..N {
+                    // SAFETY: 32 bytes of run `s`'s row `(t, h)` at `k <
+                    // row`: readable at `src[s]`, writable at `to[s] + k`
+                    // (caller), aligned where streamed.
+                    unsafe {
+                        if k % 64 == 0 {
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                src[s].wrapping_add(k + PREFETCH).cast::<i8>(),
+                            );
+                        }
+                        let v = load_once(src[s].add(k));
+                        let (lo, hi) =
+                            (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+                        c[s] = _mm_crc32_u64(c[s], _mm_cvtsi128_si64(lo) as u64);
+                        c[s] = _mm_crc32_u64(c[s], _mm_extract_epi64::<1>(lo) as u64);
+                        c[s] = _mm_crc32_u64(c[s], _mm_cvtsi128_si64(hi) as u64);
+                        c[s] = _mm_crc32_u64(c[s], _mm_extract_epi64::<1>(hi) as u64);
+                        let d = to[s].add(k).cast::<__m256i>();
+                        if job.stream[s] {
+                            _mm256_stream_si256(d, v);
+                        } else {
+                            _mm256_storeu_si256(d, v);
+                        }
+                    }
+                }
+            }
+            for p in src.iter_mut().take(N) {
+                *p = p.wrapping_add(job.row);
+            }
+        }
+    }
+    for s in 0..N {
+        crc[s] = !(c[s] as u32);
+    }
+    crc
 }
 
 /// Orders the streaming stores (`stream_copy`, `transpose_16x8_u16_stream`)

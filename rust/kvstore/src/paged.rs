@@ -3,8 +3,10 @@
 //! block's canonical `[B, H, D]` runs. The geometry is learnt by the caller
 //! from the engine's own cache writer; here it is only checked and followed.
 
+use crate::arena::{RunReader, LANES};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
+use crate::os::Rows;
 
 /// Where K or V of one block lies inside a layer's paged cache, in elements
 /// from the first element of the block.
@@ -14,6 +16,19 @@ pub struct PagedPart {
     pub offset: usize,
     /// Element strides of the token, head and dim axes.
     pub strides: [usize; 3],
+}
+
+impl PagedPart {
+    /// Elements from a cache block's start to one past the part's last
+    /// value (`PagedLayout::check` bounds it).
+    fn end(&self, layout: &Layout) -> usize {
+        let dims = dims(layout);
+        self.offset
+            + (0..3)
+                .map(|a| (dims[a] - 1) * self.strides[a])
+                .sum::<usize>()
+            + 1
+    }
 }
 
 /// The geometry of a paged cache, the same in every layer: cache block `n`
@@ -135,6 +150,111 @@ impl PagedLayout {
         copy(layout, part, Move::Into(&mut *layers[r / 2], at, run));
     }
 
+    /// Lands a hot-tier block, whose runs `reader` reads in order
+    /// (`Arena::read_runs`), in cache block `block` of `layers` (`check`
+    /// must have passed for it). A part whose `D` values lie together in
+    /// the cache (V on vLLM's CPU backend) goes straight from the slot, its
+    /// rows streamed out in the pass that reads them, as a memcpy would; a
+    /// part laid out otherwise (K there, transposed) goes through `pieces`
+    /// (`LANES` runs, in the CPU's cache), then `scatter_run`.
+    pub(crate) fn land(
+        &self,
+        layout: &Layout,
+        reader: &mut RunReader<'_>,
+        layers: &mut [&mut [u8]],
+        block: usize,
+        pieces: &mut [u8],
+    ) {
+        let (run, e) = (layout.chunk_bytes(), layout.dtype.size());
+        let ([_, heads], row) = reader.shape();
+        let runs = 2 * layers.len();
+        assert_eq!(pieces.len(), LANES * run, "land: one piece per lane");
+        let direct = self
+            .parts
+            .map(|p| p.strides[2] == 1 || layout.head_dim == 1);
+        for g in (0..runs).step_by(LANES) {
+            let n = LANES.min(runs - g);
+            let mut outs: [Rows<'_>; LANES] = std::array::from_fn(|_| Rows {
+                dst: &mut [],
+                at: 0,
+                strides: [0, 0],
+                stream: false,
+            });
+            let mut through = [false; LANES];
+            let mut chunks = pieces.chunks_exact_mut(run);
+            for (i, layer) in layers[g / 2..].iter_mut().take(n / 2).enumerate() {
+                let spans = self.part_spans(layout, layer, block, direct);
+                for (kv, span) in spans.into_iter().enumerate() {
+                    let j = 2 * i + kv;
+                    let chunk = chunks.next().expect("a piece per lane");
+                    outs[j] = if let Some((dst, at)) = span {
+                        let s = self.parts[kv].strides;
+                        Rows {
+                            dst,
+                            at,
+                            strides: [s[0] * e, s[1] * e],
+                            stream: true,
+                        }
+                    } else {
+                        through[j] = true;
+                        Rows {
+                            dst: chunk,
+                            at: 0,
+                            strides: [heads * row, row],
+                            stream: false,
+                        }
+                    };
+                }
+            }
+            reader.read(&mut outs[..n]);
+            for j in (0..n).filter(|&j| through[j]) {
+                let piece = &pieces[j * run..(j + 1) * run];
+                self.scatter_run(layout, g + j, piece, layers, block);
+            }
+        }
+        crate::os::stream_fence();
+    }
+
+    /// The bytes of `layer` that K and V of cache block `block` may be
+    /// written through, each with the byte offset of its first value
+    /// there, for the parts `want`ed: the whole layer for one, and for both
+    /// the layer cut between them where their extents do not overlap (else
+    /// only V's). `None` for a part not given.
+    #[allow(clippy::type_complexity)]
+    fn part_spans<'a>(
+        &self,
+        layout: &Layout,
+        layer: &'a mut [u8],
+        block: usize,
+        want: [bool; 2],
+    ) -> [Option<(&'a mut [u8], usize)>; 2] {
+        let e = layout.dtype.size();
+        let start = |p: &PagedPart| (block * self.block_stride + p.offset) * e;
+        let [k, v] = &self.parts;
+        match want {
+            [true, true] => {
+                let (end_k, end_v) = (k.end(layout), v.end(layout));
+                let (sk, sv) = (start(k), start(v));
+                let (ek, ev) = (
+                    (block * self.block_stride + end_k) * e,
+                    (block * self.block_stride + end_v) * e,
+                );
+                if ek <= sv {
+                    let (a, b) = layer.split_at_mut(sv);
+                    [Some((a, sk)), Some((b, 0))]
+                } else if ev <= sk {
+                    let (a, b) = layer.split_at_mut(sk);
+                    [Some((b, 0)), Some((a, sv))]
+                } else {
+                    [None, Some((layer, sv))]
+                }
+            }
+            [true, false] => [Some((layer, start(k))), None],
+            [false, true] => [None, Some((layer, start(v)))],
+            [false, false] => [None, None],
+        }
+    }
+
     /// Copies cache block `block` of `layers` into `runs` (a block's canonical
     /// runs). `check` must have passed for it.
     pub(crate) fn gather(
@@ -178,7 +298,7 @@ enum Move<'a> {
 /// Copies one `[B, H, D]` part between the paged side and the canonical
 /// run, walking the axes in the paged side's order (largest stride
 /// outermost): a paged cache is the memory not in the CPU's cache, so it is
-/// read or written in order, while the run (a hot-tier read's one-run piece,
+/// read or written in order, while the run (a hot-tier read's piece,
 /// or one block's scratch) stays in cache.
 fn copy(layout: &Layout, part: &PagedPart, paged: Move<'_>) {
     match layout.dtype.size() {

@@ -633,3 +633,138 @@ fn version_1_records_land_and_damaged_ones_end_the_hit() {
     );
     assert_eq!(s.stats().unwrap().damaged_blocks, 1);
 }
+
+/// Loads from the hot tier land where the layout says for every kind of
+/// part, against an element-by-element model: `D` values together in the
+/// cache (straight from the slot, streamed where 32-byte aligned, stored
+/// plainly where not) or not (through a piece: K transposed), K and V of a
+/// block apart (both straight) or interleaved (K through a piece), and V
+/// far past K (a GPU backend's layout). Three layers: the runs go four at
+/// a time, then two.
+#[test]
+fn hot_loads_land_every_kind_of_part() {
+    let l = wide();
+    let (b, h, d) = (
+        l.block_size as usize,
+        l.num_kv_heads as usize,
+        l.head_dim as usize,
+    );
+    let n = b * h * d;
+    let part = |offset, strides| PagedPart { offset, strides };
+    let layouts = [
+        (
+            "vLLM CPU",
+            PagedLayout {
+                block_stride: 2 * n,
+                parts: [part(0, [1, d * b, b]), part(n, [d, b * d, 1])],
+            },
+        ),
+        (
+            "vLLM CPU, rows off 32-byte boundaries",
+            PagedLayout {
+                block_stride: 2 * n + 8,
+                parts: [part(4, [1, d * b, b]), part(n + 4, [d, b * d, 1])],
+            },
+        ),
+        ("K then V", plain(&l)),
+        (
+            "V then K",
+            PagedLayout {
+                block_stride: 2 * n,
+                parts: [part(n, [h * d, d, 1]), part(0, [h * d, d, 1])],
+            },
+        ),
+        (
+            "K and V interleaved by token",
+            PagedLayout {
+                block_stride: 2 * n,
+                parts: [part(0, [2 * h * d, d, 1]), part(h * d, [2 * h * d, d, 1])],
+            },
+        ),
+        (
+            "V far past K",
+            PagedLayout {
+                block_stride: n,
+                parts: [part(0, [h * d, d, 1]), part(WIDE_BLOCKS * n, [h * d, d, 1])],
+            },
+        ),
+    ];
+    let tokens = seq(7, 3 * b);
+    let kv = kv_for(&l, &tokens);
+    let blocks = [3, 0, 2];
+    for (name, paged) in layouts {
+        let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let s = open_layout(dir.path(), l, Some(hot.path()));
+        s.put(&tokens, &kv, tokens.len(), b"").unwrap();
+        assert!(s
+            .hot_blocks(&tokens, b"")
+            .unwrap()
+            .iter()
+            .all(Option::is_some));
+        let (want, elems) = paged_model(&l, &paged, &tokens, &blocks);
+        let mut got = vec![vec![0xEEu8; elems * 2]; l.num_layers as usize];
+        let mut spans: Vec<&mut [u8]> = got.iter_mut().map(|v| &mut v[..]).collect();
+        let before = s.stats().unwrap().hot_hit_blocks;
+        let m = s
+            .get_paged(&tokens, 0, b"", &paged, &mut spans, &blocks)
+            .unwrap();
+        assert_eq!(m, 3 * b, "{name}");
+        assert_eq!(
+            s.stats().unwrap().hot_hit_blocks - before,
+            3,
+            "{name}: not from the hot tier"
+        );
+        assert!(got == want, "{name}: wrong values landed");
+    }
+}
+
+/// Caches of `WIDE_BLOCKS` blocks laid out as `paged` says (sentinel bytes
+/// elsewhere), with token block `i` of `tokens` in cache block `blocks[i]`,
+/// each value put by the layout's definition; and their length in elements.
+fn paged_model(
+    l: &Layout,
+    paged: &PagedLayout,
+    tokens: &[u32],
+    blocks: &[usize],
+) -> (Vec<Vec<u8>>, usize) {
+    let (b, h, d) = (
+        l.block_size as usize,
+        l.num_kv_heads as usize,
+        l.head_dim as usize,
+    );
+    let kv = kv_for(l, tokens);
+    let elems = (0..WIDE_BLOCKS)
+        .flat_map(|c| {
+            paged.parts.iter().map(move |p| {
+                c * paged.block_stride
+                    + p.offset
+                    + (b - 1) * p.strides[0]
+                    + (h - 1) * p.strides[1]
+                    + (d - 1) * p.strides[2]
+                    + 1
+            })
+        })
+        .max()
+        .unwrap();
+    let mut want = vec![vec![0xEEu8; elems * 2]; l.num_layers as usize];
+    for (i, &c) in blocks.iter().enumerate() {
+        for (layer, cache) in want.iter_mut().enumerate() {
+            for (k, p) in paged.parts.iter().enumerate() {
+                for (t, hh, dd) in
+                    (0..b).flat_map(|t| (0..h).flat_map(move |x| (0..d).map(move |y| (t, x, y))))
+                {
+                    let src =
+                        ((((layer * 2 + k) * tokens.len() + i * b + t) * h + hh) * d + dd) * 2;
+                    let dst = (c * paged.block_stride
+                        + p.offset
+                        + t * p.strides[0]
+                        + hh * p.strides[1]
+                        + dd * p.strides[2])
+                        * 2;
+                    cache[dst..dst + 2].copy_from_slice(&kv[src..src + 2]);
+                }
+            }
+        }
+    }
+    (want, elems)
+}

@@ -12,7 +12,7 @@
 use super::put::check_start;
 use super::read::{in_ranges, range_bounds, reader_threads, Snap};
 use super::Inner;
-use crate::arena::Arena;
+use crate::arena::LANES;
 use crate::error::{Error, Result};
 use crate::id::BlockId;
 use crate::paged::PagedLayout;
@@ -110,10 +110,10 @@ impl Inner {
             None
         };
         let Some(mut spans) = spans else {
-            let place = |k: usize, r: usize, run: &[u8]| {
-                paged.scatter_run(lay, r, run, layers, blocks[k]);
+            let with_block = |k: usize, f: &mut dyn FnMut(&mut [&mut [u8]], usize)| {
+                f(layers, blocks[k]);
             };
-            return self.read_paged_range(snap, ids, tokens, 0, n, &stop, place);
+            return self.read_paged_range(snap, ids, tokens, paged, 0, n, &stop, with_block);
         };
         let bounds = range_bounds(n, threads);
         let mut parts = Vec::new();
@@ -125,39 +125,40 @@ impl Inner {
         }
         let range = |snap: &mut Option<Snap<'s>>,
                      (at, end, part): (usize, usize, &mut [Vec<&mut [u8]>])| {
-            let place = |k: usize, r: usize, run: &[u8]| {
-                let own: &mut Vec<&mut [u8]> = &mut part[k - at];
-                paged.scatter_run(lay, r, run, own, 0);
+            let with_block = |k: usize, f: &mut dyn FnMut(&mut [&mut [u8]], usize)| {
+                f(&mut part[k - at], 0);
             };
-            self.read_paged_range(snap, ids, tokens, at, end, &stop, place)
+            self.read_paged_range(snap, ids, tokens, paged, at, end, &stop, with_block)
         };
         let parts = parts.into_iter().map(|p| (p.1 - p.0, p));
         in_ranges(snap, "kvstore-paged", parts, &range)
     }
 
-    /// Blocks `at..end` of `read_paged`, in order, each handed run by run to
-    /// `place(k, r, run)`: how many were served before the first that was
-    /// not. A block in the hot tier goes a run at a time through a piece
-    /// that stays in the CPU's cache (`Arena::get_runs`); one whose check fails
-    /// there after some runs were placed (changed by another process, or
-    /// damaged) is read again the ordinary way, which places all of its runs
-    /// afresh or ends the prefix before it, so a torn cache block is never
-    /// counted as served. Others are read whole into a scratch block. Stops
-    /// early at a block past `stop` (the first one found missing by any
-    /// range).
+    /// Blocks `at..end` of `read_paged`, in order, block `k` landed in the
+    /// layers and cache block that `with_block(k, f)` hands to `f`: how many
+    /// were served before the first that was not. A block in the hot tier
+    /// goes from the slot to the cache (`Arena::read_runs`,
+    /// `PagedLayout::land`); one whose check fails there after some runs
+    /// landed (changed by another process, or damaged) is read again the
+    /// ordinary way, which places all of its runs afresh or ends the prefix
+    /// before it, so a torn cache block is never counted as served. Others
+    /// are read whole into a scratch block. Stops early at a block past
+    /// `stop` (the first one found missing by any range).
     #[allow(clippy::too_many_arguments)]
     fn read_paged_range<'s>(
         &'s self,
         snap: &mut Option<Snap<'s>>,
         ids: &[BlockId],
         tokens: &[u32],
+        paged: &PagedLayout,
         at: usize,
         end: usize,
         stop: &AtomicUsize,
-        mut place: impl FnMut(usize, usize, &[u8]),
+        mut with_block: impl FnMut(usize, &mut dyn FnMut(&mut [&mut [u8]], usize)),
     ) -> Result<usize> {
-        let b = self.layout.block_size as usize;
-        let mut piece = vec![0u8; self.arena.as_ref().map_or(0, Arena::piece_len)];
+        let (b, lay) = (self.layout.block_size as usize, &self.layout);
+        let lanes = if self.arena.is_some() { LANES } else { 0 };
+        let mut pieces = vec![0u8; lanes * lay.chunk_bytes()];
         let (mut block, mut scratch) = (Vec::new(), Vec::new());
         for k in at..end {
             if stop.load(Ordering::Relaxed) < k {
@@ -166,7 +167,13 @@ impl Inner {
             let block_tokens = &tokens[k * b..(k + 1) * b];
             let mut failed_slot = false;
             if let Some(arena) = &self.arena {
-                if arena.get_runs(&ids[k], block_tokens, &mut piece, |r, run| place(k, r, run)) {
+                let mut hit = false;
+                with_block(k, &mut |layers, block| {
+                    hit = arena.read_runs(&ids[k], block_tokens, |reader| {
+                        paged.land(lay, reader, layers, block, &mut pieces);
+                    });
+                });
+                if hit {
                     self.counters.hot_hit_blocks.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
@@ -187,9 +194,11 @@ impl Inner {
                 // read the disk again, each time.
                 self.promote_block(&ids[k], block_tokens, &runs)?;
             }
-            for (r, run) in runs.iter().enumerate() {
-                place(k, r, run);
-            }
+            with_block(k, &mut |layers, block| {
+                for (r, run) in runs.iter().enumerate() {
+                    paged.scatter_run(lay, r, run, layers, block);
+                }
+            });
         }
         Ok(end - at)
     }

@@ -692,9 +692,22 @@ fn hot_loads_land_every_kind_of_part() {
     let tokens = seq(7, 3 * b);
     let kv = kv_for(&l, &tokens);
     let blocks = [3, 0, 2];
-    for (name, paged) in layouts {
+    // On one thread, and on three, each landing its own block.
+    for ((name, paged), readers) in layouts.into_iter().flat_map(|x| [(x, 1), (x, 3)]) {
         let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let s = open_layout(dir.path(), l, Some(hot.path()));
+        let s = Store::open(
+            dir.path(),
+            Options {
+                fingerprint: Some("paged@1".into()),
+                layout: Some(l),
+                durability: Durability::None,
+                hot_bytes: Some(16 << 20),
+                hot_dir: Some(hot.path().to_path_buf()),
+                get_readers: Some(readers),
+                ..Options::default()
+            },
+        )
+        .unwrap();
         s.put(&tokens, &kv, tokens.len(), b"").unwrap();
         assert!(s
             .hot_blocks(&tokens, b"")
@@ -708,13 +721,16 @@ fn hot_loads_land_every_kind_of_part() {
         let m = s
             .get_paged(&tokens, 0, b"", &paged, &mut spans, &blocks)
             .unwrap();
-        assert_eq!(m, 3 * b, "{name}");
+        assert_eq!(m, 3 * b, "{name}, {readers} readers");
         assert_eq!(
             s.stats().unwrap().hot_hit_blocks - before,
             3,
             "{name}: not from the hot tier"
         );
-        assert!(got == want, "{name}: wrong values landed");
+        assert!(
+            got == want,
+            "{name}, {readers} readers: wrong values landed"
+        );
     }
 }
 

@@ -37,7 +37,8 @@ pub(crate) fn open_lmdb(
 /// L1 data cache then (half of it on the CPUs measured): the reads into a
 /// buffer of the caller's (`get(out=)`, a slot's check). A paged load
 /// instead lands each row in the engine's cache as it checksums it
-/// (`SharedMap::read_rows_crc32c`).
+/// (`SharedMap::read_rows_crc32c`; through a run-long piece on a CPU
+/// without AVX2).
 const CRC_PIECE: usize = 16 << 10;
 
 /// A shared, writable mapping of a file (the hot-tier arena), addressed by
@@ -191,36 +192,38 @@ impl SharedMap {
         if rows == 0 {
             return;
         }
-        let mut c = [0u32; 4];
-        c[..n].copy_from_slice(crcs);
-        let job = FusedRows {
-            from,
-            dst,
-            strides,
-            stream,
-            shape,
-            row,
-        };
-        // SAFETY: the CPU has AVX2 and SSE4.2 (asserted). Run `s < n` is
-        // `bytes` readable bytes of the mapping at `from[s]`; each of its
-        // rows `(t, h)` is `row` writable bytes at `dst[s] + t * strides[s][0]
-        // + h * strides[s][1]`, inside `outs[s].dst` (asserted above, without
-        // overflow), which is a Rust slice and so neither overlaps the
-        // mapping nor another run's destination; streamed rows are 32-byte
-        // aligned (checked: `dst[s]` and both strides are, and `row` is a
-        // multiple of 32).
-        #[cfg(target_arch = "x86_64")]
-        let c = unsafe {
-            match n {
-                1 => fused_rows_avx2::<1>(&job, c),
-                2 => fused_rows_avx2::<2>(&job, c),
-                3 => fused_rows_avx2::<3>(&job, c),
-                _ => fused_rows_avx2::<4>(&job, c),
-            }
-        };
         #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("has_fused_rows is false: {}", job.row + c[0] as usize);
-        crcs.copy_from_slice(&c[..n]);
+        unreachable!("has_fused_rows is false off x86-64: {from:?} {dst:?} {strides:?} {stream:?}");
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut c = [0u32; 4];
+            c[..n].copy_from_slice(crcs);
+            let job = FusedRows {
+                from,
+                dst,
+                strides,
+                stream,
+                shape,
+                row,
+            };
+            // SAFETY: the CPU has AVX2 and SSE4.2 (asserted). Run `s < n` is
+            // `bytes` readable bytes of the mapping at `from[s]`; each of its
+            // rows `(t, h)` is `row` writable bytes at `dst[s] + t * strides[s][0]
+            // + h * strides[s][1]`, inside `outs[s].dst` (asserted above, without
+            // overflow), which is a Rust slice and so neither overlaps the
+            // mapping nor another run's destination; streamed rows are 32-byte
+            // aligned (checked: `dst[s]` and both strides are, and `row` is a
+            // multiple of 32).
+            let c = unsafe {
+                match n {
+                    1 => fused_rows_avx2::<1>(&job, c),
+                    2 => fused_rows_avx2::<2>(&job, c),
+                    3 => fused_rows_avx2::<3>(&job, c),
+                    _ => fused_rows_avx2::<4>(&job, c),
+                }
+            };
+            crcs.copy_from_slice(&c[..n]);
+        }
     }
 
     /// Copies bytes into the mapping (the caller holds the arena's write lock
@@ -569,6 +572,7 @@ pub(crate) fn has_fused_rows() -> bool {
 }
 
 /// `read_rows_crc32c`'s checked arguments, as pointers.
+#[cfg(target_arch = "x86_64")]
 struct FusedRows {
     from: [*const u8; 4],
     dst: [*mut u8; 4],
@@ -586,7 +590,7 @@ struct FusedRows {
 ///
 /// # Safety
 ///
-/// The CPU must have AVX; `p` must be readable for 32 bytes.
+/// The CPU must have AVX2; `p` must be readable for 32 bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]

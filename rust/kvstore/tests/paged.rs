@@ -335,8 +335,9 @@ fn hot_store(
 
 #[test]
 fn a_hot_block_that_fails_its_check_after_landing_is_read_again_or_ends_the_hit() {
-    // Blocks from the hot tier land a run at a time and are checked after
-    // the last: one damaged there has already put its bytes in the cache.
+    // Blocks from the hot tier land four runs at a time and are checked
+    // after the last: one damaged there has already put its bytes in the
+    // cache.
     let l = layout();
     let tokens = seq(5, 3 * B);
     let blocks = [3, 5, 6];
@@ -652,13 +653,7 @@ fn hot_loads_land_every_kind_of_part() {
     let n = b * h * d;
     let part = |offset, strides| PagedPart { offset, strides };
     let layouts = [
-        (
-            "vLLM CPU",
-            PagedLayout {
-                block_stride: 2 * n,
-                parts: [part(0, [1, d * b, b]), part(n, [d, b * d, 1])],
-            },
-        ),
+        ("vLLM CPU", cpu_paged(&l)),
         (
             "vLLM CPU, rows off 32-byte boundaries",
             PagedLayout {
@@ -715,12 +710,21 @@ fn hot_loads_land_every_kind_of_part() {
             .iter()
             .all(Option::is_some));
         let (want, elems) = paged_model(&l, &paged, &tokens, &blocks);
-        let mut got = vec![vec![0xEEu8; elems * 2]; l.num_layers as usize];
-        let mut spans: Vec<&mut [u8]> = got.iter_mut().map(|v| &mut v[..]).collect();
+        // Each layer on a 64-byte boundary, as an engine's caches are, so
+        // that aligned rows are streamed.
+        let mut bufs = vec![vec![0xEEu8; elems * 2 + 64]; l.num_layers as usize];
+        let mut spans: Vec<&mut [u8]> = bufs
+            .iter_mut()
+            .map(|v| {
+                let at = v.as_ptr().align_offset(64);
+                &mut v[at..at + elems * 2]
+            })
+            .collect();
         let before = s.stats().unwrap().hot_hit_blocks;
         let m = s
             .get_paged(&tokens, 0, b"", &paged, &mut spans, &blocks)
             .unwrap();
+        let got: Vec<&[u8]> = spans.iter().map(|x| &**x).collect();
         assert_eq!(m, 3 * b, "{name}, {readers} readers");
         assert_eq!(
             s.stats().unwrap().hot_hit_blocks - before,
@@ -783,4 +787,75 @@ fn paged_model(
         }
     }
     (want, elems)
+}
+
+/// vLLM's CPU layout for layout `l`: per block, K `[H][D][B]`, then V
+/// `[H][B][D]`.
+fn cpu_paged(l: &Layout) -> PagedLayout {
+    let (b, h, d) = (
+        l.block_size as usize,
+        l.num_kv_heads as usize,
+        l.head_dim as usize,
+    );
+    let n = b * h * d;
+    PagedLayout {
+        block_stride: 2 * n,
+        parts: [
+            PagedPart {
+                offset: 0,
+                strides: [1, d * b, b],
+            },
+            PagedPart {
+                offset: n,
+                strides: [d, b * d, 1],
+            },
+        ],
+    }
+}
+
+/// `hot_blocks_damaged_while_they_land_are_never_landed_wrong` with rows
+/// the one-pass copy takes (vLLM's CPU layout, `D` of 64): bytes of block
+/// 1's K and V in the first group of runs and of its last run flipped and
+/// flipped back, over and over, while loads run; each load is whole and
+/// right.
+#[test]
+fn hot_blocks_damaged_while_they_land_in_one_pass_are_never_landed_wrong() {
+    let l = wide();
+    let paged = cpu_paged(&l);
+    let tokens = seq(9, 3 * l.block_size as usize);
+    let blocks = [1, 3, 0];
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let s = open_layout(dir.path(), l, Some(hot.path()));
+    s.put(&tokens, &kv_for(&l, &tokens), tokens.len(), b"")
+        .unwrap();
+    let arena = s.arena_file().unwrap().unwrap().0;
+    let (_, _, at) = s.hot_blocks(&tokens, b"").unwrap()[1].unwrap();
+    let run = run_bytes(&l) as u64;
+    let (want, elems) = paged_model(&l, &paged, &tokens, &blocks);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (wrong, hot_hits) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                for off in [7, run + 7, 5 * run + 9] {
+                    flip(&arena, at + off);
+                }
+            }
+        });
+        let before = s.stats().unwrap().hot_hit_blocks;
+        let wrong = (0..200)
+            .filter(|_| {
+                let mut got = vec![vec![0xEEu8; elems * 2]; l.num_layers as usize];
+                let mut spans: Vec<&mut [u8]> = got.iter_mut().map(|v| &mut v[..]).collect();
+                let m = s
+                    .get_paged(&tokens, 0, b"", &paged, &mut spans, &blocks)
+                    .unwrap();
+                m != tokens.len() || got != want
+            })
+            .count();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        (wrong, s.stats().unwrap().hot_hit_blocks - before)
+    });
+    assert_eq!(wrong, 0, "loads not whole and right");
+    // Blocks 0 and 2 were never touched: they came from the hot tier.
+    assert!(hot_hits >= 400, "{hot_hits} hot-tier hits");
 }

@@ -1,7 +1,8 @@
 //! Gets and puts straight between the store and a serving engine's paged KV
-//! cache (`crate::paged`): a hot-tier block is checked and permuted into the
-//! engine's cache a run at a time, through a piece that stays in the CPU's
-//! cache; a block from disk is read and checked in a one-block scratch
+//! cache (`crate::paged`): a hot-tier block goes from its slot into the
+//! engine's cache in one pass, four runs at a time, each checksummed as it
+//! is copied (`Arena::read_runs`, `PagedLayout::land`); a block from disk is
+//! read and checked in a one-block scratch
 //! (in the CPU's cache too), then permuted, and not promoted into the hot
 //! tier (`Inner::read_block`), unless the hot tier held it in a slot that
 //! failed its check: that slot is rewritten. A put gathers a few blocks at a

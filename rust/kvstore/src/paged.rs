@@ -20,14 +20,14 @@ pub struct PagedPart {
 
 impl PagedPart {
     /// Elements from a cache block's start to one past the part's last
-    /// value (`PagedLayout::check` bounds it).
-    fn end(&self, layout: &Layout) -> usize {
+    /// value (`None` on overflow).
+    fn end(&self, layout: &Layout) -> Option<usize> {
         let dims = dims(layout);
-        self.offset
-            + (0..3)
-                .map(|a| (dims[a] - 1) * self.strides[a])
-                .sum::<usize>()
-            + 1
+        (0..3)
+            .try_fold(self.offset, |at, a| {
+                (dims[a] - 1).checked_mul(self.strides[a])?.checked_add(at)
+            })?
+            .checked_add(1)
     }
 }
 
@@ -74,13 +74,9 @@ impl PagedLayout {
     /// Elements from a cache block's start to one past the last value of
     /// its K or V (`None` on overflow).
     fn extent(&self, layout: &Layout) -> Option<usize> {
-        let dims = dims(layout);
-        self.parts.iter().try_fold(0usize, |end, p| {
-            let extent = (0..3).try_fold(p.offset, |at, a| {
-                (dims[a] - 1).checked_mul(p.strides[a])?.checked_add(at)
-            })?;
-            Some(end.max(extent.checked_add(1)?))
-        })
+        self.parts
+            .iter()
+            .try_fold(0usize, |end, p| Some(end.max(p.end(layout)?)))
     }
 
     /// Cuts `layers` (which `check` passed for `blocks`) into each cache
@@ -233,7 +229,9 @@ impl PagedLayout {
         let [k, v] = &self.parts;
         match want {
             [true, true] => {
-                let (end_k, end_v) = (k.end(layout), v.end(layout));
+                // `check` passed: no part's end overflows.
+                let end = |p: &PagedPart| p.end(layout).expect("checked");
+                let (end_k, end_v) = (end(k), end(v));
                 let (sk, sv) = (start(k), start(v));
                 let (ek, ev) = (
                     (block * self.block_stride + end_k) * e,

@@ -190,7 +190,8 @@ impl RunReader<'_> {
     /// `read`'s destinations are given in.
     pub fn shape(&self) -> ([usize; 2], usize) {
         let a = self.arena;
-        (a.rows, a.chunk_bytes / (a.rows[0] * a.rows[1]))
+        let rows = [a.block_size, a.heads];
+        (rows, a.chunk_bytes / (rows[0] * rows[1]))
     }
 
     /// Reads the block's next `outs.len()` runs (at most `LANES`; fewer only
@@ -305,8 +306,8 @@ pub(crate) struct Arena {
     slot_size: usize,
     data_off: usize,
     block_size: usize,
-    /// Rows of a run, `[B, H]` (`RunReader::shape`).
-    rows: [usize; 2],
+    /// KV heads: a run is `[B, H]` rows (`RunReader::shape`).
+    heads: usize,
     block_bytes: usize,
     chunk_bytes: usize,
     page_kind: PageKind,
@@ -604,7 +605,7 @@ impl Arena {
             slot_size: geo.slot_size,
             data_off: geo.data_off,
             block_size: layout.block_size as usize,
-            rows: [layout.block_size as usize, layout.num_kv_heads as usize],
+            heads: layout.num_kv_heads as usize,
             block_bytes: layout.block_bytes(),
             chunk_bytes: layout.chunk_bytes(),
             page_kind,

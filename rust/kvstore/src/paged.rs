@@ -121,11 +121,11 @@ impl PagedLayout {
     pub(crate) fn scatter(
         &self,
         layout: &Layout,
-        runs: &mut [&mut [u8]],
+        runs: &[&mut [u8]],
         layers: &mut [&mut [u8]],
         block: usize,
     ) {
-        for (r, run) in runs.iter_mut().enumerate() {
+        for (r, run) in runs.iter().enumerate() {
             self.scatter_run(layout, r, run, layers, block);
         }
     }

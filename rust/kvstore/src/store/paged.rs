@@ -72,8 +72,8 @@ impl Inner {
                     Some((kv, n * b, served)),
                 );
                 for k in 0..got {
-                    let mut runs = self.layout.block_runs_mut(kv, n * b, k);
-                    paged.scatter(&self.layout, &mut runs, layers, blocks[served + k - first]);
+                    let runs = self.layout.block_runs_mut(kv, n * b, k);
+                    paged.scatter(&self.layout, &runs, layers, blocks[served + k - first]);
                 }
                 served += got;
                 if got < n {
@@ -196,9 +196,7 @@ impl Inner {
                 self.promote_block(&ids[k], block_tokens, &runs)?;
             }
             with_block(k, &mut |layers, block| {
-                for (r, run) in runs.iter().enumerate() {
-                    paged.scatter_run(lay, r, run, layers, block);
-                }
+                paged.scatter(lay, &runs, layers, block);
             });
         }
         Ok(end - at)

@@ -7,7 +7,9 @@
 //! 16 MiB), landing in random blocks of per-layer paged caches laid out as
 //! vLLM's CPU backend lays them (K `[H][D][B]`, V `[H][B][D]`; 1 GiB in
 //! all, more than a CPU cache holds). Six such requests are stored and
-//! loaded in turn: 96 MiB of hot tier, read from DRAM.
+//! loaded in turn: 96 MiB of hot tier, read from DRAM; and on one thread
+//! from a handle without a hot tier (each block a `pread` of a segment in
+//! the page cache, checked, then scattered).
 //!
 //! `cargo bench -p kvstore --bench paged`
 
@@ -53,7 +55,7 @@ fn bench(c: &mut Criterion) {
         tempfile::tempdir().expect("dir"),
     );
     // Threads for the paged copies: as many as the cores (None), or one.
-    let open = |readers: Option<usize>| {
+    let open = |readers: Option<usize>, hot_bytes: Option<u64>| {
         Store::open(
             dir.path(),
             Options {
@@ -62,7 +64,7 @@ fn bench(c: &mut Criterion) {
                 durability: Durability::None,
                 // Room to spare: the hot tier is set-associative, and at 160
                 // MiB two of the 384 blocks lost their set's place to others.
-                hot_bytes: Some(512 << 20),
+                hot_bytes,
                 hot_dir: Some(hot.path().to_path_buf()),
                 get_readers: readers,
                 ..Options::default()
@@ -70,7 +72,10 @@ fn bench(c: &mut Criterion) {
         )
         .expect("open")
     };
-    let (s, one) = (open(None), open(Some(1)));
+    let hot_bytes = Some(512 << 20);
+    let (s, one) = (open(None, hot_bytes), open(Some(1), hot_bytes));
+    // Without a hot tier: the segments, from the page cache.
+    let warm = open(Some(1), None);
     // Requests in turn, more bytes than the CPU's last-level cache (32 MiB
     // here), so that each load reads the hot tier from DRAM, as a load
     // between a serving engine's forward passes does.
@@ -126,6 +131,7 @@ fn bench(c: &mut Criterion) {
             &one,
             untransposed(),
         ),
+        ("get_paged (page cache, 1 thread)", &warm, paged()),
     ];
     for (name, store, layout) in rows {
         g.bench_function(name, |b| {

@@ -118,15 +118,16 @@ impl PagedLayout {
 
     /// Copies block `runs` (the canonical `2L` `[B, H, D]` runs of one block)
     /// into cache block `block` of `layers`. `check` must have passed for it.
-    pub(crate) fn scatter(
+    /// The runs are only read: a scratch block's (`&mut`) or a buffer's.
+    pub(crate) fn scatter<R: AsRef<[u8]>>(
         &self,
         layout: &Layout,
-        runs: &[&mut [u8]],
+        runs: &[R],
         layers: &mut [&mut [u8]],
         block: usize,
     ) {
         for (r, run) in runs.iter().enumerate() {
-            self.scatter_run(layout, r, run, layers, block);
+            self.scatter_run(layout, r, run.as_ref(), layers, block);
         }
     }
 

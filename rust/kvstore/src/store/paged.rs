@@ -72,7 +72,7 @@ impl Inner {
                     Some((kv, n * b, served)),
                 );
                 for k in 0..got {
-                    let runs = self.layout.block_runs_mut(kv, n * b, k);
+                    let runs = self.layout.block_runs(kv, n * b, k);
                     paged.scatter(&self.layout, &runs, layers, blocks[served + k - first]);
                 }
                 served += got;

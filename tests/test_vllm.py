@@ -678,7 +678,7 @@ class Failing:  # a store whose every call fails, as a broken disk or remote wou
         raise KVStoreError("injected")
     lookup = get = put = fail
 
-sched = c._SchedulerHalf(Failing(), True, True)
+sched = c._SchedulerHalf(Failing(), True, True, True)
 req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(40)), cache_salt=None,
                       lora_request=None, mm_features=[], prompt_embeds=None)
 matched = sched.matched(req, 0)
@@ -724,3 +724,103 @@ def test_store_errors_never_reach_vllm():
     assert r["stats"]["save_tokens"] == 0
     assert r["finished"] == ["s"]  # its blocks are freed although the save failed
     assert r["after_recompute"]["save_errors"] == 1  # t tried once the block was recomputed
+
+
+RESUMED = r"""
+import json, sys
+from types import SimpleNamespace
+import torch
+import kvstore
+from kvstore.layout import Layout
+from kvstore.vllm import connector as c
+from kvstore.vllm.paged import PagedKV
+
+lay = Layout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", block_size=8)
+tokens = list(range(100, 140))  # 5 blocks; the last token's is computed, so 4 to load
+req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, all_token_ids=tokens,
+                      cache_salt=None, lora_request=None, mm_features=[], prompt_embeds=None)
+FIRST, AGAIN = [0, 1, 2, 3, 4], [9, 8, 7, 6, 5]  # vLLM's blocks before and after
+
+def output(new=(), cached=(), resumed=(), preempted=()):
+    return SimpleNamespace(
+        preempted_req_ids=set(preempted),
+        scheduled_new_reqs=[SimpleNamespace(req_id="r", block_ids=(FIRST,),
+                                            num_computed_tokens=0)] if new else [],
+        num_scheduled_tokens={"r": len(tokens)} if new or cached else {},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["r"] if cached else [], new_block_ids=[(AGAIN,)] if cached else [],
+            resumed_req_ids=set(resumed), num_computed_tokens=[0] if cached else []))
+
+def case(path, recompute, saves_run):
+    # Two handles, as vLLM's two processes hold. The worker's batch puts stay
+    # uncommitted for the case's length (a minute's window): the scheduler cannot
+    # see them, as it cannot in vLLM until the group commit.
+    sched_store = kvstore.open(path, layout=lay, model="m", array="torch")
+    worker_store = kvstore.open(path, layout=lay, model="m", array="torch",
+                                batch_window_ms=60_000)
+    sched = c._SchedulerHalf(sched_store, True, True, recompute)
+    w = c._WorkerHalf(worker_store, ["l0", "l1"], None, 4)
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(10, 2, 8, 2, 4, generator=g).to(torch.bfloat16) for _ in range(2)]
+    offsets = torch.arange(2 * 8 * 2 * 4).view(2, 8, 2, 4)
+    w._paged = PagedKV(caches, offsets.reshape(-1), lay)
+    computed = [c_[FIRST].clone() for c_ in caches]
+    out = {"first": sched.matched(req, 0)}
+    sched.allocated(req, FIRST, 0)
+    meta = sched.build(output(new=True))  # the prefill: its 5 blocks are saved
+    if saves_run:
+        w.save(meta.saves)
+    w.drain(sched.build(output(preempted={"r"})).preempted)  # handle_preemptions
+    for c_ in caches:
+        c_[FIRST] = 0  # vLLM hands the freed blocks to other requests
+    out["visible"] = sched_store.lookup(tokens[:32], count=False)
+    out["again"] = sched.matched(req, 0)
+    sched.allocated(req, AGAIN, out["again"])
+    w.load(sched.build(output(cached=True, resumed={"r"})).loads, set())
+    out["stats"] = w.take_stats()
+    out["load_errors"] = sorted(w.take_load_errors())
+    n = out["stats"]["hit_tokens"] // 8
+    out["landed"] = all(torch.equal(a[AGAIN[:n]], b[:n]) for a, b in zip(caches, computed))
+    w.close()
+    worker_store.close()
+    sched_store.close()
+    return out
+
+root = sys.argv[1]
+print("RESULT " + json.dumps({
+    "saved": case(root + "/a", True, True),
+    "save_lost": case(root + "/b", True, False),
+    "policy_fail": case(root + "/c", False, True),
+}))
+"""
+
+
+def test_resumed_request_loads_saves_the_scheduler_cannot_see_yet(tmp_path):
+    """A preempted request's saves are done in the worker before vLLM reuses its blocks
+    (handle_preemptions), but a batch put is visible to the scheduler's handle only
+    from its group commit. Resumed, the request is planned to load what it handed to
+    the worker to save (its prompt's blocks), and the load lands the computed KV. If
+    that save was lost, the load reports the blocks and vLLM recomputes them; under
+    kv_load_failure_policy "fail" only what the scheduler sees is planned."""
+    p = subprocess.run(
+        [PY, "-c", RESUMED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=vllm_run.env(),
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][0]
+    r = json.loads(line.removeprefix("RESULT "))
+    for case in r.values():
+        assert case["first"] == 0
+        assert case["visible"] == 0  # the group commit has not come
+    saved, lost, fail = r["saved"], r["save_lost"], r["policy_fail"]
+    assert saved["again"] == 32
+    assert saved["stats"]["hit_tokens"] == 32 and saved["landed"]
+    assert saved["load_errors"] == []
+    assert lost["again"] == 32
+    assert lost["stats"]["hit_tokens"] == 0
+    assert lost["load_errors"] == [6, 7, 8, 9]  # reported: vLLM recomputes them
+    assert fail["again"] == 0
+    assert fail["stats"]["hit_tokens"] == 0 and fail["load_errors"] == []

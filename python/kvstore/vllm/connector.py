@@ -250,7 +250,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sched: _SchedulerHalf | None = None
         self._worker_half: _WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _SchedulerHalf(self._store, tc.is_kv_consumer, tc.is_kv_producer)
+            recompute = tc.kv_load_failure_policy == "recompute"
+            self._sched = _SchedulerHalf(
+                self._store, tc.is_kv_consumer, tc.is_kv_producer, recompute
+            )
         else:
             depth = int(extra.get("save_queue", 64))
             self._worker_half = _WorkerHalf(self._store, self._layer_names, vllm_config, depth)
@@ -372,9 +375,12 @@ def _count(store: Store, figures: dict[str, int]) -> None:
 
 
 class _SchedulerHalf:
-    def __init__(self, store: Store, loads: bool, saves: bool) -> None:
+    def __init__(self, store: Store, loads: bool, saves: bool, recompute: bool) -> None:
         self._store = store
         self._loads, self._saves = loads, saves
+        # vLLM recomputes the blocks of a failed load (kv_load_failure_policy), so a
+        # load may count on saves this process cannot see yet (see `matched`).
+        self._recompute = recompute
         self._block = store.layout.block_size
         self._reqs: dict[str, _Tracked] = {}
         # req_id -> (vLLM's local hit, the store's hit), from the last lookup
@@ -398,6 +404,14 @@ class _SchedulerHalf:
             _count(self._store, {"lookup_errors": 1})
             log.warning("kvstore connector: lookup of %s failed: %s", request.request_id, e)
             stored = 0
+        t = self._reqs.get(request.request_id)
+        if t is not None and self._recompute:
+            # Asked again for a request it already scheduled: a preempted one, resuming.
+            # Its saves finish in the worker before vLLM reuses its blocks
+            # (handle_preemptions), so before any later step loads; but a batch put
+            # becomes visible to this process only at its group commit (SPEC 3), which
+            # may come later. A save that failed after all is a failed load: recomputed.
+            stored = max(stored, min(t.saved_upto, upto))
         self._hits[request.request_id] = (num_computed_tokens, stored)
         return max(stored - num_computed_tokens, 0) if self._loads else 0
 

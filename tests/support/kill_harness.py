@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -200,6 +201,7 @@ class Worker:
                 text=True,
                 bufsize=1,
             )
+        h.spawned[self.proc.pid] = f"{self.name} (incarnation {self.incarnation})"
         self.ready = threading.Event()
         self.lines: list[str] = []
         self.last, self.last_at = "", time.monotonic()
@@ -248,9 +250,14 @@ class Worker:
         assert self.proc is not None
         self.thread.join(timeout=10)
         err = self.err_path.read_text()[-4000:]
+        # An error naming another process (a LOCK's holder): which worker that was.
+        named = {int(p) for p in re.findall(r"\bpid (\d+)", err)}
+        whose = "".join(
+            f"\n--- pid {p} was {self.h.spawned[p]}" for p in named & self.h.spawned.keys()
+        )
         return WorkerDied(
             f"{self.name} (incarnation {self.incarnation}) exited {self.proc.returncode} "
-            f"by itself\n--- its reports\n{self.lines[-10:]}\n--- stderr\n{err}"
+            f"by itself\n--- its reports\n{self.lines[-10:]}\n--- stderr\n{err}{whose}"
         )
 
     def kill(self) -> None:
@@ -303,6 +310,7 @@ class Harness:
         self.acked: set[str] = set()
         self.suspects: set[str] = set()
         self._incarnation = 0
+        self.spawned: dict[int, str] = {}  # pid -> which worker, for error messages
         work = Path(cfg.path).parent
         self.logs = work / "kill-logs"
         self.logs.mkdir(parents=True, exist_ok=True)

@@ -74,6 +74,14 @@ constexpr int64_t kItemsPerThread = 8;
 // elements, 1.17x) up, 1.2-1.6x from 256 to 2K tokens; medians under a load average of
 // 5-7 favour one thread up to 1K (a helper that is descheduled holds its item up).
 constexpr int64_t kMinParallelElements = int64_t{1} << 18;
+// K and V elements up to which a step's helper is one of OpenMP's team (at::parallel_for,
+// the threads torch's own ops use, which spin a while between ops and start at once)
+// rather than ATen's inter-op pool (a sleeping thread, woken through the kernel: on this
+// VM it joined a 1K-token step after the caller had done every item). Measured (2-vCPU
+// EPYC, bfloat16, GQA 4, D 128, one sequence): the team is 1.1-1.25x faster up to 4K
+// tokens (8M elements), no faster from 8K, where the wake is a small part of the step
+// and the inter-op pool's helper cannot hold the step up on a busy host (run_items).
+constexpr int64_t kMaxTeamElements = int64_t{1} << 23;
 
 // Eight fp32 lanes as a GCC/Clang generic vector: plain arithmetic on it compiles to
 // one AVX2 instruction (or two SSE2 ones in the baseline build), so the inner loops do
@@ -283,6 +291,7 @@ Isa cpu_isa() {
 struct Kernel {
   AttendFn fn;
   const char* isa;
+  bool token_major = false;  // paged_attention_cpu_token_major.h's
 };
 
 template <Kind K, Kind C>
@@ -293,7 +302,9 @@ Kernel kernel_for_isa(int64_t head_dim) {
   const bool fits = head_dim % (C == Kind::BF16 ? 32 : 16) == 0;
   if constexpr (K == Kind::BF16 && (C == Kind::BF16 || C == Kind::FP8)) {
     // P·V (and fp8's lookup) go 64 columns at a time.
-    if (isa == Isa::Avx512Bf16 && head_dim % 64 == 0) return {&attend_avx512bf16<C>, "avx512_bf16"};
+    if (isa == Isa::Avx512Bf16 && head_dim % 64 == 0) {
+      return {&attend_avx512bf16<C>, "avx512_bf16", true};
+    }
   }
   if ((isa == Isa::Avx512 || isa == Isa::Avx512Bf16) && fits) return {&attend_avx512<K, C>, "avx512"};
   if (isa != Isa::Base) return {&attend_avx2<K, C>, "avx2"};
@@ -345,10 +356,20 @@ int64_t min_parallel_elements() {
   return v > 0 ? v : kMinParallelElements;
 }
 
+// kMaxTeamElements, or $KVSTORE_TEAM_MAX_ELEMENTS (read on each call): 1 sends every
+// step with helpers through ATen's inter-op pool (how the tests reach both ways).
+int64_t max_team_elements() {
+  const char* env = std::getenv("KVSTORE_TEAM_MAX_ELEMENTS");
+  if (env == nullptr || *env == '\0') return kMaxTeamElements;
+  const long long v = std::atoll(env);
+  return v > 0 ? v : kMaxTeamElements;
+}
+
 // Runs `items` work items on the calling thread and up to `workers - 1` helpers from
-// ATen's inter-op pool. `body(claim)` takes items while `claim(i)` gives one.
+// ATen's inter-op pool, or, for a short step (`team`, kMaxTeamElements), on OpenMP's
+// team through at::parallel_for. `body(claim)` takes items while `claim(i)` gives one.
 //
-// Not at::parallel_for: its parallel region ends in a barrier that waits for every
+// Not at::parallel_for beyond short steps: its parallel region ends in a barrier that waits for every
 // thread of the team, also one that the OS has not scheduled yet, so on a busy host a
 // decode step of a millisecond waited for a whole scheduler time slice (measured: every
 // 8K-token step took 20 ms on two threads under a load average of 5, 2 ms on one).
@@ -357,7 +378,7 @@ int64_t min_parallel_elements() {
 // step's data (the shared state it holds outlives the call; `body` is never run by it
 // then). Returns the number of threads that ran items, the caller included: a helper
 // the OS started after the last item was taken does not count.
-int64_t run_items(int64_t items, int64_t workers,
+int64_t run_items(int64_t items, int64_t workers, bool team,
                   const std::function<void(const std::function<bool(int64_t&)>&)>& body) {
   struct Shared {
     std::atomic<int64_t> next{0};
@@ -388,6 +409,11 @@ int64_t run_items(int64_t items, int64_t workers,
       return i < st.items;
     });
   };
+  if (team && workers > 1) {
+    // A short step (kMaxTeamElements): the team's threads take items the same way.
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { work(*shared); });
+    return shared->ran.load();
+  }
   for (int64_t h = 1; h < workers; ++h) at::launch([shared, work] { work(*shared); });
   work(*shared);
   // Every item is taken now; wait for those helpers still run.
@@ -466,7 +492,8 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   // Work items (sequence, partition, group of kv heads), at least kItemsPerThread per
   // thread where the step allows, taken one by one by the threads (items): sequences
   // first, then split-K partitions of long contexts, then kv heads (a group's rows of
-  // a token are adjacent, so fewer groups visit each page fewer times). On one thread a
+  // a token are adjacent, so fewer groups visit each page fewer times; the token-major
+  // kernel's items keep every head, see whole_heads). On one thread a
   // step is one item per sequence: partitions would only add a merge (unless
   // $KVSTORE_SPLIT_MIN_TOKENS asks for them, as the tests of split-K do).
   const char* split_env = std::getenv("KVSTORE_SPLIT_MIN_TOKENS");
@@ -482,8 +509,16 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
     partition_tokens = ceil_div(ceil_div(max_len, parts), kChunk) * kChunk;
     parts = ceil_div(max_len, partition_tokens);
   }
+  const auto kind = q.scalar_type();
+  const Kernel kernel = kernel_for(kind, dims.head_dim, fp8);
+  // The token-major kernel reads every kv head of a token at once: an item of fewer
+  // heads reads the same pages for less work (one head of 256 tokens took 2.2x the
+  // time per head of all eight), so its items are whole sequences' partitions.
+  const bool whole_heads = kernel.token_major;
   const int64_t heads_per_item =
-      ceil_div(H, std::min(H, std::max<int64_t>(1, ceil_div(want, dims.num_seqs * parts))));
+      whole_heads ? H
+                  : ceil_div(H, std::min(H, std::max<int64_t>(
+                                                1, ceil_div(want, dims.num_seqs * parts))));
   const int64_t head_groups = ceil_div(H, heads_per_item);
   const int64_t items = dims.num_seqs * parts * head_groups;
 
@@ -520,9 +555,7 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
     p.part_sum = p.part_max + n;
   }
 
-  const auto kind = q.scalar_type();
   const int64_t D = dims.head_dim, G = dims.group, NH = dims.num_heads;
-  const Kernel kernel = kernel_for(kind, D, fp8);
   const AttendFn attend = kernel.fn;
   const auto body = [&](const std::function<bool(int64_t&)>& claim) {
     std::vector<float> buf(2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk);
@@ -549,7 +582,8 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
       attend(p, w, begin, std::min(begin + heads_per_item, (sp + 1) * H));
     }
   };
-  const int64_t ran = run_items(items, std::min(threads, items), body);
+  const int64_t ran =
+      run_items(items, std::min(threads, items), elements <= max_team_elements(), body);
   last_kernel = {kernel.isa, parts, partition_tokens, ran};
   if (parts > 1) {
     if (kind == at::kFloat) {

@@ -199,12 +199,14 @@ def test_threads_are_those_that_ran_items(two_threads, monkeypatch, helpers):
     """last_kernel's `threads` counts the threads that ran work items: a short step (the
     KV of 40 tokens) runs on the calling thread alone, unsplit; a long one (8K tokens)
     on both threads in some call, with the same result bit for bit whichever threads ran
-    its items, whether its helper is one of OpenMP's team (steps up to 8M K and V
-    elements, this one) or from ATen's inter-op pool (longer ones; here by
-    $KVSTORE_TEAM_MAX_ELEMENTS); on one configured thread a long context is not split
-    (a merge would buy nothing) and still matches the float64 reference."""
-    if helpers == "inter-op pool":
-        monkeypatch.setenv("KVSTORE_TEAM_MAX_ELEMENTS", "1")
+    its items, whether its helper comes from ATen's inter-op pool (the default) or is one
+    of OpenMP's team ($KVSTORE_TEAM_MAX_ELEMENTS, for steps up to that many K and V
+    elements); on one configured thread a long context is not split (a merge would buy
+    nothing) and still matches the float64 reference."""
+    if helpers == "team":
+        monkeypatch.setenv("KVSTORE_TEAM_MAX_ELEMENTS", str(1 << 23))
+    else:
+        monkeypatch.delenv("KVSTORE_TEAM_MAX_ELEMENTS", raising=False)
     for dtype in DTYPES:
         args = paged_case([40, 7], 2, 4, 128, dtype, seed=14)
         check_against_reference(args, 1 / math.sqrt(128), dtype)

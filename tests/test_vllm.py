@@ -751,14 +751,14 @@ def output(new=(), cached=(), resumed=(), preempted=()):
             req_ids=["r"] if cached else [], new_block_ids=[(AGAIN,)] if cached else [],
             resumed_req_ids=set(resumed), num_computed_tokens=[0] if cached else []))
 
-def case(path, recompute, saves_run):
+def case(path, recompute, saves_run, saves=True):
     # Two handles, as vLLM's two processes hold. The worker's batch puts stay
     # uncommitted for the case's length (a minute's window): the scheduler cannot
     # see them, as it cannot in vLLM until the group commit.
     sched_store = kvstore.open(path, layout=lay, model="m", array="torch")
     worker_store = kvstore.open(path, layout=lay, model="m", array="torch",
                                 batch_window_ms=60_000)
-    sched = c._SchedulerHalf(sched_store, True, True, recompute)
+    sched = c._SchedulerHalf(sched_store, True, saves, recompute)
     w = c._WorkerHalf(worker_store, ["l0", "l1"], None, 4)
     g = torch.Generator().manual_seed(0)
     caches = [torch.randn(10, 2, 8, 2, 4, generator=g).to(torch.bfloat16) for _ in range(2)]
@@ -786,11 +786,29 @@ def case(path, recompute, saves_run):
     sched_store.close()
     return out
 
+class Scripted:  # a store whose lookups answer from a list: found, then gone
+    layout = lay
+    def __init__(self, answers):
+        self.answers = answers
+    def lookup(self, tokens, extra=None, count=True):
+        return self.answers.pop(0)
+
+def gone():
+    # The prompt's first 4 blocks were found, then evicted while preempted: only the
+    # 5th was handed to the worker, and what precedes it is not found: nothing counts.
+    sched = c._SchedulerHalf(Scripted([32, 0]), True, True, True)
+    sched.matched(req, 0)
+    sched.allocated(req, FIRST, 32)
+    saves = sched.build(output(new=True)).saves
+    return {"handed": [(t.start, len(t.tokens)) for t in saves], "again": sched.matched(req, 0)}
+
 root = sys.argv[1]
 print("RESULT " + json.dumps({
     "saved": case(root + "/a", True, True),
     "save_lost": case(root + "/b", True, False),
     "policy_fail": case(root + "/c", False, True),
+    "consumer": case(root + "/d", True, True, saves=False),
+    "gone": gone(),
 }))
 """
 
@@ -801,7 +819,9 @@ def test_resumed_request_loads_saves_the_scheduler_cannot_see_yet(tmp_path):
     from its group commit. Resumed, the request is planned to load what it handed to
     the worker to save (its prompt's blocks), and the load lands the computed KV. If
     that save was lost, the load reports the blocks and vLLM recomputes them; under
-    kv_load_failure_policy "fail" only what the scheduler sees is planned."""
+    kv_load_failure_policy "fail", for a kv_consumer (which saves nothing), or where
+    the blocks before the handed ones are gone from the store, only what the scheduler
+    sees is planned."""
     p = subprocess.run(
         [PY, "-c", RESUMED, str(tmp_path)],
         capture_output=True,
@@ -812,6 +832,8 @@ def test_resumed_request_loads_saves_the_scheduler_cannot_see_yet(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][0]
     r = json.loads(line.removeprefix("RESULT "))
+    gone = r.pop("gone")
+    assert gone["handed"] == [[32, 40]] and gone["again"] == 0
     for case in r.values():
         assert case["first"] == 0
         assert case["visible"] == 0  # the group commit has not come
@@ -824,3 +846,4 @@ def test_resumed_request_loads_saves_the_scheduler_cannot_see_yet(tmp_path):
     assert lost["load_errors"] == [6, 7, 8, 9]  # reported: vLLM recomputes them
     assert fail["again"] == 0
     assert fail["stats"]["hit_tokens"] == 0 and fail["load_errors"] == []
+    assert r["consumer"]["again"] == 0  # kv_consumer: it hands nothing to save

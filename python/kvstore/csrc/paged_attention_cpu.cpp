@@ -76,12 +76,14 @@ constexpr int64_t kItemsPerThread = 8;
 constexpr int64_t kMinParallelElements = int64_t{1} << 18;
 // K and V elements up to which a step's helper is one of OpenMP's team (at::parallel_for,
 // the threads torch's own ops use, which spin a while between ops and start at once)
-// rather than ATen's inter-op pool (a sleeping thread, woken through the kernel: on this
-// VM it joined a 1K-token step after the caller had done every item). Measured (2-vCPU
-// EPYC, bfloat16, GQA 4, D 128, one sequence): the team is 1.1-1.25x faster up to 4K
-// tokens (8M elements), no faster from 8K, where the wake is a small part of the step
-// and the inter-op pool's helper cannot hold the step up on a busy host (run_items).
-constexpr int64_t kMaxTeamElements = int64_t{1} << 23;
+// rather than ATen's inter-op pool (a sleeping thread, woken through the kernel): 0, so
+// none by default. Measured (2-vCPU EPYC, bfloat16, GQA 4, D 128, one sequence): on a
+// quiet host the team is 1.1-1.25x faster up to 4K tokens (1K: 70-75 us against 84-92,
+// where the pool's helper often joins after the caller has taken every item), no faster
+// from 8K; with two busy loops beside it, its closing barrier waits whole time slices
+// for a descheduled thread (p99 of a 1K step 4-8 ms, against 0.2 ms through the pool).
+// $KVSTORE_TEAM_MAX_ELEMENTS opts in, for cores dedicated to the model.
+constexpr int64_t kMaxTeamElements = 0;
 
 // Eight fp32 lanes as a GCC/Clang generic vector: plain arithmetic on it compiles to
 // one AVX2 instruction (or two SSE2 ones in the baseline build), so the inner loops do
@@ -356,8 +358,8 @@ int64_t min_parallel_elements() {
   return v > 0 ? v : kMinParallelElements;
 }
 
-// kMaxTeamElements, or $KVSTORE_TEAM_MAX_ELEMENTS (read on each call): 1 sends every
-// step with helpers through ATen's inter-op pool (how the tests reach both ways).
+// kMaxTeamElements, or $KVSTORE_TEAM_MAX_ELEMENTS (read on each call; the tests set it
+// to reach both ways).
 int64_t max_team_elements() {
   const char* env = std::getenv("KVSTORE_TEAM_MAX_ELEMENTS");
   if (env == nullptr || *env == '\0') return kMaxTeamElements;
@@ -366,10 +368,10 @@ int64_t max_team_elements() {
 }
 
 // Runs `items` work items on the calling thread and up to `workers - 1` helpers from
-// ATen's inter-op pool, or, for a short step (`team`, kMaxTeamElements), on OpenMP's
-// team through at::parallel_for. `body(claim)` takes items while `claim(i)` gives one.
+// ATen's inter-op pool, or, where asked (`team`, kMaxTeamElements), on OpenMP's team
+// through at::parallel_for. `body(claim)` takes items while `claim(i)` gives one.
 //
-// Not at::parallel_for beyond short steps: its parallel region ends in a barrier that waits for every
+// Not at::parallel_for by default: its parallel region ends in a barrier that waits for every
 // thread of the team, also one that the OS has not scheduled yet, so on a busy host a
 // decode step of a millisecond waited for a whole scheduler time slice (measured: every
 // 8K-token step took 20 ms on two threads under a load average of 5, 2 ms on one).
@@ -410,7 +412,7 @@ int64_t run_items(int64_t items, int64_t workers, bool team,
     });
   };
   if (team && workers > 1) {
-    // A short step (kMaxTeamElements): the team's threads take items the same way.
+    // Asked for (kMaxTeamElements): the team's threads take items the same way.
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { work(*shared); });
     return shared->ran.load();
   }
@@ -548,8 +550,9 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   p.out = out.data_ptr();
   std::unique_ptr<float[]> part_buf;
   if (parts > 1) {
-    // Not zeroed but for the sums: a partition past the end of its sequence is never
-    // written, and its sum of 0 is what tells merge_partitions so.
+    // Not zeroed: every unit writes its partials, an empty partition's too (sum 0, which
+    // tells merge_partitions to skip it). The sums are zeroed all the same: a guard
+    // that costs a few hundred bytes.
     const int64_t n = dims.num_seqs * dims.num_heads * parts;
     part_buf.reset(new float[n * (dims.head_dim + 2)]);
     p.part_out = part_buf.get();

@@ -338,15 +338,18 @@ KVSTORE_INLINE void natural_x64(const float* acc, __m512 (&out)[4]) {
   const __m512 v2 = _mm512_loadu_ps(acc + 32), v3 = _mm512_loadu_ps(acc + 48);
   if constexpr (O == Order::DotBf16) {
     const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i hi =
+        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     out[0] = _mm512_permutex2var_ps(v0, lo, v1);
     out[1] = _mm512_permutex2var_ps(v0, hi, v1);
     out[2] = _mm512_permutex2var_ps(v2, lo, v3);
     out[3] = _mm512_permutex2var_ps(v2, hi, v3);
   } else {
     static_assert(O == Order::DotFp8);
-    const __m512 t0 = _mm512_shuffle_f32x4(v0, v1, 0x44), t1 = _mm512_shuffle_f32x4(v0, v1, 0xEE);
-    const __m512 t2 = _mm512_shuffle_f32x4(v2, v3, 0x44), t3 = _mm512_shuffle_f32x4(v2, v3, 0xEE);
+    const __m512 t0 = _mm512_shuffle_f32x4(v0, v1, 0x44);
+    const __m512 t1 = _mm512_shuffle_f32x4(v0, v1, 0xEE);
+    const __m512 t2 = _mm512_shuffle_f32x4(v2, v3, 0x44);
+    const __m512 t3 = _mm512_shuffle_f32x4(v2, v3, 0xEE);
     out[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
     out[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
     out[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);

@@ -171,6 +171,8 @@ class _Tracked:
     extra: bytes | None
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0  # tokens whose blocks are stored or handed to the worker to store
+    # The tokens [from, to) whose blocks were handed to the worker to store (see matched).
+    handed: tuple[int, int] | None = None
     any_save: bool = False
     load: _Transfer | None = None
 
@@ -405,13 +407,14 @@ class _SchedulerHalf:
             log.warning("kvstore connector: lookup of %s failed: %s", request.request_id, e)
             stored = 0
         t = self._reqs.get(request.request_id)
-        if t is not None and self._recompute:
+        if t is not None and t.handed is not None and self._recompute and stored >= t.handed[0]:
             # Asked again for a request it already scheduled: a preempted one, resuming.
             # Its saves finish in the worker before vLLM reuses its blocks
             # (handle_preemptions), so before any later step loads; but a batch put
             # becomes visible to this process only at its group commit (SPEC 3), which
-            # may come later. A save that failed after all is a failed load: recomputed.
-            stored = max(stored, min(t.saved_upto, upto))
+            # may come later. So the handed blocks count where what precedes them is
+            # found; a save that failed after all is a failed load: recomputed.
+            stored = max(stored, min(t.handed[1], upto))
         self._hits[request.request_id] = (num_computed_tokens, stored)
         return max(stored - num_computed_tokens, 0) if self._loads else 0
 
@@ -496,6 +499,8 @@ class _SchedulerHalf:
                         t.block_ids[: t.saved_upto // b],
                     )
                 )
+                start = t.saved_upto if t.handed is None else min(t.handed[0], t.saved_upto)
+                t.handed = (start, full)
                 t.saved_upto = full
                 t.any_save = True
         return meta

@@ -203,6 +203,10 @@ fn holder(lock: &File) -> String {
     else {
         return String::new();
     };
+    if pid == std::process::id() {
+        // flock is per open file: another handle of this process holds it.
+        return " (this process, through another handle)".into();
+    }
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return format!(" (pid {pid}, gone)");
     };
@@ -239,23 +243,34 @@ mod tests {
     fn a_held_lock_names_its_holder() {
         let tmp = tempfile::tempdir().unwrap();
         let sd = StoreDir::new(tmp.path());
-        let other = fs::open_or_create(&tmp.path().join("LOCK")).unwrap();
+        let path = tmp.path().join("LOCK");
+        let other = fs::open_or_create(&path).unwrap();
         assert_eq!(holder(&other), "", "nobody has held it yet");
         let held = sd.lock().unwrap();
-        // This thread is running (it reads /proc): state R, among its others.
-        let pid = std::process::id();
-        let named = holder(&other);
-        assert!(
-            named.starts_with(&format!(" (pid {pid}: threads ")),
-            "{named}"
-        );
-        assert!(named.contains('R'), "{named}");
+        assert_eq!(holder(&other), " (this process, through another handle)");
         drop(held);
-        // A later holder overwrites the pid (here a longer one, shortened by
-        // truncation): what is left is only the later holder's.
-        std::fs::write(tmp.path().join("LOCK"), "4294967295").unwrap();
-        assert_eq!(holder(&other), " (pid 4294967295, gone)");
+        // Another process, as its pid reads there: what its threads are doing.
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        std::fs::write(&path, child.id().to_string()).unwrap();
+        let mut named = holder(&other);
+        for _ in 0..100 {
+            if named.contains('S') {
+                break; // asleep (it may still be starting)
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            named = holder(&other);
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let prefix = format!(" (pid {}: threads S", child.id());
+        assert!(named.starts_with(&prefix), "{named}");
+        assert_eq!(holder(&other), format!(" (pid {}, gone)", child.id()));
+        // A later holder overwrites a longer pid: what is left is only its own.
+        std::fs::write(&path, "4294967295").unwrap();
         let _again = sd.lock().unwrap();
-        assert!(holder(&other).starts_with(&format!(" (pid {pid}:")));
+        assert_eq!(holder(&other), " (this process, through another handle)");
     }
 }

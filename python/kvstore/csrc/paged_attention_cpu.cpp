@@ -340,31 +340,30 @@ struct LastKernel {
 };
 thread_local LastKernel last_kernel;
 
-// kMinPartitionTokens, or $KVSTORE_SPLIT_MIN_TOKENS (read on each call, rounded up to a
-// whole chunk): the tests lower it so that short contexts run through split-K too.
+// $name as a positive integer (read on each call), else `fallback` (unset, empty, or
+// not a positive number).
+int64_t positive_env(const char* name, int64_t fallback) {
+  const char* env = std::getenv(name);
+  const long long v = env == nullptr ? 0 : std::atoll(env);
+  return v > 0 ? v : fallback;
+}
+
+// kMinPartitionTokens, or $KVSTORE_SPLIT_MIN_TOKENS rounded up to a whole chunk: the
+// tests lower it so that short contexts run through split-K too.
 int64_t min_partition_tokens() {
-  const char* env = std::getenv("KVSTORE_SPLIT_MIN_TOKENS");
-  if (env == nullptr || *env == '\0') return kMinPartitionTokens;
-  const long long v = std::atoll(env);
+  const int64_t v = positive_env("KVSTORE_SPLIT_MIN_TOKENS", 0);
   return v > 0 ? ceil_div(v, kChunk) * kChunk : kMinPartitionTokens;
 }
 
-// kMinParallelElements, or $KVSTORE_PARALLEL_MIN_ELEMENTS (read on each call): 1 runs
-// even a short step on every thread (how the threshold above is measured).
+// kMinParallelElements, or $KVSTORE_PARALLEL_MIN_ELEMENTS: 1 runs even a short step on
+// every thread (how the threshold above is measured).
 int64_t min_parallel_elements() {
-  const char* env = std::getenv("KVSTORE_PARALLEL_MIN_ELEMENTS");
-  if (env == nullptr || *env == '\0') return kMinParallelElements;
-  const long long v = std::atoll(env);
-  return v > 0 ? v : kMinParallelElements;
+  return positive_env("KVSTORE_PARALLEL_MIN_ELEMENTS", kMinParallelElements);
 }
 
-// kMaxTeamElements, or $KVSTORE_TEAM_MAX_ELEMENTS (read on each call; the tests set it
-// to reach both ways).
+// kMaxTeamElements, or $KVSTORE_TEAM_MAX_ELEMENTS (the tests set it to reach both ways).
 int64_t max_team_elements() {
-  const char* env = std::getenv("KVSTORE_TEAM_MAX_ELEMENTS");
-  if (env == nullptr || *env == '\0') return kMaxTeamElements;
-  const long long v = std::atoll(env);
-  return v > 0 ? v : kMaxTeamElements;
+  return positive_env("KVSTORE_TEAM_MAX_ELEMENTS", kMaxTeamElements);
 }
 
 // Runs `items` work items on the calling thread and up to `workers - 1` helpers from

@@ -132,6 +132,15 @@ def test_odd_block_sizes_and_head_dims(block_size):
     check_against_reference(args, 0.1, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_merge_of_odd_head_dims(split_k, dtype):
+    # head_dim 36: the merge's eight-column loop leaves a tail of four; a length-0
+    # sequence beside split ones merges to zeros.
+    args = paged_case([0, 613, 70], 2, 3, 36, dtype, block_size=5, seed=3)
+    check_against_reference(args, 1 / 6, dtype)
+    assert ops.last_kernel()["partitions"] > 1, ops.last_kernel()
+
+
 def test_zero_length_sequence_gives_zeros():
     q, kc, vc, tables, lens = paged_case([5, 9], 2, 2, 64, torch.float16)
     lens[1] = 0

@@ -252,6 +252,12 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const
                                                           int64_t b, int64_t e) {
   cpu_avx2::attend_units<K, C>(p, w, b, e);
 }
+
+template <Kind K>
+__attribute__((target("avx2,fma,f16c"))) void merge_avx2(const Params& p, int64_t pairs,
+                                                         float* coef, float* later) {
+  cpu_avx2::merge_partitions<K>(p, 0, pairs, coef, later);
+}
 #endif
 
 // The widest kernels the CPU runs: AVX-512 (F, BW, VL, DQ) with or without AVX512-BF16
@@ -422,29 +428,21 @@ int64_t run_items(int64_t items, int64_t workers, bool team,
   return shared->ran.load();
 }
 
-// Merges the partitions of each (sequence, head) and writes the normalised output.
+// The merge of a split step (merge_partitions in paged_attention_cpu_kernel.h): the
+// AVX2 build wherever the CPU has it, AVX-512 ones included. Serial: a few KiB of
+// partials, less work than waking a thread.
 template <Kind K>
-void merge_partitions(const Params& p, int64_t num_seqs) {
-  const int64_t D = p.head_dim, P = p.num_partitions;
-  // Serial: a few KiB of partials, less work than waking a thread.
-  [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
-    for (int64_t sh = begin; sh < end; ++sh) {
-      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t part = 0; part < P; ++part) {
-        const int64_t pi = sh * P + part;
-        if (p.part_sum[pi] == 0.f) continue;  // past the end of this sequence
-        const SoftmaxMerge mg = softmax_merge(m, p.part_max[pi]);
-        const float* po = p.part_out + pi * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * mg.scale_a + po[d] * mg.scale_b;
-        l = l * mg.scale_a + p.part_sum[pi] * mg.scale_b;
-        m = mg.max;
-      }
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      for (int64_t d = 0; d < D; ++d) cpu_base::store_out<K>(p.out, sh * D + d, acc[d] * inv);
-    }
-  }(0, num_seqs * p.num_heads);
+void merge_step(const Params& p, int64_t num_seqs) {
+  std::vector<float> weights(2 * p.num_partitions);
+  float* coef = weights.data();
+  float* later = coef + p.num_partitions;
+#if KVSTORE_X86_DISPATCH
+  if (cpu_isa() != Isa::Base) {
+    merge_avx2<K>(p, num_seqs * p.num_heads, coef, later);
+    return;
+  }
+#endif
+  cpu_base::merge_partitions<K>(p, 0, num_seqs * p.num_heads, coef, later);
 }
 
 // Both ops: `key_scales` and `value_scales` are defined for fp8 caches only.
@@ -563,15 +561,25 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   const int64_t D = dims.head_dim, G = dims.group, NH = dims.num_heads;
   const AttendFn attend = kernel.fn;
   const auto body = [&](const std::function<bool(int64_t&)>& claim) {
-    // Not zeroed (66 KiB at 32 heads of 128, a few percent of a 1K-token step): every
-    // unit sets what it reads.
-    std::unique_ptr<float[]> buf(new float[2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk]);
+    // One block, not zeroed (66 KiB at 32 heads of 128, a few percent of a 1K-token
+    // step; every unit sets what it reads), starting on a 4 KiB boundary, with the
+    // token-major kernel's buffers on the next one. Where malloc put them mattered: at
+    // some addresses the token-major kernel ran 12-18% slower per token (one thread, 1K
+    // tokens, 250 against 290-310 thousand cycles a step; likely 4 KiB aliasing
+    // between its buffers and the rows, not measured here), so a split step, whose
+    // partials buffer moved the scratch, paid it and a whole one mostly did not.
+    constexpr int64_t kPage = 4096 / sizeof(float);
+    const int64_t main_floats = 2 * NH * D + 2 * NH + 2 * kChunk * D + G * kChunk;
+    const int64_t tm_at = ceil_div(main_floats, kPage) * kPage;
+    std::unique_ptr<float[]> buf(new float[kPage - 1 + tm_at + tm_floats(NH)]);
+    const uintptr_t page_mask = uintptr_t{4096} - 1;
+    float* base = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(buf.get()) + page_mask) & ~page_mask);
     std::vector<int64_t> offsets(2 * kChunk);
     std::vector<const float*> rows(2 * kChunk);
-    std::vector<float> tm(tm_floats(NH));  // a few KiB; used by the token-major kernel
     Scratch w{};
-    w.tm = tm.data();
-    w.q = buf.get();
+    w.tm = base + tm_at;
+    w.q = base;
     w.acc = w.q + NH * D;
     w.m = w.acc + NH * D;
     w.l = w.m + NH;
@@ -594,11 +602,11 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   last_kernel = {kernel.isa, parts, partition_tokens, ran};
   if (parts > 1) {
     if (kind == at::kFloat) {
-      merge_partitions<Kind::F32>(p, dims.num_seqs);
+      merge_step<Kind::F32>(p, dims.num_seqs);
     } else if (kind == at::kHalf) {
-      merge_partitions<Kind::F16>(p, dims.num_seqs);
+      merge_step<Kind::F16>(p, dims.num_seqs);
     } else {
-      merge_partitions<Kind::BF16>(p, dims.num_seqs);
+      merge_step<Kind::BF16>(p, dims.num_seqs);
     }
   }
   return out;

@@ -207,6 +207,70 @@ KVSTORE_INLINE void store_out(void* out, int64_t i, float v) {
   }
 }
 
+// Eight outputs from out + i on: bfloat16 rounded to nearest even (NaN: 0x7FC0), as
+// c10::BFloat16 rounds, eight lanes at once; float16 through c10::Half one by one.
+template <Kind K>
+KVSTORE_INLINE void store_out8(void* out, int64_t i, v8f v) {
+  if constexpr (K == Kind::F32) {
+    store8(static_cast<float*>(out) + i, v);
+  } else if constexpr (K == Kind::BF16) {
+    const v8u u = reinterpret_cast<const v8u&>(v);
+    const v8u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const v8u bits = v != v ? v8u{} + 0x7FC0u : rounded;
+    const v8h h = __builtin_convertvector(bits, v8h);
+    __builtin_memcpy(static_cast<uint16_t*>(out) + i, &h, sizeof(h));
+  } else {
+    for (int64_t l = 0; l < kLanes; ++l) store_out<K>(out, i + l, v[l]);
+  }
+}
+
+// The normalised outputs of the (sequence, query head) pairs [begin, end) of a split
+// step, from their partitions' partials. Each pair's partitions fold in order through
+// softmax_merge (as on CUDA); a partition's weight in the sum is its own scale times
+// the rescales of every later fold (`coef` and `later`: P floats each, the caller's),
+// so the rows are summed once, eight columns at a time, not rescaled fold by fold.
+template <Kind K>
+void merge_partitions(const Params& p, int64_t begin, int64_t end, float* coef, float* later) {
+  const int64_t D = p.head_dim, P = p.num_partitions;
+  for (int64_t sh = begin; sh < end; ++sh) {
+    float m = -__builtin_inff(), l = 0.f;
+    for (int64_t part = 0; part < P; ++part) {
+      const int64_t pi = sh * P + part;
+      coef[part] = 0.f;
+      later[part] = 1.f;
+      if (p.part_sum[pi] == 0.f) continue;  // past the end of this sequence
+      const SoftmaxMerge mg = softmax_merge(m, p.part_max[pi]);
+      coef[part] = mg.scale_b;
+      later[part] = mg.scale_a;  // what this fold does to the partitions before it
+      l = l * mg.scale_a + p.part_sum[pi] * mg.scale_b;
+      m = mg.max;
+    }
+    float run = 1.f;
+    for (int64_t part = P - 1; part >= 0; --part) {
+      coef[part] *= run;
+      run *= later[part];
+    }
+    // An empty sequence (len 0) attends to nothing: its output is 0.
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float* po = p.part_out + sh * P * D;
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      v8f acc = {};
+      for (int64_t part = 0; part < P; ++part) {
+        if (coef[part] != 0.f) acc += load8(po + part * D + d) * coef[part];
+      }
+      store_out8<K>(p.out, sh * D + d, acc * inv);
+    }
+    for (; d < D; ++d) {
+      float acc = 0.f;
+      for (int64_t part = 0; part < P; ++part) {
+        if (coef[part] != 0.f) acc += po[part * D + d] * coef[part];
+      }
+      store_out<K>(p.out, sh * D + d, acc * inv);
+    }
+  }
+}
+
 // Work units [begin, end), numbered (sequence, partition, kv head) with the head
 // fastest. Consecutive units of one (sequence, partition) run together, chunk by
 // chunk: the rows of all their heads for a chunk's tokens are adjacent in a page

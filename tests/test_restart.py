@@ -139,3 +139,91 @@ os._exit(0)
     with kvstore.open(path, layout=layout, model="m", durability="none") as s:
         assert s.lookup(t) == 40
         assert_kv_equal(s.get(t), kv_for(layout, t))
+
+
+def _page_cache_state(path) -> tuple[int, int, int] | None:
+    """(cached, dirty, under writeback) pages of a file, by cachestat(2) (Linux 6.5);
+    None where the kernel lacks it."""
+    import ctypes
+    import os
+
+    class Range(ctypes.Structure):
+        _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+    class Stat(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_uint64)
+            for name in ("cache", "dirty", "writeback", "evicted", "recently_evicted")
+        ]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st, rng = Stat(), Range(0, 0)  # len 0: to the end of the file
+        rc = libc.syscall(451, fd, ctypes.byref(rng), ctypes.byref(st), 0)
+    finally:
+        os.close(fd)
+    return None if rc != 0 else (st.cache, st.dirty, st.writeback)
+
+
+def _file_system_of(path) -> str:
+    """The type of the mount `path` is on (the longest mount point above it)."""
+    import os
+
+    real, best = os.path.realpath(path), ("", "")
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, mnt, fstype = line.split()[:3]
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best[0]):
+                best = (mnt, fstype)
+    return best[1]
+
+
+@pytest.mark.parametrize("compression", [None, "exponent"])
+def test_a_put_has_the_disk_write_as_it_goes(tmp_path, compression):
+    """A durable put starts the disk writing its records as it appends them
+    (sync_file_range), so the commit's fdatasync waits for the last pages only.
+    Observable before any commit (a batch window of a minute): the segment's
+    pages are no longer dirty, but written back or under writeback; without it
+    every page of the put would still be dirty (the kernel's own flusher waits
+    30 s or for far more dirty memory). And nothing changes what is durable:
+    flush, then a fresh process reads every block bit-exact."""
+    if _file_system_of(tmp_path) in ("tmpfs", "ramfs", "overlay"):
+        pytest.skip(f"{tmp_path} is on a file system without a disk to write back to")
+    layout = kvstore.Layout(
+        num_layers=2, num_kv_heads=4, head_dim=128, dtype="bfloat16", block_size=16
+    )  # 32 KiB blocks
+    toks = seq(0, 16 * 256)  # 256 blocks, 8 MiB
+    kv = kv_for(layout, toks, kind="lowent")
+    path = tmp_path / "s"
+    with kvstore.open(
+        path,
+        layout=layout,
+        model="test/writeback@1",
+        durability="batch",
+        compression=compression,
+        batch_window_ms=60_000,
+    ) as s:
+        assert s.put(toks, kv) == len(toks)
+        segments = sorted((path / "segments").iterdir())
+        state = [_page_cache_state(p) for p in segments]
+        if any(st is None for st in state):
+            pytest.skip("the kernel has no cachestat(2) to look at dirty pages with")
+        pages = sum(st[0] for st in state)
+        dirty = sum(st[1] for st in state)
+        assert pages > 0, state
+        # At most the page each segment's last record ends in.
+        assert dirty <= len(segments), f"{dirty} of {pages} pages still dirty: {state}"
+        s.flush()
+    done = run_child(
+        "import sys, kvstore\n"
+        "from conftest import seq, kv_for, assert_kv_equal\n"
+        "layout = kvstore.Layout(num_layers=2, num_kv_heads=4, head_dim=128,"
+        " dtype='bfloat16', block_size=16)\n"
+        "toks = seq(0, 16 * 256)\n"
+        "with kvstore.open(sys.argv[1], layout=layout, model='test/writeback@1') as s:\n"
+        "    assert_kv_equal(s.get(toks), kv_for(layout, toks, kind='lowent'), 'writeback')\n"
+        "print('ok')\n",
+        str(path),
+    )
+    assert done.stdout.strip().endswith("ok"), done.stdout

@@ -284,6 +284,30 @@ pub(crate) fn cached_pages(file: &std::fs::File, offset: u64, len: u64) -> Optio
     (rc == 0).then_some(st.nr_cache)
 }
 
+/// Starts writing back `file`'s dirty pages in `[offset, offset + len)`
+/// (`sync_file_range` with `SYNC_FILE_RANGE_WRITE` alone): it returns once
+/// the writes are queued, waits for none of them and promises nothing about
+/// durability, so a later `fdatasync` finds most of the range on the disk
+/// already instead of writing all of it then.
+pub(crate) fn start_writeback(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `file` is an open descriptor for the duration of the call; the
+    // other arguments are plain integers (the kernel checks the range).
+    let rc = unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// What `ofd_lock` asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum OfdLock {

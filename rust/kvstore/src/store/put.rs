@@ -260,6 +260,7 @@ impl Inner {
                         }
                     }
                 }
+                self.start_writeback(w);
                 let Some((bg, j, ix)) = next else {
                     return Ok(());
                 };

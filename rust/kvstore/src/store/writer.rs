@@ -10,6 +10,7 @@ use crate::format;
 use crate::fs;
 use crate::id::BlockId;
 use crate::index::{Location, SegmentInfo, SegmentState};
+use crate::os;
 use crate::record::Encoded;
 use std::collections::HashMap;
 use std::fs::File;
@@ -25,6 +26,8 @@ pub(super) struct Active {
     pub(super) segment: u64,
     pub(super) file: File,
     pub(super) len: u64,
+    /// Where [`Inner::start_writeback`] has asked the disk to write up to.
+    pub(super) written_back: u64,
 }
 
 /// A record written but not yet committed to the index.
@@ -186,7 +189,28 @@ impl Inner {
             segment,
             file,
             len: format::SEGMENT_HEADER_LEN as u64,
+            written_back: 0,
         })
+    }
+
+    /// Has the disk start writing the whole pages appended to the active
+    /// segment since the last call, without waiting for them (only where
+    /// commits sync). A put calls it as it goes, so that the disk writes
+    /// while the put encodes and appends: the commit's `fdatasync` then
+    /// waits for the last pages only, not for the whole put. The page a
+    /// record ends in stays out (the next record is written into it).
+    pub(super) fn start_writeback(&self, w: &mut Writer) {
+        let Some(active) = w.active.as_mut().filter(|_| self.durable()) else {
+            return;
+        };
+        let end = active.len / format::PAYLOAD_ALIGN * format::PAYLOAD_ALIGN;
+        if end > active.written_back {
+            // Only a hint: should the kernel refuse it, the commit's
+            // `fdatasync` writes the range and reports what failed.
+            let _ =
+                os::start_writeback(&active.file, active.written_back, end - active.written_back);
+            active.written_back = end;
+        }
     }
 
     pub(super) fn seal_active(&self, w: &mut Writer) -> Result<()> {

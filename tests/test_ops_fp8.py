@@ -172,6 +172,52 @@ def test_fp8_narrower_cpu_kernels(capability):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def check_every_byte_exact() -> None:
+    """A one-token sequence attends to its V row alone (probability 1): with float32
+    queries and a scale of 1 the output is the row's dequantization, which must be
+    every byte's exact e4m3 value, subnormals (below 2**-6) and zeros of either sign
+    included. Scaled by 2**-60 too, so that the values the kernel computes with are
+    as small as a block's scale can make them."""
+    values = torch.arange(256, dtype=torch.int32)
+    values = values[(values & 0x7F) != NAN_BYTE]  # 254 bytes, and two zeros more
+    values = torch.cat([values, torch.tensor([0x00, 0x80], dtype=torch.int32)]).to(torch.uint8)
+    D = 128
+    rows = values.view(2, D)  # one sequence per row of 128 bytes
+    for scale in (1.0, 2.0**-60):
+        kc = torch.zeros(2, 16, 1, D, dtype=torch.uint8)
+        vc = torch.zeros(2, 16, 1, D, dtype=torch.uint8)
+        vc[:, 0, 0] = rows
+        ks = torch.ones(2, 1)
+        vs = torch.full((2, 1), scale)
+        q = torch.zeros(2, 1, D)
+        tables = torch.tensor([[0], [1]], dtype=torch.int32)
+        lens = torch.tensor([1, 1], dtype=torch.int32)
+        got = ops.paged_attention(q, kc.view(FP8), vc.view(FP8), tables, lens, 1.0, ks, vs).view(
+            2, D
+        )
+        want = rows.view(FP8).double() * scale
+        assert torch.equal(got.double(), want), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("capability", [None, "default", "avx2", "avx512"])
+def test_fp8_every_byte_dequantizes_exactly(capability):
+    if capability is None:
+        check_every_byte_exact()
+        return
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_ops_fp8 import check_every_byte_exact
+        check_every_byte_exact()
+        print("ok")
+        """
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 # ------------------------------------------------------------------------------ write_kv
 
 

@@ -212,7 +212,10 @@ KVSTORE_INLINE void attend_units_token_major_d(const Params& p, const Scratch& w
 
     const auto* q = static_cast<const uint16_t*>(p.query) + (s * p.num_heads + h0 * G) * D;
     auto* qb = reinterpret_cast<uint16_t*>(w.q);
-    for (int64_t i = 0; i < heads * D; ++i) qb[i] = q[(i / D) * D + dot_q_element<C>(i % D)];
+    // Head by head, not i / D and i % D per element (a 64-bit division each).
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t a = 0; a < D; ++a) qb[h * D + a] = q[h * D + dot_q_element<C>(a)];
+    }
     for (int64_t i = 0; i < heads * D; ++i) w.acc[i] = 0.f;
     for (int64_t i = 0; i < heads; ++i) {
       w.m[i] = -__builtin_inff();

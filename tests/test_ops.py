@@ -260,6 +260,14 @@ def test_narrower_cpu_kernels(capability):
                 check_against_reference(args, 0.125, dtype)
                 want = expected_isa(dtype, False, 64, {capability!r})
                 assert ops.last_kernel()["isa"] == want, (ops.last_kernel(), want)
+        # Head sizes of an odd number of 16-float columns (80: the AVX-512 kernel for
+        # float32/float16 queries, its scalar output path) and of 32 but not 64 (96).
+        for head_dim in (80, 96):
+            for dtype in DTYPES:
+                args = paged_case([3, 40, 700], 2, 4, head_dim, dtype, seed=head_dim)
+                check_against_reference(args, 0.1, dtype)
+                want = expected_isa(dtype, False, head_dim, {capability!r})
+                assert ops.last_kernel()["isa"] == want, (ops.last_kernel(), want)
         os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = "32"
         args = paged_case([1, 301], 1, 4, 128, torch.bfloat16, seed=7)
         check_against_reference(args, 0.1, torch.bfloat16)

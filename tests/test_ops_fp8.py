@@ -161,6 +161,10 @@ def test_fp8_narrower_cpu_kernels(capability):
                 check_fp8_against_reference(fp8_case([3, 40, 700], 2, group, 64, dtype), 0.125)
                 want = expected_isa(dtype, True, 64, {capability!r})
                 assert ops.last_kernel()["isa"] == want, (ops.last_kernel(), want)
+        for dtype in DTYPES:  # an odd number of 16-byte columns
+            check_fp8_against_reference(fp8_case([3, 40, 700], 2, 4, 80, dtype), 0.125)
+            want = expected_isa(dtype, True, 80, {capability!r})
+            assert ops.last_kernel()["isa"] == want, (ops.last_kernel(), want)
         os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = "32"
         case = fp8_case([1, 301], 1, 8, 128, torch.bfloat16, block_size=32, seed=7)
         check_fp8_against_reference(case, 0.1)
@@ -172,7 +176,7 @@ def test_fp8_narrower_cpu_kernels(capability):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
-def check_every_byte_exact() -> None:
+def check_every_byte_exact(capability: str | None = None) -> None:
     """A one-token sequence attends to its V row alone (probability 1): with float32
     queries and a scale of 1 the output is the row's dequantization, which must be
     every byte's exact e4m3 value, subnormals (below 2**-6) and zeros of either sign
@@ -197,6 +201,8 @@ def check_every_byte_exact() -> None:
         )
         want = rows.view(FP8).double() * scale
         assert torch.equal(got.double(), want), (got.double() - want).abs().max()
+        isa = expected_isa(torch.float32, True, D, capability)
+        assert ops.last_kernel()["isa"] == isa, (ops.last_kernel(), isa)
 
 
 @pytest.mark.parametrize("capability", [None, "default", "avx2", "avx512"])
@@ -209,7 +215,7 @@ def test_fp8_every_byte_dequantizes_exactly(capability):
         import os, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_ops_fp8 import check_every_byte_exact
-        check_every_byte_exact()
+        check_every_byte_exact({capability!r})
         print("ok")
         """
     )

@@ -203,7 +203,8 @@ impl Inner {
         let Some(active) = w.active.as_mut().filter(|_| self.durable()) else {
             return;
         };
-        let end = active.len / format::PAYLOAD_ALIGN * format::PAYLOAD_ALIGN;
+        let page = rustix::param::page_size() as u64;
+        let end = active.len / page * page;
         if end > active.written_back {
             // Only a hint: should the kernel refuse it, the commit's
             // `fdatasync` writes the range and reports what failed.

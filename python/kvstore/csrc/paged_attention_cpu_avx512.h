@@ -113,12 +113,17 @@ KVSTORE_INLINE __m512 fp8x16(const uint8_t* p) {
 #include "paged_attention_cpu_fp8_bf16.h"
 #endif
 
+// 16 elements of a row or a query widened to fp32, in order (bfloat16 caches are read
+// even/odd instead, bf16_even and bf16_odd; bfloat16 here is a query's).
 template <Kind C>
 KVSTORE_INLINE __m512 load_row16(const typename Storage<C>::type* p) {
   if constexpr (C == Kind::F32) {
     return _mm512_loadu_ps(p);
   } else if constexpr (C == Kind::F16) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (C == Kind::BF16) {
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
   } else {
     return fp8x16(p);
   }
@@ -374,19 +379,6 @@ KVSTORE_INLINE __m256i bf16_round_x16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// 16 query elements widened to fp32 (natural order).
-template <Kind K>
-KVSTORE_INLINE __m512 widen_x16(const typename Storage<K>::type* q) {
-  if constexpr (K == Kind::F32) {
-    return _mm512_loadu_ps(q);
-  } else if constexpr (K == Kind::F16) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  } else {
-    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-  }
-}
-
 // The `n` query elements at q (whole heads, D a multiple of 16, of 32 for bfloat16
 // caches), times `scale`, into `out` in the element order kOrder<K, C>: 16 at a time.
 // Was element by element with i / D and i % D, a 64-bit division each, which Intel
@@ -405,7 +397,7 @@ KVSTORE_INLINE void load_q(const typename Storage<K>::type* q, float* out, int64
     }
   } else {
     static_assert(kOrder<K, C> == Order::Natural);
-    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(widen_x16<K>(q + i), mul));
+    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(load_row16<K>(q + i), mul));
   }
 }
 

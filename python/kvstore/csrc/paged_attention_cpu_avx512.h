@@ -419,6 +419,20 @@ KVSTORE_INLINE void natural_x32(const float* acc, __m512 (&out)[2]) {
   }
 }
 
+// Vectors of accumulators natural_cols puts in natural order at once: 64 columns in the
+// token-major kernel's orders, 32 in this kernel's.
+template <Kind K, Kind C>
+constexpr int kNaturalVecs = kDot<K, C> ? 4 : 2;
+
+template <Kind K, Kind C>
+KVSTORE_INLINE void natural_cols(const float* acc, __m512 (&out)[kNaturalVecs<K, C>]) {
+  if constexpr (kDot<K, C>) {
+    natural_x64<kOrder<K, C>>(acc, out);
+  } else {
+    natural_x32<K, C>(acc, out);
+  }
+}
+
 // Writes the outputs of one unit group (sequence s, partition part, query heads from
 // h0 * group, `heads` of them) from w's accumulators (element order kOrder<K, C>): the
 // normalised output, or the partition's partials when the step is split.
@@ -426,49 +440,22 @@ template <Kind K, Kind C>
 KVSTORE_INLINE void write_unit_outputs(const Params& p, const Scratch& w, int64_t s, int64_t part,
                                        int64_t h0, int64_t heads) {
   const int64_t D = p.head_dim, G = p.group, P = p.num_partitions;
-  if constexpr (kDot<K, C>) {
-    // The token-major kernel (D a multiple of 64): 16 outputs at a time (element by
-    // element, the permuted stores took about half a short step).
-    for (int64_t i = 0; i < heads; ++i) {
-      const int64_t head = h0 * G + i;
-      const float* acc = w.acc + i * D;
-      __m512 v[4];
-      if (P == 1) {
-        const __m512 inv = _mm512_set1_ps(w.l[i] > 0.f ? 1.f / w.l[i] : 0.f);
-        auto* o = static_cast<c10::BFloat16*>(p.out) + (s * p.num_heads + head) * D;
-        for (int64_t c = 0; c < D; c += 64) {
-          natural_x64<kOrder<K, C>>(acc + c, v);
-          for (int j = 0; j < 4; ++j) {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c + 16 * j),
-                                bf16_round_x16(_mm512_mul_ps(v[j], inv)));
-          }
-        }
-      } else {
-        const int64_t pi = (s * p.num_heads + head) * P + part;
-        for (int64_t c = 0; c < D; c += 64) {
-          natural_x64<kOrder<K, C>>(acc + c, v);
-          for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p.part_out + pi * D + c + 16 * j, v[j]);
-        }
-        p.part_max[pi] = w.m[i];
-        p.part_sum[pi] = w.l[i];
-      }
-    }
-    return;
-  }
-  if constexpr (K != Kind::F16 && !kDot<K, C>) {
-    if (D % 32 == 0) {
-      // 16 outputs at a time (element by element, c10's rounding and the permuted
-      // stores were a third of a 16-token step); float16 stays on the scalar path.
+  constexpr int kVecs = kNaturalVecs<K, C>;
+  if constexpr (K != Kind::F16) {
+    if (D % (16 * kVecs) == 0) {
+      // 16 outputs at a time (element by element, c10's rounding and the permuted stores
+      // took about half a short step of the token-major kernel, a third of a 16-token
+      // step of this one); float16 stays on the scalar path below.
       for (int64_t i = 0; i < heads; ++i) {
         const int64_t head = h0 * G + i;
         const float* acc = w.acc + i * D;
-        __m512 v[2];
+        __m512 v[kVecs];
         if (P == 1) {
           const __m512 inv = _mm512_set1_ps(w.l[i] > 0.f ? 1.f / w.l[i] : 0.f);
           const int64_t o = (s * p.num_heads + head) * D;
-          for (int64_t c = 0; c < D; c += 32) {
-            natural_x32<K, C>(acc + c, v);
-            for (int j = 0; j < 2; ++j) {
+          for (int64_t c = 0; c < D; c += 16 * kVecs) {
+            natural_cols<K, C>(acc + c, v);
+            for (int j = 0; j < kVecs; ++j) {
               const __m512 x = _mm512_mul_ps(v[j], inv);
               if constexpr (K == Kind::F32) {
                 _mm512_storeu_ps(static_cast<float*>(p.out) + o + c + 16 * j, x);
@@ -481,9 +468,9 @@ KVSTORE_INLINE void write_unit_outputs(const Params& p, const Scratch& w, int64_
           }
         } else {
           const int64_t pi = (s * p.num_heads + head) * P + part;
-          for (int64_t c = 0; c < D; c += 32) {
-            natural_x32<K, C>(acc + c, v);
-            for (int j = 0; j < 2; ++j) _mm512_storeu_ps(p.part_out + pi * D + c + 16 * j, v[j]);
+          for (int64_t c = 0; c < D; c += 16 * kVecs) {
+            natural_cols<K, C>(acc + c, v);
+            for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(p.part_out + pi * D + c + 16 * j, v[j]);
           }
           p.part_max[pi] = w.m[i];
           p.part_sum[pi] = w.l[i];

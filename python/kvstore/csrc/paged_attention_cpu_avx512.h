@@ -302,17 +302,6 @@ KVSTORE_INLINE bool fp8_tile_has_nan(const TileRows<Kind::FP8>& t, int64_t D) {
 KVSTORE_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 template <Kind K>
-KVSTORE_INLINE float widen_scalar(typename Storage<K>::type x) {
-  if constexpr (K == Kind::F32) {
-    return x;
-  } else if constexpr (K == Kind::F16) {
-    return fp16_bits_to_float(x);
-  } else {
-    return bf16_bits_to_float(x);
-  }
-}
-
-template <Kind K>
 KVSTORE_INLINE void store_scalar(void* out, int64_t i, float v) {
   if constexpr (K == Kind::F32) {
     static_cast<float*>(out)[i] = v;

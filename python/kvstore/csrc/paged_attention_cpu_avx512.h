@@ -495,13 +495,14 @@ KVSTORE_INLINE void write_unit_outputs(const Params& p, const Scratch& w, int64_
 // head by head within a tile (the heads' rows of a token are adjacent, so each page is
 // touched while hot), with the next tile of each head prefetched while its current one
 // computes.
-template <Kind K, Kind C>
-KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
+// DC: head_dim known at compile time (0: at run time).
+template <Kind K, Kind C, int DC>
+KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
   // The AVX512-BF16 build decodes bfloat16 queries token-major (attend_units_token_major).
   static_assert(!kDot<K, C>, "vdpbf16ps decoding is paged_attention_cpu_token_major.h's");
   using T = typename Storage<C>::type;
   using TQ = typename Storage<K>::type;
-  const int64_t D = p.head_dim, G = p.group, H = p.num_kv_heads, P = p.num_partitions;
+  const int64_t D = DC > 0 ? DC : p.head_dim, G = p.group, H = p.num_kv_heads, P = p.num_partitions;
   const int64_t row_stride = H * D;
   const T* kc = static_cast<const T*>(p.key_cache);
   const T* vc = static_cast<const T*>(p.value_cache);
@@ -574,6 +575,19 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
     }
 
     write_unit_outputs<K, C>(p, w, s, part, h0, heads);
+  }
+}
+
+// Head size 128 known at compile time: the loops over a row unroll and their pointers
+// fold into addressing, as in the token-major kernel. On the Xeon (AVX-512 without BF16),
+// one thread, 8K bfloat16 tokens in L2: 320-325 -> 290-292 ns per token; outputs
+// bit-identical.
+template <Kind K, Kind C>
+KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
+  if (p.head_dim == 128) {
+    attend_units_d<K, C, 128>(p, w, begin, end);
+  } else {
+    attend_units_d<K, C, 0>(p, w, begin, end);
   }
 }
 

@@ -224,6 +224,60 @@ def test_fp8_every_byte_dequantizes_exactly(capability):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def check_nan_bytes_in_attended_tokens(capability: str | None = None) -> None:
+    """A NaN byte (0x7f or 0xff) inside a sequence's length is a NaN value, as in the
+    float64 reference over the dequantized caches: one in a K row makes every output of
+    its kv head's query heads NaN (the softmax sees a NaN score); one in a V row makes at
+    least its column NaN (kernels that check a tile's bytes at once make the whole
+    group NaN, never a finite value). Other kv heads and sequences match the reference.
+    With and without split-K, so that the partitions' merge keeps the NaN."""
+    group, head_dim, bs = 4, 128, 16
+    for split in ("4096", "32"):
+        os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = split
+        for i, dtype in enumerate(DTYPES):
+            q, kc, vc, ks, vs, tables, lens = fp8_case(
+                [300, 45], 3, group, head_dim, dtype, seed=40 + i
+            )
+            k8, v8 = kc.view(torch.uint8), vc.view(torch.uint8)
+            blk, off = int(tables[0, 150 // bs]), 150 % bs
+            k8[blk, off, 0, 5] = 0x7F  # sequence 0, token 150, kv head 0: K
+            blk, off = int(tables[0, 200 // bs]), 200 % bs
+            v8[blk, off, 1, 77] = 0xFF  # token 200, kv head 1: V, column 77
+            got = ops.paged_attention(q, kc, vc, tables, lens, 0.1, ks, vs).double()
+            ref = reference(q, dequantize(kc, ks), dequantize(vc, vs), tables, lens, 0.1)
+            heads = [slice(h * group, (h + 1) * group) for h in range(3)]
+            assert ref[0, heads[0]].isnan().all() and got[0, heads[0]].isnan().all()
+            assert ref[0, heads[1], 77].isnan().all() and got[0, heads[1], 77].isnan().all()
+            finite = ~ref[0, heads[1]].isnan()
+            g1, r1 = got[0, heads[1]][finite], ref[0, heads[1]][finite]
+            agree = g1.isnan() | ((g1 - r1).abs() <= TOL[dtype] * (1 + r1.abs()))
+            assert agree.all(), "a NaN V byte gave a finite value off the reference"
+            for s, h in ((0, heads[2]), (1, slice(None))):
+                assert not got[s, h].isnan().any(), "a NaN byte reached another kv head"
+                torch.testing.assert_close(got[s, h], ref[s, h], atol=TOL[dtype], rtol=TOL[dtype])
+            isa = expected_isa(dtype, True, head_dim, capability)
+            assert ops.last_kernel()["isa"] == isa, (ops.last_kernel(), isa)
+            assert (ops.last_kernel()["partitions"] > 1) == (split == "32"), ops.last_kernel()
+
+
+@pytest.mark.parametrize("capability", [None, "default", "avx2", "avx512"])
+def test_fp8_nan_byte_in_an_attended_token_is_nan(capability):
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_ops_fp8 import check_nan_bytes_in_attended_tokens
+        check_nan_bytes_in_attended_tokens({capability!r})
+        print("ok")
+        """
+    )
+    env = dict(os.environ)
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 # ------------------------------------------------------------------------------ write_kv
 
 

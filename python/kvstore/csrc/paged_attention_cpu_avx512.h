@@ -565,8 +565,10 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
           default: break;
         }
         if constexpr (C == Kind::FP8) {
-          // A NaN byte is a NaN value: the reference's softmax makes every output of
-          // the group NaN, and so does a NaN accumulator here (merges keep it).
+          // A NaN byte is a NaN value (fp8x16 makes it 480): in K the reference's
+          // softmax makes every output of the group NaN, in V its column; here both
+          // make the group's accumulators NaN, never a finite value (merges keep it;
+          // test_fp8_nan_byte_in_an_attended_token_is_nan).
           if (fp8_tile_has_nan(t, D)) {
             for (int64_t d = 0; d < G * D; ++d) w.acc[i_h * D + d] = __builtin_nanf("");
           }

@@ -457,9 +457,21 @@ def test_cuda_sources_compile_for_sm80_and_sm90():
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_cuda_paged_attention_matches_float64_reference(dtype, group, head_dim):
     args = paged_case(LENS + [2049], 2, group, head_dim, dtype, device="cuda")
+    check_against_reference(args, 1 / math.sqrt(head_dim), dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_cuda_block_sizes_and_head_dims(block_size, head_dim):
+    # Every head size the CUDA op builds; lengths 1, one token into a block, and
+    # several 512-token partitions; every dtype in turn.
+    dtype = DTYPES[(head_dim // 16 + block_size // 16) % 3]
+    args = paged_case([1, 613, 2049], 2, 4, head_dim, dtype, block_size, head_dim, "cuda")
     check_against_reference(args, 1 / math.sqrt(head_dim), dtype)
 
 

@@ -45,7 +45,7 @@ def nan_cache(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def dequantize(cache: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return cache.double() * scales.double()[:, None, :, None]
+    return cache.cpu().double() * scales.cpu().double()[:, None, :, None]
 
 
 def fp8_case(lens, num_kv_heads, group, head_dim, qdtype, block_size=16, seed=0):
@@ -87,7 +87,7 @@ def check_fp8_against_reference(case, scale) -> None:
     out = ops.paged_attention(q, kc, vc, tables, lens, scale, ks, vs)
     assert out.dtype == q.dtype and out.shape == q.shape
     ref = reference(q, dequantize(kc, ks), dequantize(vc, vs), tables, lens, scale)
-    got = out.double()
+    got = out.double().cpu()
     assert not got.isnan().any(), "NaN: the kernel read a slot past a sequence's length"
     torch.testing.assert_close(got, ref, atol=TOL[q.dtype], rtol=TOL[q.dtype])
 
@@ -513,3 +513,103 @@ def test_paged_cache_over_an_fp8_pool_quantizes_the_models_kv():
         assert (pool.key_scales(layer)[blk] > 0).all()
         assert (pool.value_scales(layer)[blk] > 0).all()
     seq.release()
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none available)"
+)
+
+
+def on_cuda(tensors):
+    return tuple(t.cuda() for t in tensors)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("qdtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_fp8_attention_matches_float64_reference(qdtype, group, head_dim):
+    # Lengths 1, not multiples of B, a multiple of B, and over three 512-token
+    # partitions, whose softmax states the reduce kernel merges.
+    case = fp8_case([1, 37, 16, 301, 1100], 2, group, head_dim, qdtype, seed=group + head_dim)
+    check_fp8_against_reference(on_cuda(case), 1 / math.sqrt(head_dim))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_cuda_fp8_block_sizes_and_kv_heads_keep_their_scales(block_size):
+    # Eight kv heads, each with its own scales; a sequence ending one token into a
+    # block, and one of exactly four partitions.
+    case = fp8_case([1, 2049, 2048], 8, 4, 128, torch.bfloat16, block_size, seed=block_size)
+    check_fp8_against_reference(on_cuda(case), 1 / math.sqrt(128))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_write_kv_fp8_writes_the_cpu_ops_bytes_and_scales(dtype):
+    """The CUDA quantizer walks the tokens in the CPU op's order with the same scale
+    policy: decode (a token per call) and prefill (one call) give the CPU's bytes and
+    scales exactly, and those meet the round-trip bound by themselves."""
+    B, H, D, T = 16, 2, 128, 70
+    x_k = wide_range_kv(T, H, D, 11).to(dtype)
+    x_v = wide_range_kv(T, H, D, 12).to(dtype)
+    slots = torch.tensor([(5 - t // B) * B + t % B for t in range(T)])
+    slots[9] = -1  # skipped
+    cpu = empty_fp8(8, B, H, D)
+    ops.write_kv(x_k, x_v, *cpu[:2], slots, *cpu[2:])
+    prefill = on_cuda(empty_fp8(8, B, H, D))
+    ops.write_kv(x_k.cuda(), x_v.cuda(), *prefill[:2], slots.cuda(), *prefill[2:])
+    decode = on_cuda(empty_fp8(8, B, H, D))
+    for t in range(T):
+        step = slice(t, t + 1)
+        ops.write_kv(
+            x_k[step].cuda(), x_v[step].cuda(), *decode[:2], slots[step].cuda(), *decode[2:]
+        )
+    for dev in (prefill, decode):
+        kc, vc, ks, vs = (t.cpu() for t in dev)
+        assert torch.equal(kc.view(torch.uint8), cpu[0].view(torch.uint8))
+        assert torch.equal(vc.view(torch.uint8), cpu[1].view(torch.uint8))
+        assert torch.equal(ks, cpu[2]) and torch.equal(vs, cpu[3])
+    kept = slots >= 0
+    check_round_trip(x_k.float()[kept], cpu[0], cpu[2], slots[kept], B)
+    check_round_trip(x_v.float()[kept], cpu[1], cpu[3], slots[kept], B)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_write_kv_fp8_then_attention_matches_cpu():
+    B, H, D, G, T = 16, 2, 128, 4, 333
+    k, v = wide_range_kv(T, H, D, 5), torch.randn(T, H, D)
+    blocks = torch.randperm(32, generator=torch.Generator().manual_seed(0))[: -(-T // B)]
+    slots = blocks[torch.arange(T) // B] * B + torch.arange(T) % B
+    kc, vc, ks, vs = on_cuda(empty_fp8(32, B, H, D))
+    ops.write_kv(k.bfloat16().cuda(), v.bfloat16().cuda(), kc, vc, slots.cuda(), ks, vs)
+    q = torch.randn(1, H * G, D, dtype=torch.bfloat16)
+    case = (q.cuda(), kc, vc, ks, vs, blocks.int()[None].cuda(), torch.tensor([T]).int().cuda())
+    check_fp8_against_reference(case, 0.05)
+    on_cpu = tuple(t.cpu() for t in case)
+    cpu_out = ops.paged_attention(*on_cpu[:3], *on_cpu[5:], 0.05, *on_cpu[3:5])
+    dev_out = ops.paged_attention(*case[:3], *case[5:], 0.05, *case[3:5])
+    torch.testing.assert_close(dev_out.cpu().double(), cpu_out.double(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_fp8_opcheck():
+    q, kc, vc, ks, vs, tables, lens = on_cuda(fp8_case([5, 700], 2, 4, 64, torch.bfloat16))
+    torch.library.opcheck(
+        torch.ops.kvstore.paged_attention_fp8.default,
+        (q, kc, vc, ks, vs, tables, lens, 0.125),
+        test_utils=FP8_OPCHECKS,
+    )
+    key = torch.randn(3, 2, 64, device="cuda").bfloat16()
+    kc2, vc2, ks2, vs2 = on_cuda(empty_fp8(4, 16, 2, 64))
+    kc2.view(torch.uint8).zero_()
+    vc2.view(torch.uint8).zero_()
+    args = (key, -key, kc2, vc2, ks2, vs2, torch.tensor([0, 17, 33], device="cuda"))
+    torch.library.opcheck(torch.ops.kvstore.write_kv_fp8.default, args, test_utils=FP8_OPCHECKS)

@@ -3,13 +3,21 @@
 //
 // paged_attention runs in two kernels, as vLLM's "v2" does:
 // 1. grid (kv head x query-head tile, sequence, partition): each CTA attends one
-//    kv head's group of up to kGroupTile query heads over one partition of
-//    kPartitionTokens tokens. K and V rows are fetched once per CTA with 16-byte
-//    loads and used by every query head of the tile (GQA). Scores go to shared
-//    memory, then softmax statistics, then P·V, all in fp32.
+//    kv head's group of up to kGroupTile query heads over one partition of the
+//    context. K and V rows are fetched once per CTA and used by every query head of
+//    the tile (GQA). Scores go to shared memory, then softmax statistics, then P·V,
+//    all in fp32.
 // 2. when the context spans more than one partition, a reduce kernel merges the
 //    partitions' (max, sum, unnormalised output) in fp32 with softmax_merge, the
 //    same helper the CPU kernel uses (paged_attention_common.h).
+//
+// Decode reads every KV byte once and does little arithmetic on it, so the step is
+// bound by how many bytes are in flight: each thread issues the loads of
+// kUnrollRows rows before it uses any, the partition's block ids (and fp8 scales)
+// are read into shared memory once instead of one dependent load per row, and the
+// partition size shrinks (down to kMinPartitionTokens) until the grid fills the
+// device several times over, so that a short context or a small batch still
+// keeps every SM reading.
 #include "checks.h"
 #include "paged_attention_common.h"
 
@@ -22,6 +30,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -32,8 +41,13 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kGroupTile = 8;          // query heads per CTA (all of a GQA group up to 8)
-constexpr int kPartitionTokens = 512;  // tokens per split-K partition
+constexpr int kGroupTile = 8;  // query heads per CTA (all of a GQA group up to 8)
+// Tokens per split-K partition: the largest (what shared memory is sized for) and
+// the smallest the host picks (partition_tokens).
+constexpr int kMaxPartitionTokens = 512;
+constexpr int kMinPartitionTokens = 64;
+constexpr int kUnrollRows = 8;  // rows per thread whose loads are in flight together
+constexpr int kCtasPerSm = 4;   // the grid the partition size aims for, per SM
 
 __host__ __device__ constexpr int next_pow2(int x) {
   int p = 1;
@@ -57,12 +71,13 @@ void dispatch_dtype(at::ScalarType dtype, const char* op, F&& f) {
   }
 }
 
-// How 16 bytes of T become floats, and back.
+// How one load of T (16 bytes; 8 for fp8) becomes floats, and back.
 template <typename T>
 struct Vec16;
 
 template <>
 struct Vec16<float> {
+  using Raw = uint4;
   static constexpr int kElems = 4;
   __device__ __forceinline__ static void to_float(const uint4& raw, float* out) {
     out[0] = __uint_as_float(raw.x);
@@ -76,6 +91,7 @@ struct Vec16<float> {
 
 template <>
 struct Vec16<__half> {
+  using Raw = uint4;
   static constexpr int kElems = 8;
   __device__ __forceinline__ static void to_float(const uint4& raw, float* out) {
     const __half2* h = reinterpret_cast<const __half2*>(&raw);
@@ -92,6 +108,7 @@ struct Vec16<__half> {
 
 template <>
 struct Vec16<__nv_bfloat16> {
+  using Raw = uint4;
   static constexpr int kElems = 8;
   __device__ __forceinline__ static void to_float(const uint4& raw, float* out) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -110,20 +127,35 @@ struct Vec16<__nv_bfloat16> {
   }
 };
 
-// fp8 caches: e4m3 bytes, 16 per load, converted with the exact helper shared with
-// the CPU kernels (paged_attention_common.h); the (block, head) scale is applied
-// to the scores (K) and to the probabilities (V), as on the CPU, not per element.
+// fp8 caches: e4m3 bytes, 8 per load (so a row maps onto threads as a 16-bit row
+// does, and the P·V accumulators stay in registers), converted exactly: by the
+// hardware on sm_89 and later, else with the helper shared with the CPU kernels
+// (paged_attention_common.h). The (block, head) scale is applied to the scores (K)
+// and to the probabilities (V), as on the CPU, not per element.
 struct Fp8 {
   uint8_t bits;
 };
 
 template <>
 struct Vec16<Fp8> {
-  static constexpr int kElems = 16;
-  __device__ __forceinline__ static void to_float(const uint4& raw, float* out) {
+  using Raw = uint2;
+  static constexpr int kElems = 8;
+  __device__ __forceinline__ static void to_float(const uint2& raw, float* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // The hardware's e4m3x2 -> f16x2 (exact: every e4m3 value, NaN included, is a
+    // half), two bytes per instruction, byte 2i to out[2i].
+    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+#else
     const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) out[i] = fp8_e4m3_bits_to_float(b[i]);
+    for (int i = 0; i < 8; ++i) out[i] = fp8_e4m3_bits_to_float(b[i]);
+#endif
   }
 };
 
@@ -162,6 +194,7 @@ struct KernelArgs {
   int group_tiles;
   int block_size;
   int num_partitions;
+  int partition_tokens;
   float scale;
 };
 
@@ -170,13 +203,18 @@ template <typename T, typename C, int D>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelArgs a) {
   using V = Vec16<T>;
   using VC = Vec16<C>;
+  using Raw = typename VC::Raw;
   constexpr bool kFp8 = std::is_same_v<C, Fp8>;
-  constexpr int kVec = VC::kElems;        // cache elements per 16-byte load
-  static_assert(D % kVec == 0, "a row must be whole 16-byte vectors");
-  constexpr int kRowVecs = D / kVec;      // 16-byte vectors per K/V row
+  constexpr int kVec = VC::kElems;        // cache elements per load
+  static_assert(D % kVec == 0, "a row must be whole loads");
+  constexpr int kRowVecs = D / kVec;      // loads per K/V row
   constexpr int kTG = kRowVecs >= 32 ? 32 : next_pow2(kRowVecs);  // threads per row
   constexpr int kVecsPerThread = (kRowVecs + kTG - 1) / kTG;
   constexpr int kRowsPerPass = kThreads / kTG;
+  constexpr int kRowsPerStep = kRowsPerPass * kUnrollRows;
+  // A partition's block ids: at most one per token, plus one where it starts inside
+  // a block.
+  constexpr int kMaxPartitionBlocks = kMaxPartitionTokens + 1;
 
   const int kv_head = blockIdx.x / a.group_tiles;
   const int g0 = (blockIdx.x % a.group_tiles) * kGroupTile;
@@ -188,23 +226,37 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
   // nothing outside the table (block ids themselves are not checked on the GPU).
   const int max_len = static_cast<int>(a.table_stride) * a.block_size;
   const int len = max(0, min(a.seq_lens[s], max_len));
-  const int start = part * kPartitionTokens;
+  const int start = part * a.partition_tokens;
   // A partition past the end has nothing to do; the reduce kernel skips it.
   if (a.num_partitions > 1 && start >= len) return;
-  const int n = max(0, min(len - start, kPartitionTokens));
+  const int n = max(0, min(len - start, a.partition_tokens));
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
   const int tg = tid / kTG;  // row handled by this thread in a pass
-  const int tl = tid % kTG;  // this thread's 16-byte vectors in the row: tl, tl + kTG, ...
+  const int tl = tid % kTG;  // this thread's loads in the row: tl, tl + kTG, ...
 
   __shared__ __align__(16) float q_s[kGroupTile][D];
   __shared__ __align__(16) float out_s[kGroupTile][D];
-  __shared__ float logits[kGroupTile][kPartitionTokens];
+  __shared__ float logits[kGroupTile][kMaxPartitionTokens];
   __shared__ float stat_max[kGroupTile];
   __shared__ float stat_sum[kGroupTile];
+  __shared__ int32_t blocks_s[kMaxPartitionBlocks];
+  __shared__ float k_scale_s[kFp8 ? kMaxPartitionBlocks : 1];
+  __shared__ float v_scale_s[kFp8 ? kMaxPartitionBlocks : 1];
 
+  const int32_t* table = a.block_tables + int64_t(s) * a.table_stride;
+  const int first_block = start / a.block_size;
+  const int num_blocks = n > 0 ? (start + n - 1) / a.block_size - first_block + 1 : 0;
+  for (int i = tid; i < num_blocks; i += kThreads) {
+    const int32_t blk = table[first_block + i];
+    blocks_s[i] = blk;
+    if constexpr (kFp8) {
+      k_scale_s[i] = a.key_scales[int64_t(blk) * a.k_scale_stride + kv_head];
+      v_scale_s[i] = a.value_scales[int64_t(blk) * a.v_scale_stride + kv_head];
+    }
+  }
   const T* query = static_cast<const T*>(a.query);
   for (int i = tid; i < kGroupTile * D; i += kThreads) {
     const int g = i / D, d = i % D;
@@ -215,60 +267,77 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
   }
   __syncthreads();
 
-  const int32_t* table = a.block_tables + int64_t(s) * a.table_stride;
   const int64_t row_stride = int64_t(a.num_kv_heads) * D;
   const C* kc = static_cast<const C*>(a.key_cache);
   const C* vc = static_cast<const C*>(a.value_cache);
-
-  // 1. Scores. Every thread runs the same number of passes, so the shuffles below
-  // always see full warps; rows past n load nothing.
-  for (int t0 = 0; t0 < n; t0 += kRowsPerPass) {
-    const int t = t0 + tg;
-    const bool valid = t < n;
-    float k[kVecsPerThread][kVec];
+  // Partition token t: its index into blocks_s, and its row in a cache.
+  const auto block_index = [&](int t) { return (start + t) / a.block_size - first_block; };
+  const auto row = [&](const C* cache, int64_t block_stride, int t) {
+    const int b = block_index(t);
+    const int off = (start + t) - (first_block + b) * a.block_size;
+    return reinterpret_cast<const Raw*>(cache + int64_t(blocks_s[b]) * block_stride +
+                                        off * row_stride + int64_t(kv_head) * D);
+  };
+  // The loads of a step's rows, all issued before any is used; rows past n and a
+  // row's loads past its end load nothing (zeros).
+  const auto load_rows = [&](const C* cache, int64_t block_stride, int t0,
+                             Raw (&raw)[kUnrollRows][kVecsPerThread]) {
 #pragma unroll
-    for (int v = 0; v < kVecsPerThread; ++v) {
-      const int vi = tl + v * kTG;
-      if (valid && vi < kRowVecs) {
-        const C* row = kc + token_row_offset(table, start + t, a.block_size, a.k_block_stride,
-                                             row_stride, kv_head, D);
-        VC::to_float(__ldg(reinterpret_cast<const uint4*>(row) + vi), k[v]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) k[v][i] = 0.f;
-      }
-    }
-    float dots[kGroupTile];
-#pragma unroll
-    for (int g = 0; g < kGroupTile; ++g) {
-      float acc = 0.f;
+    for (int r = 0; r < kUnrollRows; ++r) {
+      const int t = t0 + r * kRowsPerPass + tg;
 #pragma unroll
       for (int v = 0; v < kVecsPerThread; ++v) {
         const int vi = tl + v * kTG;
-        if (vi < kRowVecs) {
-#pragma unroll
-          for (int i = 0; i < kVec; i += 4) {
-            const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][vi * kVec + i]);
-            acc += qv.x * k[v][i] + qv.y * k[v][i + 1] + qv.z * k[v][i + 2] + qv.w * k[v][i + 3];
-          }
-        }
+        raw[r][v] = Raw{};
+        if (t < n && vi < kRowVecs) raw[r][v] = __ldg(row(cache, block_stride, t) + vi);
       }
-#pragma unroll
-      for (int mask = kTG / 2; mask > 0; mask >>= 1) {
-        acc += __shfl_xor_sync(0xffffffffu, acc, mask);
-      }
-      dots[g] = acc;
     }
-    if (valid && tl == 0) {
-      float ks = 1.f;
-      if constexpr (kFp8) {
-        ks = a.key_scales[token_location(table, start + t, a.block_size).block *
-                              a.k_scale_stride +
-                          kv_head];
-      }
+  };
+
+  // 1. Scores. Every thread runs the same number of steps, so the shuffles below
+  // always see full warps.
+  for (int t0 = 0; t0 < n; t0 += kRowsPerStep) {
+    Raw raw[kUnrollRows][kVecsPerThread];
+    load_rows(kc, a.k_block_stride, t0, raw);
+#pragma unroll
+    for (int r = 0; r < kUnrollRows; ++r) {
+      const int t = t0 + r * kRowsPerPass + tg;
+      float k[kVecsPerThread][kVec];
+#pragma unroll
+      for (int v = 0; v < kVecsPerThread; ++v) VC::to_float(raw[r][v], k[v]);
+      // Query heads past the group (gcount, the same for the whole CTA) are skipped,
+      // not computed on zeros: a GQA group of 4 does half a tile's work.
+      float dots[kGroupTile];
 #pragma unroll
       for (int g = 0; g < kGroupTile; ++g) {
-        if (g < gcount) logits[g][t] = dots[g] * ks;
+        dots[g] = 0.f;
+        if (g >= gcount) continue;
+        float acc = 0.f;
+#pragma unroll
+        for (int v = 0; v < kVecsPerThread; ++v) {
+          const int vi = tl + v * kTG;
+          if (vi < kRowVecs) {
+#pragma unroll
+            for (int i = 0; i < kVec; i += 4) {
+              const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][vi * kVec + i]);
+              acc += qv.x * k[v][i] + qv.y * k[v][i + 1] + qv.z * k[v][i + 2] +
+                     qv.w * k[v][i + 3];
+            }
+          }
+        }
+#pragma unroll
+        for (int mask = kTG / 2; mask > 0; mask >>= 1) {
+          acc += __shfl_xor_sync(0xffffffffu, acc, mask);
+        }
+        dots[g] = acc;
+      }
+      if (t < n && tl == 0) {
+        float ks = 1.f;
+        if constexpr (kFp8) ks = k_scale_s[block_index(t)];
+#pragma unroll
+        for (int g = 0; g < kGroupTile; ++g) {
+          if (g < gcount) logits[g][t] = dots[g] * ks;
+        }
       }
     }
   }
@@ -303,35 +372,27 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
 #pragma unroll
       for (int i = 0; i < kVec; ++i) acc[g][v][i] = 0.f;
 
-  for (int t0 = 0; t0 < n; t0 += kRowsPerPass) {
-    const int t = t0 + tg;
-    if (t >= n) continue;  // no shuffles in this loop: divergence is fine
-    float val[kVecsPerThread][kVec];
+  for (int t0 = 0; t0 < n; t0 += kRowsPerStep) {
+    Raw raw[kUnrollRows][kVecsPerThread];
+    load_rows(vc, a.v_block_stride, t0, raw);
 #pragma unroll
-    for (int v = 0; v < kVecsPerThread; ++v) {
-      const int vi = tl + v * kTG;
-      if (vi < kRowVecs) {
-        const C* row = vc + token_row_offset(table, start + t, a.block_size, a.v_block_stride,
-                                             row_stride, kv_head, D);
-        VC::to_float(__ldg(reinterpret_cast<const uint4*>(row) + vi), val[v]);
-      } else {
+    for (int r = 0; r < kUnrollRows; ++r) {
+      const int t = t0 + r * kRowsPerPass + tg;
+      if (t >= n) continue;  // no shuffles in this loop: divergence is fine
+      float val[kVecsPerThread][kVec];
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) val[v][i] = 0.f;
+      for (int v = 0; v < kVecsPerThread; ++v) VC::to_float(raw[r][v], val[v]);
+      float vs = 1.f;
+      if constexpr (kFp8) vs = v_scale_s[block_index(t)];
+#pragma unroll
+      for (int g = 0; g < kGroupTile; ++g) {
+        if (g >= gcount) continue;
+        const float p = logits[g][t] * vs;
+#pragma unroll
+        for (int v = 0; v < kVecsPerThread; ++v)
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) acc[g][v][i] += p * val[v][i];
       }
-    }
-    float vs = 1.f;
-    if constexpr (kFp8) {
-      vs = a.value_scales[token_location(table, start + t, a.block_size).block *
-                              a.v_scale_stride +
-                          kv_head];
-    }
-#pragma unroll
-    for (int g = 0; g < kGroupTile; ++g) {
-      const float p = g < gcount ? logits[g][t] * vs : 0.f;
-#pragma unroll
-      for (int v = 0; v < kVecsPerThread; ++v)
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[g][v][i] += p * val[v][i];
     }
   }
 
@@ -389,7 +450,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(const 
   const int head = blockIdx.x, s = blockIdx.y;
   const int max_len = static_cast<int>(a.table_stride) * a.block_size;
   const int len = max(0, min(a.seq_lens[s], max_len));
-  const int parts = min(a.num_partitions, static_cast<int>(ceil_div(len, kPartitionTokens)));
+  const int parts = min(a.num_partitions, static_cast<int>(ceil_div(len, a.partition_tokens)));
   const int64_t sh = int64_t(s) * a.num_heads + head;
   const int64_t base = sh * a.num_partitions;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
@@ -441,6 +502,19 @@ void check_16_byte_rows(const at::Tensor& cache, const char* what) {
               ", itemsize ", elem);
 }
 
+// Tokens per partition: the largest power of two up to kMaxPartitionTokens whose grid
+// (`ctas_per_partition` CTAs for each partition of `max_len` tokens) still fills
+// every SM kCtasPerSm times, and not below kMinPartitionTokens. More partitions
+// cost a longer merge, fewer leave SMs idle.
+int partition_tokens(int64_t max_len, int64_t ctas_per_partition, int sms) {
+  int tokens = kMaxPartitionTokens;
+  while (tokens > kMinPartitionTokens &&
+         ctas_per_partition * ceil_div(max_len, tokens) < int64_t{kCtasPerSm} * sms) {
+    tokens /= 2;
+  }
+  return tokens;
+}
+
 // Both ops: `key_scales` and `value_scales` are defined for fp8 caches only.
 at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& key_scales,
@@ -470,8 +544,10 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   // The partition count comes from the table width, an upper bound of every length
   // that needs no device-to-host copy of seq_lens.
   const int64_t max_len = dims.max_blocks * dims.block_size;
-  const int num_partitions =
-      static_cast<int>(std::max<int64_t>(1, ceil_div(max_len, kPartitionTokens)));
+  const int group_tiles = static_cast<int>(ceil_div(dims.group, kGroupTile));
+  const int partition = partition_tokens(max_len, dims.num_kv_heads * group_tiles * dims.num_seqs,
+                                         at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int num_partitions = static_cast<int>(std::max<int64_t>(1, ceil_div(max_len, partition)));
   at::Tensor part_out, part_stats;
   KernelArgs a{};
   if (num_partitions > 1) {
@@ -500,9 +576,10 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   a.num_heads = static_cast<int>(dims.num_heads);
   a.num_kv_heads = static_cast<int>(dims.num_kv_heads);
   a.group = static_cast<int>(dims.group);
-  a.group_tiles = static_cast<int>(ceil_div(dims.group, kGroupTile));
+  a.group_tiles = group_tiles;
   a.block_size = static_cast<int>(dims.block_size);
   a.num_partitions = num_partitions;
+  a.partition_tokens = partition;
   a.scale = static_cast<float>(scale);
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

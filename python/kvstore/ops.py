@@ -453,6 +453,9 @@ def compile_check(archs: tuple[str, ...] = _COMPILE_CHECK_ARCHS, verbose: bool =
                 *_CUDA_CFLAGS,
                 "-Werror",
                 "all-warnings",
+                # The archs' compilations in parallel, one per core.
+                "--threads",
+                "0",
                 *gencode,
                 *[f"-I{d}" for d in includes],
             ]

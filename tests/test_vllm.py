@@ -6,6 +6,12 @@ except where two share a store on purpose; each serves several phases
 The reference for every generated token is a vLLM run without the connector,
 and for the stored KV transformers on the same weights.
 
+Start-up is most of a run's cost (each process vLLM spawns imports vLLM again,
+about 11 s on a 2-core machine), so runs with the connector keep only the
+processes the connector needs: the engine core (its scheduler half) in the
+driver's process, the worker (its worker half) in its own. The references, which
+have no connector, run every engine in one process, one after the other.
+
 Without the vLLM virtualenv these tests skip; with KVSTORE_REQUIRE_VLLM=1 (CI,
 scripts/test.sh) that is a failure instead.
 """
@@ -160,22 +166,38 @@ def spec(world: dict[str, Any], store: Path | None, phases: list[Any], **kw: Any
         "store": str(store) if store is not None else None,
         "phases": phases,
         "batched_tokens": 64,  # chunked prefill: a 240-token prompt takes 4 steps
+        # The scheduler half in the driver's process, the worker half in vLLM's worker
+        # process (tests/support/vllm_driver.py): one vLLM import fewer than vLLM's
+        # default three processes.
+        "processes": 2,
         **kw,
     }
 
 
-def run(world: dict[str, Any], name: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+def run(world: dict[str, Any], name: str, s: vllm_run.Spec) -> list[dict[str, Any]]:
     world["logs"].mkdir(exist_ok=True)
     return vllm_run.run(PY, s, world["logs"] / f"{name}.log")
 
 
 @pytest.fixture(scope="module")
-def reference(world: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Greedy tokens of every prompt from vLLM without the connector."""
+def reference(world: dict[str, Any], adapters: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Greedy tokens of every prompt from vLLM without the connector: with the default
+    KV memory, with as little as the preemption phase's run (24 blocks), and with LoRA
+    enabled (P.lora with no adapter, adapter A, adapter B). Three LLM instances, one
+    after the other in one process, every part of vLLM in it (no connector here)."""
     phases = SHARED + PARTIAL + LATER + CONCURRENT_X + CONCURRENT_Y + KILL + DAMAGE[:1] + WARM
-    results = run(world, "reference", spec(world, None, phases))
-    results += run(world, "reference-small", spec(world, None, PREEMPT, kv_bytes=SMALL))
-    return by_name(results)
+    engines = [
+        spec(world, None, phases, processes=1),
+        spec(world, None, PREEMPT, kv_bytes=SMALL, processes=1),
+        spec(
+            world,
+            None,
+            lora_phases(adapters, "base", "lora-a", "lora-b"),
+            lora_rank=LORA_RANK,
+            processes=1,
+        ),
+    ]
+    return by_name(run(world, "reference", engines))
 
 
 @pytest.fixture(scope="module")
@@ -506,15 +528,11 @@ def stored_under(
 
 
 @pytest.fixture(scope="module")
-def lora_runs(world, adapters):
-    """vLLM with LoRA enabled: without the connector (the reference); process LA serving
-    P.lora under adapter A into a fresh store; a fresh process LB on that store serving
-    it with no adapter, adapter B, then adapter A."""
-    ref = run(
-        world,
-        "lora-reference",
-        spec(world, None, lora_phases(adapters, "base", "lora-a", "lora-b"), lora_rank=LORA_RANK),
-    )
+def lora_runs(world, adapters, reference):
+    """vLLM with LoRA enabled: without the connector (the reference, from `reference`);
+    process LA serving P.lora under adapter A into a fresh store; a fresh process LB on
+    that store serving it with no adapter, adapter B, then adapter A."""
+    ref = [reference[name] for name in ("base", "lora-a", "lora-b")]
     path = world["root"] / "lora-store"
     la = run(world, "LA", spec(world, path, lora_phases(adapters, "lora-a"), lora_rank=LORA_RANK))
     after_la = stored_under(world, path, adapters)
@@ -608,19 +626,30 @@ def test_fp8_kv_cache_is_refused_at_start_up(world):
 
 def test_two_processes_then_sigkill_then_fresh(world, reference):
     """x serves its prompts, then x and y serve at once (their phases' wall-clock spans
-    overlap); y loads the blocks its first prompt shares with x's. Then a process is
-    killed mid-save, and a fresh one serves every prompt from the store correctly."""
+    overlap); y loads the blocks its first prompt shares with x's. Then x goes on to
+    the kill phases and is killed mid-save, and a fresh process serves every prompt
+    from the store correctly."""
     path = world["root"] / "shared-store"
     world["logs"].mkdir(exist_ok=True)
     with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
         layout = dataclasses.asdict(s.layout)
     at_once = {"dir": str(world["root"] / "barrier"), "all": list(AT_ONCE)}
-    x_phases = CONCURRENT_X + [phase("x-busy", P.busy, barrier=at_once)]
+    # x's process then serves the kill phases (a vLLM start-up fewer than a process of
+    # their own): killed once "kill-warm" is reported, inside "kill".
+    x_phases = CONCURRENT_X + [phase("x-busy", P.busy, barrier=at_once)] + KILL
     stored_x = {"layout": layout, "model": world["fingerprint"], "tokens": P.x[0]}
     y_phases = [{**CONCURRENT_Y[0], "stored": stored_x, "barrier": at_once}]
     x = vllm_run.VLLM(PY, spec(world, path, x_phases), world["logs"] / "X.log")
     y = vllm_run.VLLM(PY, spec(world, path, y_phases), world["logs"] / "Y.log")
-    rx, ry = by_name(x.wait()), by_name(y.wait())
+    while (got := x.next_phase()) is not None and got["name"] != "kill-warm":
+        pass
+    assert got is not None, f"x ended before its kill phases; see {x.log}"
+    # kill-warm done: the engine is up and saving.
+    time.sleep(0.5)  # into the long phase: prefills, decodes and saves in flight
+    x.kill()
+    names = [r["name"] for r in x.results]
+    assert names == ["x", "x-busy", "kill-warm"], "the killed process finished its work"
+    rx, ry = by_name(x.results), by_name(y.wait())
     assert rx["x"]["tokens"] == reference["x"]["tokens"]
     assert ry["y"]["tokens"] == reference["y"]["tokens"]
     busy, yy = rx["x-busy"], ry["y"]
@@ -629,12 +658,6 @@ def test_two_processes_then_sigkill_then_fresh(world, reference):
     assert P.y[0][:shared] == P.x[0][:shared]
     assert yy["counters"]["hit_tokens"] == shared
     assert yy["counters"]["load_error_blocks"] == 0
-
-    k = vllm_run.VLLM(PY, spec(world, path, KILL), world["logs"] / "kill.log")
-    assert k.next_phase() is not None  # warm: the engine is up and saving
-    time.sleep(0.5)  # into the long phase: prefills, decodes and saves in flight
-    k.kill()
-    assert len(k.results) == 1, "the killed process finished its work before the kill"
 
     fresh = run(
         world,
@@ -658,6 +681,64 @@ def test_two_processes_then_sigkill_then_fresh(world, reference):
 def test_import_kvstore_does_not_import_vllm():
     code = "import sys, kvstore, kvstore.hf, kvstore.vllm; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# Runs scripts one after the other, each in a namespace of its own, in one process of
+# vLLM's python: one import of vLLM (which kvstore.vllm.connector imports, ~15 s on 2
+# cores) for all. Each script's stdout and stderr start with a "SCRIPT <name>" line;
+# one that raises has its traceback in its stderr, and the next one runs.
+RUN_SCRIPTS = r"""
+import json, sys, traceback
+for name, code, args in json.loads(sys.argv[1]):
+    print("SCRIPT " + name, flush=True)
+    print("SCRIPT " + name, file=sys.stderr, flush=True)
+    sys.argv = ["-c", *args]
+    try:
+        exec(compile(code, "<" + name + ">", "exec"), {"__name__": "__main__"})
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+"""
+
+
+def sections(text: str) -> dict[str, str]:
+    """RUN_SCRIPTS' output, by script."""
+    out: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("SCRIPT "):
+            lines = out.setdefault(line.removeprefix("SCRIPT "), [])
+        else:
+            lines.append(line)
+    return {name: "\n".join(chunk) for name, chunk in out.items()}
+
+
+@pytest.fixture(scope="module")
+def connector_scripts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """STORE_ERRORS and RESUMED (in its own directory), run by RUN_SCRIPTS."""
+    scripts = [
+        ("store_errors", STORE_ERRORS, []),
+        ("resumed", RESUMED, [str(tmp_path_factory.mktemp("resumed"))]),
+    ]
+    p = subprocess.run(
+        [PY, "-c", RUN_SCRIPTS, json.dumps(scripts)],
+        capture_output=True,
+        text=True,
+        env=vllm_run.env(),
+        timeout=300,
+    )
+    return {"returncode": p.returncode, "stdout": sections(p.stdout), "stderr": p.stderr}
+
+
+def script_result(run: dict[str, Any], name: str) -> dict[str, Any]:
+    """The RESULT a script of `connector_scripts` printed; fails with its stderr."""
+    err = sections(run["stderr"]).get(name, run["stderr"])[-4000:]
+    assert run["returncode"] == 0, run["stderr"][-4000:]
+    lines = [x for x in run["stdout"].get(name, "").splitlines() if x.startswith("RESULT ")]
+    assert lines, err
+    result: dict[str, Any] = json.loads(lines[0].removeprefix("RESULT "))
+    return result
 
 
 STORE_ERRORS = r"""
@@ -704,17 +785,12 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_store_errors_never_reach_vllm():
+def test_store_errors_never_reach_vllm(connector_scripts):
     """A store that raises on every call, behind the connector's halves (in vLLM's
     python): a lookup is a miss, a load reports every block of its transfer for
     recompute, a save is skipped and counted; none raises into vLLM. A save computed
     against a block whose load failed waits until vLLM has recomputed that block."""
-    p = subprocess.run(
-        [PY, "-c", STORE_ERRORS], capture_output=True, text=True, env=vllm_run.env(), timeout=300
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][0]
-    r = json.loads(line.removeprefix("RESULT "))
+    r = script_result(connector_scripts, "store_errors")
     assert r["matched"] == 0
     assert r["lookup_errors"] == 1
     assert r["load_errors"] == [1, 3, 4]
@@ -813,7 +889,7 @@ print("RESULT " + json.dumps({
 """
 
 
-def test_resumed_request_loads_saves_the_scheduler_cannot_see_yet(tmp_path):
+def test_resumed_request_loads_saves_the_scheduler_cannot_see_yet(connector_scripts):
     """A preempted request's saves are done in the worker before vLLM reuses its blocks
     (handle_preemptions), but a batch put is visible to the scheduler's handle only
     from its group commit. Resumed, the request is planned to load what it handed to
@@ -822,16 +898,7 @@ def test_resumed_request_loads_saves_the_scheduler_cannot_see_yet(tmp_path):
     kv_load_failure_policy "fail", for a kv_consumer (which saves nothing), or where
     the blocks before the handed ones are gone from the store, only what the scheduler
     sees is planned."""
-    p = subprocess.run(
-        [PY, "-c", RESUMED, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=vllm_run.env(),
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][0]
-    r = json.loads(line.removeprefix("RESULT "))
+    r = script_result(connector_scripts, "resumed")
     gone = r.pop("gone")
     assert gone["handed"] == [[32, 40]] and gone["again"] == 0
     for case in r.values():

@@ -5,7 +5,7 @@ Run by the vLLM python (scripts/vllm_env.sh) with a JSON spec as its argument:
     {"model": dir, "store": path or null (no connector), "extra": {...} (more
      kv_connector_extra_config), "prefix_caching": bool, "batched_tokens": int,
      "max_model_len": int, "kv_bytes": int, "lora_rank": int (enables LoRA),
-     "kv_cache_dtype": str,
+     "kv_cache_dtype": str, "processes": 3, 2 or 1 (see below),
      "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int,
                  "cache_salt": str or null, "evict": path or null, "sleep": s,
                  "lora": {"name": str, "id": int, "path": dir} or null,
@@ -21,11 +21,27 @@ under that path from the page cache (fsync + posix_fadvise DONTNEED), for cold
 reads; with `stored`, wait until the store holds the whole computable prefix of
 `tokens` (saves are asynchronous); with `barrier`, mark itself ready in `dir` and
 wait until every phase named in `all` (in any process) is, so they run at once.
+
+The argument may also be a JSON list of specs: each is served in turn by an LLM
+instance of its own, shut down before the next starts, in this one process (their
+`PHASE` lines in order, one `DONE` at the end).
+
+`processes` is how many processes vLLM runs in. 3 (the default): vLLM's own
+arrangement, the engine core and the worker each in a process it spawns. 2: the
+engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the worker still
+in its own, so the connector's scheduler half and worker half are still separate
+instances in separate processes, talking through vLLM's messages and the store.
+1: the worker in this process too (the "uni" executor); for runs without the
+connector. Each spawned process imports vLLM again (about 11 s on a 2-core
+machine), which is most of a small run's cost. The specs of one list agree on
+whether the engine core runs here (3, or 2 and 1).
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,8 +98,8 @@ def connector_counters(llm: Any) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def serve(spec: dict[str, Any]) -> None:
+    """Serves `spec`'s phases with an LLM instance of its own, then shuts it down."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.lora.request import LoRARequest
@@ -99,6 +115,9 @@ def main() -> None:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"path": spec["store"], **spec.get("extra", {})},
         )
+    processes = spec.get("processes", 3)
+    if processes < 3:
+        kwargs["distributed_executor_backend"] = "uni" if processes == 1 else "mp"
     llm = LLM(
         model=spec["model"],
         dtype="bfloat16",
@@ -150,8 +169,34 @@ def main() -> None:
             "counters": connector_counters(llm),
         }
         print("PHASE " + json.dumps(result), flush=True)
+    if processes < 3:
+        # The engine core lives here: shut it down now (its worker exits, both
+        # connector halves flush and close their stores), not whenever the
+        # collector finds it, so the next spec's engine starts on a clean slate.
+        llm.llm_engine.engine_core.shutdown()
     del llm
+    gc.collect()
+
+
+def main() -> None:
+    arg = json.loads(sys.argv[1])
+    specs = arg if isinstance(arg, list) else [arg]
+    here = {s.get("processes", 3) < 3 for s in specs}
+    if len(here) != 1:
+        raise SystemExit("vllm_driver: the specs disagree on where the engine core runs")
+    in_process = here.pop()
+    if in_process:
+        # Read by vLLM when it starts an engine: set before anything imports it.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    for spec in specs:
+        serve(spec)
     print("DONE", flush=True)
+    if in_process:
+        # Every engine here was shut down (its worker gone, both connector halves'
+        # stores flushed and closed): nothing is left to finalize but the
+        # interpreter's teardown of torch and vLLM's modules, ~2.5 s on 2 cores.
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -57,11 +57,14 @@ def save_model(path: Path, **kwargs: Any) -> Path:
     return path
 
 
+Spec = dict[str, Any] | list[dict[str, Any]]  # one LLM instance's, or several in turn
+
+
 class VLLM:
     """One driver process: `next_phase()` reads its next result, `wait()` all of them
     (it is killed past `timeout` seconds, or by `kill()`)."""
 
-    def __init__(self, python: str, spec: dict[str, Any], log: Path, timeout: float = 420) -> None:
+    def __init__(self, python: str, spec: Spec, log: Path, timeout: float = 420) -> None:
         self.log = log
         self._out = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(
@@ -113,9 +116,11 @@ class VLLM:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        # Its process group is gone: the watchdog must not signal that id again later.
+        self._watchdog.cancel()
 
 
-def run(python: str, spec: dict[str, Any], log: Path) -> list[dict[str, Any]]:
+def run(python: str, spec: Spec, log: Path) -> list[dict[str, Any]]:
     return VLLM(python, spec, log).wait()
 
 

@@ -1,8 +1,10 @@
 // Math shared by the CPU and the CUDA paged-attention kernels.
 //
 // Everything here is `__host__ __device__` under nvcc and plain `inline` under a
-// host compiler, so both kernels translate block tables and merge softmax
-// partials with the very same code: a fix in one place fixes both devices.
+// host compiler, so both kernels merge softmax partials, and quantize and
+// dequantize e4m3, with the very same code: a fix in one place fixes both devices.
+// (The CUDA kernel reads a partition's block ids into shared memory first, so it
+// translates a token to its row there, not with token_row_offset.)
 #pragma once
 
 #include <math.h>

@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 from kvstore import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_ops import DTYPES, TOL, expected_isa, reference  # noqa: E402
+from test_ops import DTYPES, TOL, expected_isa, gpu, needs_cuda, reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 NAN_BYTE = 0x7F
@@ -385,8 +385,10 @@ def test_fp8_bad_arguments_raise_clear_errors():
 FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-def test_fp8_opcheck():
-    q, kc, vc, ks, vs, tables, lens = fp8_case([5, 40], 2, 4, 64, torch.bfloat16)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, needs_cuda])])
+def test_fp8_opcheck(device):
+    case = fp8_case([5, 700], 2, 4, 64, torch.bfloat16)
+    q, kc, vc, ks, vs, tables, lens = (t.to(device) for t in case)
     torch.library.opcheck(
         torch.ops.kvstore.paged_attention_fp8.default,
         (q, kc, vc, ks, vs, tables, lens, 0.125),
@@ -405,11 +407,11 @@ def test_fp8_opcheck():
         "key_scales",
         "value_scales",
     ]
-    key = torch.randn(3, 2, 64).bfloat16()
-    kc2, vc2, ks2, vs2 = empty_fp8(4, 16, 2, 64)
+    key = torch.randn(3, 2, 64).bfloat16().to(device)
+    kc2, vc2, ks2, vs2 = (t.to(device) for t in empty_fp8(4, 16, 2, 64))
     kc2.view(torch.uint8).zero_()
     vc2.view(torch.uint8).zero_()
-    args = (key, -key, kc2, vc2, ks2, vs2, torch.tensor([0, 17, 33]))
+    args = (key, -key, kc2, vc2, ks2, vs2, torch.tensor([0, 17, 33], device=device))
     torch.library.opcheck(torch.ops.kvstore.write_kv_fp8.default, args, test_utils=FP8_OPCHECKS)
 
 
@@ -517,16 +519,12 @@ def test_paged_cache_over_an_fp8_pool_quantizes_the_models_kv():
 
 # ------------------------------------------------------------------------------------ GPU
 
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (none available)"
-)
-
 
 def on_cuda(tensors):
     return tuple(t.cuda() for t in tensors)
 
 
-@pytest.mark.gpu
+@gpu
 @needs_cuda
 @pytest.mark.parametrize("qdtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -538,7 +536,7 @@ def test_cuda_fp8_attention_matches_float64_reference(qdtype, group, head_dim):
     check_fp8_against_reference(on_cuda(case), 1 / math.sqrt(head_dim))
 
 
-@pytest.mark.gpu
+@gpu
 @needs_cuda
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_cuda_fp8_block_sizes_and_kv_heads_keep_their_scales(block_size):
@@ -548,7 +546,7 @@ def test_cuda_fp8_block_sizes_and_kv_heads_keep_their_scales(block_size):
     check_fp8_against_reference(on_cuda(case), 1 / math.sqrt(128))
 
 
-@pytest.mark.gpu
+@gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_write_kv_fp8_writes_the_cpu_ops_bytes_and_scales(dtype):
@@ -580,7 +578,7 @@ def test_cuda_write_kv_fp8_writes_the_cpu_ops_bytes_and_scales(dtype):
     check_round_trip(x_v.float()[kept], cpu[1], cpu[3], slots[kept], B)
 
 
-@pytest.mark.gpu
+@gpu
 @needs_cuda
 def test_cuda_write_kv_fp8_then_attention_matches_cpu():
     B, H, D, G, T = 16, 2, 128, 4, 333
@@ -596,20 +594,3 @@ def test_cuda_write_kv_fp8_then_attention_matches_cpu():
     cpu_out = ops.paged_attention(*on_cpu[:3], *on_cpu[5:], 0.05, *on_cpu[3:5])
     dev_out = ops.paged_attention(*case[:3], *case[5:], 0.05, *case[3:5])
     torch.testing.assert_close(dev_out.cpu().double(), cpu_out.double(), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_fp8_opcheck():
-    q, kc, vc, ks, vs, tables, lens = on_cuda(fp8_case([5, 700], 2, 4, 64, torch.bfloat16))
-    torch.library.opcheck(
-        torch.ops.kvstore.paged_attention_fp8.default,
-        (q, kc, vc, ks, vs, tables, lens, 0.125),
-        test_utils=FP8_OPCHECKS,
-    )
-    key = torch.randn(3, 2, 64, device="cuda").bfloat16()
-    kc2, vc2, ks2, vs2 = on_cuda(empty_fp8(4, 16, 2, 64))
-    kc2.view(torch.uint8).zero_()
-    vc2.view(torch.uint8).zero_()
-    args = (key, -key, kc2, vc2, ks2, vs2, torch.tensor([0, 17, 33], device="cuda"))
-    torch.library.opcheck(torch.ops.kvstore.write_kv_fp8.default, args, test_utils=FP8_OPCHECKS)

@@ -33,6 +33,7 @@ reads its KV from device memory.
 
 Each case's bf16 output is checked against SDPA in float32 over the same KV, and its
 fp8 output against SDPA over the dequantized KV (max abs difference printed).
+The load average is printed with the memory rates and again at the end.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -54,6 +56,11 @@ from kvstore import ops
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 128, 16
 FP8 = torch.float8_e4m3fn
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    """Bytes of bfloat16 K and V a step over `batch` sequences of `context` tokens reads."""
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
 
 
 def device_seconds(fn: Callable[[], Any], seconds: float) -> list[float]:
@@ -103,7 +110,7 @@ class Case:
         ).bfloat16()
         self.kc8, self.ks = quantize(self.kc)
         self.vc8, self.vs = quantize(self.vc)
-        self.kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+        self.kv_bytes = kv_bytes(batch, context)
         self.kv_bytes_fp8 = self.kv_bytes // 2 + 2 * batch * per_seq * NUM_KV_HEADS * 4
         self.copies = copies
         self.k = self.v = None
@@ -202,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     print(
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}: "
-        f"read {read / 1e12:.2f} TB/s, copy {copy / 1e12:.2f} TB/s (read + write)"
+        f"read {read / 1e12:.2f} TB/s, copy {copy / 1e12:.2f} TB/s (read + write), "
+        "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     )
     head = (
         f"{'batch':>5} {'context':>7} {'copies':>6} | {'bf16 us':>8} {'KV/read':>7} "
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            kv = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+            kv = kv_bytes(batch, context)
             if kv > args.max_kv_gib * 2**30:
                 print(f"{batch:>5} {context:>7}: KV {kv / 2**30:.1f} GiB > --max-kv-gib, skipped")
                 continue
@@ -250,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             del case
             torch.cuda.empty_cache()
+    print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.json:
         meta = {"device": props.name, "read_Bps": read, "copy_Bps": copy}
+        meta["load_average_end"] = os.getloadavg()
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 

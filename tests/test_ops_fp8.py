@@ -530,8 +530,9 @@ def on_cuda(tensors):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_cuda_fp8_attention_matches_float64_reference(qdtype, group, head_dim):
-    # Lengths 1, not multiples of B, a multiple of B, and over three 512-token
-    # partitions, whose softmax states the reduce kernel merges.
+    # Lengths 1, not multiples of B, a multiple of B, and 1100: several partitions
+    # (64 to 512 tokens, as the op sizes them), whose softmax states the reduce kernel
+    # merges.
     case = fp8_case([1, 37, 16, 301, 1100], 2, group, head_dim, qdtype, seed=group + head_dim)
     check_fp8_against_reference(on_cuda(case), 1 / math.sqrt(head_dim))
 
@@ -541,7 +542,7 @@ def test_cuda_fp8_attention_matches_float64_reference(qdtype, group, head_dim):
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_cuda_fp8_block_sizes_and_kv_heads_keep_their_scales(block_size):
     # Eight kv heads, each with its own scales; a sequence ending one token into a
-    # block, and one of exactly four partitions.
+    # block, and one of a whole number of partitions (2048 tokens).
     case = fp8_case([1, 2049, 2048], 8, 4, 128, torch.bfloat16, block_size, seed=block_size)
     check_fp8_against_reference(on_cuda(case), 1 / math.sqrt(128))
 

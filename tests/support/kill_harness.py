@@ -39,10 +39,19 @@ import kvstore
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
+# Runs support.kill_worker as `python -m` would, after asking for every thread's
+# stack on stderr at SIGUSR1 (what `stuck` shows of a worker that hangs).
+_WORKER_MAIN = (
+    "import faulthandler, runpy, signal; "
+    "faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "runpy.run_module('support.kill_worker', run_name='__main__', alter_sys=True)"
+)
+
+
 def _worker_argv(role: str, cfg: dict[str, Any]) -> list[str]:
     """A worker runs as `python -m support.kill_worker`, `tests/` on its path (it
     imports conftest and support, as the tests do)."""
-    return [sys.executable, "-m", "support.kill_worker", role, json.dumps(cfg)]
+    return [sys.executable, "-c", _WORKER_MAIN, role, json.dumps(cfg)]
 
 
 def _worker_env() -> dict[str, str]:
@@ -104,6 +113,7 @@ class Figures:
     final: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     check_seconds: float = 0.0
+    max_start_seconds: float = 0.0  # spawn to "ready", the slowest incarnation
 
     def summary(self) -> str:
         fin = self.final
@@ -111,7 +121,8 @@ class Figures:
         return "\n".join(
             [
                 f"cycles {self.cycles} in {self.seconds:.1f} s (final check "
-                f"{self.check_seconds:.1f} s); kills: {kills}; {self.early_kills} while "
+                f"{self.check_seconds:.1f} s; slowest start {self.max_start_seconds:.1f} s); "
+                f"kills: {kills}; {self.early_kills} while "
                 f"starting, {self.kills_mid_put} mid-put, {self.kills_mid_compaction} "
                 "mid-compaction",
                 f"puts acked {self.puts_acked} ({self.keys_acked} distinct); reads checked "
@@ -202,6 +213,7 @@ class Worker:
                 bufsize=1,
             )
         h.spawned[self.proc.pid] = f"{self.name} (incarnation {self.incarnation})"
+        self.spawned_at = time.monotonic()
         self.ready = threading.Event()
         self.lines: list[str] = []
         self.last, self.last_at = "", time.monotonic()
@@ -220,6 +232,10 @@ class Worker:
             self.last, self.last_at = line, time.monotonic()
             tag, _, rest = line.partition(" ")
             if tag == "ready":
+                with h.lock:
+                    h.fig.max_start_seconds = max(
+                        h.fig.max_start_seconds, time.monotonic() - self.spawned_at
+                    )
                 self.ready.set()
             elif tag == "p":
                 self.in_flight = rest
@@ -368,6 +384,47 @@ class Harness:
         f.hot_slots = a["hot_slots"]
         return stale, a["hot_slots_torn"]
 
+    # -------------------------------------------------------------- diagnosis
+
+    def stuck(self, w: Worker) -> str:
+        """What a worker that is not getting ready is doing, and who holds the
+        locks an opener waits on: its Python stacks (faulthandler, on SIGUSR1),
+        its threads' kernel states, the store LOCK's and the arena's holders
+        from /proc/locks, and where every other worker is."""
+        assert w.proc is not None
+        out = []
+        try:
+            w.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+        except ProcessLookupError:
+            pass
+        out.append(f"--- {w.name} (pid {w.proc.pid}) threads: {_threads(w.proc.pid)}")
+        out.append(f"--- its stderr\n{w.err_path.read_text()[-6000:]}")
+        store = Path(self.cfg.path)
+        files = [store / "LOCK", store / "COMPACT.lock", *sorted(self.hot_dir.glob("*.arena"))]
+        inodes = {}
+        for f in files:
+            with contextlib.suppress(OSError):
+                inodes[f.stat().st_ino] = f.name
+        with contextlib.suppress(OSError):
+            out.append(f"--- LOCK names pid {(store / 'LOCK').read_text().strip() or '?'}")
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            ino = int(parts[-3].rsplit(":", 1)[-1]) if len(parts) >= 8 else -1
+            if ino in inodes:
+                pid = int(parts[-4]) if parts[-4].lstrip("-").isdigit() else -1
+                out.append(f"/proc/locks {inodes[ino]}: {line} ({self.spawned.get(pid, '?')})")
+        for o in self.pool:
+            if o.proc is None:
+                continue
+            state = "ready" if o.ready.is_set() else "not ready"
+            alive = "alive" if o.alive() else f"exited {o.proc.returncode}"
+            out.append(
+                f"{o.name} pid {o.proc.pid} {alive}, {state}, last {o.last!r} "
+                f"{time.monotonic() - o.last_at:.1f}s ago, threads {_threads(o.proc.pid)}"
+            )
+        return "\n".join(out)
+
     # ---------------------------------------------------------------------- run
 
     def run(self) -> Figures:
@@ -375,6 +432,7 @@ class Harness:
         t0 = time.monotonic()
         monitor = Worker(self, "monitor", True, "monitor")
         pool: list[Worker] = []
+        self.pool = [monitor]
         try:
             monitor.spawn()  # creates the store
             _wait_ready(monitor, 60)
@@ -388,6 +446,7 @@ class Harness:
             ):
                 for i in range(n):
                     pool.append(Worker(self, role, hot, f"{role}{'-hot' if hot else ''}{i}"))
+            self.pool = [monitor, *pool]
             f.hot_processes = 1 + sum(w.hot for w in pool)
             f.processes = 1 + len(pool)
             for w in pool:
@@ -409,10 +468,9 @@ class Harness:
                     time.sleep(rng.uniform(0, 0.4))
                     f.early_kills += 1
                 else:
-                    # one that is up and working (others may still be starting)
-                    ready = [w for w in pool if w.ready.is_set()]
-                    victim = rng.choice(ready) if ready else rng.choice(pool)
-                    _wait_ready(victim, 60)
+                    # one that is up and working (others may still be starting;
+                    # if all are, the first to be ready)
+                    victim = rng.choice(_wait_any_ready(pool, 60))
                     if victim.role == "compactor" and _wait_compacting(victim, 1):
                         time.sleep(rng.uniform(0, 0.01))
                     else:
@@ -545,6 +603,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _threads(pid: int) -> str:
+    """Each thread's state and kernel wait channel, e.g. `S futex_wait_queue x2`."""
+    seen: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                what = f"{state} {(task / 'wchan').read_text().strip() or '-'}"
+                seen[what] = seen.get(what, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in seen.items()) or "(gone)"
+
+
 def _wait_compacting(w: Worker, timeout: float) -> bool:
     """Waits until `w` is in a compaction that has lasted 2 ms (most find nothing
     to do and take less): a kill soon after lands while it rewrites segments."""
@@ -556,10 +626,29 @@ def _wait_compacting(w: Worker, timeout: float) -> bool:
     return False
 
 
+def _wait_any_ready(pool: list[Worker], timeout: float) -> list[Worker]:
+    """The workers of `pool` that are ready, waiting until one is."""
+    end = time.monotonic() + timeout
+    while True:
+        ready = [w for w in pool if w.ready.is_set()]
+        if ready:
+            return ready
+        for w in pool:
+            if not w.alive():
+                raise w.died_by_itself()
+        if time.monotonic() > end:
+            first = min(pool, key=lambda w: w.spawned_at)
+            raise AssertionError(
+                f"no worker ready {timeout}s after the last was killed; the longest "
+                f"starting:\n{first.h.stuck(first)}"
+            )
+        time.sleep(0.01)
+
+
 def _wait_ready(w: Worker, timeout: float) -> None:
     end = time.monotonic() + timeout
     while not w.ready.wait(0.05):
         if not w.alive():
             raise w.died_by_itself()
         if time.monotonic() > end:
-            raise AssertionError(f"{w.name} not ready {timeout}s after its start (a lock held?)")
+            raise AssertionError(f"{w.name} not ready {timeout}s after its start\n{w.h.stuck(w)}")

@@ -62,8 +62,10 @@
 //!   keep), then reads the header, checks the store, scans `/proc/*/maps`
 //!   for the file's device and inode (mappers that hold no lock: kvstore
 //!   versions before arena format 3), and unlinks the path while still
-//!   holding the lock. An opener blocked on its shared lock then sees the
-//!   unlinked file and starts over; nobody can have it mapped.
+//!   holding the lock. An opener waiting for its shared lock then sees the
+//!   unlinked file and starts over; nobody can have it mapped. Openers wait
+//!   for either lock at most `LOCK_WAIT`, then fail with `StoreLocked`
+//!   naming the holder.
 //!
 //! OFD locks and `flock` never conflict with each other on Linux, so the
 //! writers' `flock(LOCK_EX)` and the lifetime lock are independent.
@@ -83,6 +85,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"KVARENA\x01");
 /// 2: slot headers carry a crc32c of the slot's data (`S_CRC`).
@@ -402,6 +405,30 @@ fn geometry(layout: &Layout, hot_bytes: u64) -> Result<Geometry> {
     })
 }
 
+/// How long an opener waits for the arena's locks (a pruner's, another
+/// opener creating or adopting it, a writer's) before `StoreLocked`. Less
+/// than the store LOCK's wait, which this opener holds meanwhile: the openers
+/// queued behind it get the LOCK back before they give up.
+const LOCK_WAIT: Duration = Duration::from_secs(20);
+
+/// Tries `take` (true: taken) every millisecond until it succeeds or `wait`
+/// has passed (false).
+fn waiting(
+    wait: Duration,
+    mut take: impl FnMut() -> std::io::Result<bool>,
+) -> std::io::Result<bool> {
+    let start = Instant::now();
+    loop {
+        if take()? {
+            return Ok(true);
+        }
+        if start.elapsed() > wait {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// How to get past an arena refused for its contents.
 const REMOVE: &str = "remove it (kvstore.remove_arena) to start a fresh one: processes that \
                       have it mapped keep their mapping";
@@ -421,6 +448,18 @@ impl Arena {
         hot_bytes: u64,
         owner: &Owner,
     ) -> Result<Arena> {
+        Self::open_waiting(path, layout, tag, hot_bytes, owner, LOCK_WAIT)
+    }
+
+    /// `open`, giving up on the arena's locks after `wait`.
+    fn open_waiting(
+        path: &Path,
+        layout: &Layout,
+        tag: &[u8; 32],
+        hot_bytes: u64,
+        owner: &Owner,
+        wait: Duration,
+    ) -> Result<Arena> {
         let geo = geometry(layout, hot_bytes)?;
         let mut tries = 0;
         let (file, created) = loop {
@@ -431,8 +470,15 @@ impl Arena {
             Self::check_ours(&file, path)?;
             // The lifetime lock, before anything is read or mapped; then the
             // path must still name this file (else a pruner removed it).
-            ofd_lock(&file, OfdLock::SharedWait)
+            let shared = waiting(wait, || ofd_lock(&file, OfdLock::SharedTry))
                 .ctx(|| format!("locking arena {}", path.display()))?;
+            if !shared {
+                return Err(Error::StoreLocked(format!(
+                    "arena {}: a pruner has held it for over {}s (kvstore arenas --prune?)",
+                    path.display(),
+                    wait.as_secs_f64()
+                )));
+            }
             if same_file(&file, path) {
                 break (file, created);
             }
@@ -446,8 +492,20 @@ impl Arena {
         };
         // Creation and adoption run under the arena lock: a second process
         // waits here until the creator has filled the header.
-        file.lock()
-            .ctx(|| format!("locking arena {}", path.display()))?;
+        let locked = waiting(wait, || match file.try_lock() {
+            Ok(()) => Ok(true),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(false),
+            Err(std::fs::TryLockError::Error(e)) => Err(e),
+        })
+        .ctx(|| format!("locking arena {}", path.display()))?;
+        if !locked {
+            return Err(Error::StoreLocked(format!(
+                "arena {}: another process{} has held its lock for over {}s",
+                path.display(),
+                crate::holder::flock_holders(&file),
+                wait.as_secs_f64()
+            )));
+        }
         let res = Self::init_or_adopt(file, path, layout, tag, geo, owner);
         if let Err(e) = &res {
             if created && !matches!(e, Error::CorruptStore { .. }) {
@@ -1151,6 +1209,47 @@ pub(crate) fn read_header(file: &File, path: &Path) -> Result<impl Fn(usize) -> 
 mod tests {
     use super::*;
     use crate::layout::DType;
+
+    /// An opener gives up on a held arena after its wait, with `StoreLocked`
+    /// naming the holder: the writers' `flock` (here held by this process,
+    /// through another description), then a pruner's exclusive lifetime lock;
+    /// once they are released, the open succeeds.
+    #[test]
+    fn an_opener_gives_up_on_a_held_arena() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(2, 2, 16, DType::Float16, 16).unwrap();
+        let owner = Owner {
+            store_id: "0".repeat(32),
+            store_path: dir.path().to_path_buf(),
+        };
+        let path = dir.path().join("arena");
+        let open = |wait| Arena::open_waiting(&path, &layout, &[7; 32], 4 << 20, &owner, wait);
+        drop(open(Duration::ZERO).unwrap());
+        let wait = Duration::from_millis(50);
+
+        let writer = File::open(&path).unwrap();
+        writer.lock().unwrap();
+        let start = Instant::now();
+        let e = open(wait).err().expect("the writers' lock is held");
+        assert!(start.elapsed() >= wait);
+        let msg = e.to_string();
+        assert!(matches!(e, Error::StoreLocked(_)), "{msg}");
+        assert!(
+            msg.contains("(this process, through another handle) has held its lock"),
+            "{msg}"
+        );
+        drop(writer);
+
+        let pruner = File::options().read(true).write(true).open(&path).unwrap();
+        assert!(ofd_lock(&pruner, OfdLock::ExclusiveTry).unwrap());
+        let e = open(wait).err().expect("a pruner holds it");
+        assert!(
+            matches!(e, Error::StoreLocked(ref m) if m.contains("a pruner")),
+            "{e}"
+        );
+        drop(pruner);
+        open(wait).unwrap();
+    }
 
     /// A 128 KiB mapping of a temporary file, and the bytes written there.
     fn mapped_bytes() -> (SharedMap, Vec<u8>) {

@@ -191,9 +191,8 @@ impl StoreDir {
 }
 
 /// ` (pid N: <what its threads are doing>)`: the holder of the LOCK file
-/// `lock`, as it wrote itself there, and each distinct state and kernel wait
-/// channel of its threads from /proc (one stuck in the kernel, state D,
-/// keeps the lock however it is killed); empty where no holder is known.
+/// `lock`, as it wrote itself there (`holder::describe`); empty where no
+/// holder is known.
 fn holder(lock: &File) -> String {
     let mut buf = [0u8; 16];
     let n = rustix::io::pread(lock, &mut buf, 0).unwrap_or(0);
@@ -203,29 +202,7 @@ fn holder(lock: &File) -> String {
     else {
         return String::new();
     };
-    if pid == std::process::id() {
-        // flock is per open file: another handle of this process holds it.
-        return " (this process, through another handle)".into();
-    }
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return format!(" (pid {pid}, gone)");
-    };
-    let mut seen = std::collections::BTreeSet::new();
-    for task in tasks.flatten().take(256) {
-        let read = |what: &str| std::fs::read_to_string(task.path().join(what)).unwrap_or_default();
-        // `stat` is "tid (comm) S ...": the state letter follows the last ')'.
-        let stat = read("stat");
-        let Some(state) = stat.rfind(')').and_then(|i| stat.get(i + 2..i + 3)) else {
-            continue;
-        };
-        let wchan = read("wchan");
-        seen.insert(match wchan.as_str() {
-            "" | "0" => state.to_string(),
-            w => format!("{state} in {w}"),
-        });
-    }
-    let threads: Vec<String> = seen.into_iter().take(6).collect();
-    format!(" (pid {pid}: threads {})", threads.join(", "))
+    crate::holder::describe(pid)
 }
 
 /// The number of a segment file from its name (`<16 hex digits>.kvseg`).

@@ -48,6 +48,7 @@ pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 mod fault;
 mod fs;
+mod holder;
 mod id;
 mod known;
 mod layout;

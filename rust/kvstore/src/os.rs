@@ -311,43 +311,43 @@ pub(crate) fn start_writeback(file: &std::fs::File, offset: u64, len: u64) -> st
 /// What `ofd_lock` asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum OfdLock {
-    /// A shared (read) lock, waiting for it.
-    SharedWait,
+    /// A shared (read) lock, failing at once if someone holds an exclusive one.
+    SharedTry,
     /// An exclusive (write) lock, failing at once if someone holds any.
     ExclusiveTry,
 }
 
-/// Takes an open-file-description lock (`F_OFD_SETLK[W]`) on the whole of
+/// Takes an open-file-description lock (`F_OFD_SETLK`) on the whole of
 /// `file`. Unlike `flock` (the arena's writer lock) it never interacts with
 /// `flock` locks, and unlike POSIX record locks it belongs to the open file
 /// description, not to the process: another description of the same file,
 /// in this process or another, conflicts; closing an unrelated descriptor
 /// does not release it; the kernel releases it when the last descriptor of
-/// the description closes (a dead process's included). Returns false if
-/// `ExclusiveTry` found the file locked.
+/// the description closes (a dead process's included). Returns false, at
+/// once, if another description holds a conflicting lock.
 pub(crate) fn ofd_lock(file: &std::fs::File, how: OfdLock) -> std::io::Result<bool> {
     use std::os::fd::AsRawFd;
     // SAFETY: `flock` is a plain C struct; all zeroes is a valid value
     // (whence SEEK_SET, start 0, len 0 = the whole file, pid 0 as OFD
     // locks require).
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    let (cmd, kind) = match how {
-        OfdLock::SharedWait => (libc::F_OFD_SETLKW, libc::F_RDLCK),
-        OfdLock::ExclusiveTry => (libc::F_OFD_SETLK, libc::F_WRLCK),
+    let kind = match how {
+        OfdLock::SharedTry => libc::F_RDLCK,
+        OfdLock::ExclusiveTry => libc::F_WRLCK,
     };
     fl.l_type = kind as libc::c_short;
     fl.l_whence = libc::SEEK_SET as libc::c_short;
     loop {
         // SAFETY: `file` is an open descriptor for the duration of the call
         // and `fl` a valid, initialised `flock` the kernel reads.
-        let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, &raw mut fl) };
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &raw mut fl) };
         if rc == 0 {
             return Ok(true);
         }
         let err = std::io::Error::last_os_error();
         match err.raw_os_error() {
             Some(libc::EINTR) => {}
-            Some(libc::EAGAIN | libc::EACCES) if how == OfdLock::ExclusiveTry => return Ok(false),
+            Some(libc::EAGAIN | libc::EACCES) => return Ok(false),
             _ => return Err(err),
         }
     }

@@ -1,0 +1,104 @@
+//! Who holds a lock that an opener gave up waiting for, for its
+//! `StoreLocked` error: the holder's pid and what its threads are doing
+//! (one stuck in the kernel, state D, keeps a lock however it is killed).
+
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+
+/// ` (pid N: threads <states>)`: each distinct state and kernel wait channel
+/// of process `pid`'s threads from /proc; ` (pid N, gone)` if it has exited.
+pub(crate) fn describe(pid: u32) -> String {
+    if pid == std::process::id() {
+        // flock is per open file: another handle of this process holds it.
+        return " (this process, through another handle)".into();
+    }
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return format!(" (pid {pid}, gone)");
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    for task in tasks.flatten().take(256) {
+        let read = |what: &str| std::fs::read_to_string(task.path().join(what)).unwrap_or_default();
+        // `stat` is "tid (comm) S ...": the state letter follows the last ')'.
+        let stat = read("stat");
+        let Some(state) = stat.rfind(')').and_then(|i| stat.get(i + 2..i + 3)) else {
+            continue;
+        };
+        let wchan = read("wchan");
+        seen.insert(match wchan.as_str() {
+            "" | "0" => state.to_string(),
+            w => format!("{state} in {w}"),
+        });
+    }
+    let threads: Vec<String> = seen.into_iter().take(6).collect();
+    format!(" (pid {pid}: threads {})", threads.join(", "))
+}
+
+/// The pids holding a `flock` on `file`, from /proc/locks (which names the
+/// process that took each one), each described as `describe` does; empty if
+/// none is listed.
+pub(crate) fn flock_holders(file: &File) -> String {
+    let Ok(meta) = file.metadata() else {
+        return String::new();
+    };
+    let dev = meta.dev();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        rustix::fs::major(dev),
+        rustix::fs::minor(dev),
+        meta.ino()
+    );
+    let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+    locks
+        .lines()
+        .filter_map(|line| flock_holder(line, &want))
+        .take(4)
+        .map(describe)
+        .collect()
+}
+
+/// The pid of a held (not awaited: `->`) FLOCK line of /proc/locks on the
+/// file `dev_ino` ("maj:min:inode"), e.g. `3: FLOCK  ADVISORY  WRITE 4242 00:1b:78583 0 EOF`.
+fn flock_holder(line: &str, dev_ino: &str) -> Option<u32> {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    if f.get(1) != Some(&"FLOCK") || f.get(5) != Some(&dev_ino) {
+        return None;
+    }
+    f.get(4)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flock_lines_are_read_by_field() {
+        let at = "00:1b:78583";
+        let held = "3: FLOCK  ADVISORY  WRITE 4242 00:1b:78583 0 EOF";
+        assert_eq!(flock_holder(held, at), Some(4242));
+        // a process waiting for it, another file, another kind of lock
+        assert_eq!(
+            flock_holder("3: -> FLOCK  ADVISORY  WRITE 17 00:1b:78583 0 EOF", at),
+            None
+        );
+        assert_eq!(
+            flock_holder("3: FLOCK  ADVISORY  WRITE 4242 00:1b:785830 0 EOF", at),
+            None
+        );
+        assert_eq!(
+            flock_holder("1: OFDLCK ADVISORY  READ -1 00:1b:78583 0 EOF", at),
+            None
+        );
+        assert_eq!(flock_holder("", at), None);
+    }
+
+    #[test]
+    fn a_flock_held_here_names_this_process() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        let a = File::create(&path).unwrap();
+        let b = File::open(&path).unwrap();
+        assert_eq!(flock_holders(&b), "");
+        a.lock().unwrap();
+        assert_eq!(flock_holders(&b), " (this process, through another handle)");
+    }
+}

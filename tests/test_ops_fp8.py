@@ -48,10 +48,12 @@ def dequantize(cache: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return cache.cpu().double() * scales.cpu().double()[:, None, :, None]
 
 
-def fp8_case(lens, num_kv_heads, group, head_dim, qdtype, block_size=16, seed=0):
-    """Random K/V quantized per (block, kv head) with arbitrary (not power-of-two)
-    scales into NaN-filled fp8 caches; random non-contiguous block tables whose
-    extra columns point at a NaN block."""
+def fp8_case(
+    lens, num_kv_heads, group, head_dim, qdtype, block_size=16, seed=0, q_mul=1.0, kv_mul=1.0
+):
+    """Random K/V (times kv_mul) quantized per (block, kv head) with arbitrary (not
+    power-of-two) scales into NaN-filled fp8 caches; random non-contiguous block tables
+    whose extra columns point at a NaN block; queries times q_mul."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in lens]
     width = max(blocks_per_seq) + 2
@@ -68,7 +70,7 @@ def fp8_case(lens, num_kv_heads, group, head_dim, qdtype, block_size=16, seed=0)
         used += blocks_per_seq[s]
         tables[s, : len(ids)] = ids.int()
         for cache, sc in ((kc, ks), (vc, vs)):
-            x = torch.randn(len(ids) * block_size, num_kv_heads, head_dim, generator=g)
+            x = kv_mul * torch.randn(len(ids) * block_size, num_kv_heads, head_dim, generator=g)
             x = x.view(len(ids), block_size, num_kv_heads, head_dim)
             amax = x.abs().amax(dim=(1, 3))
             scale = amax / 448 * (1 + torch.rand(amax.shape, generator=g))
@@ -77,19 +79,25 @@ def fp8_case(lens, num_kv_heads, group, head_dim, qdtype, block_size=16, seed=0)
                 rows = min(block_size, n - i * block_size)
                 cache[blk, :rows] = q8[i, :rows]
                 sc[blk] = scale[i]
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(qdtype)
+    q = (q_mul * torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g)).to(qdtype)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     return q, kc, vc, ks, vs, tables, lens_t
 
 
-def check_fp8_against_reference(case, scale) -> None:
+def check_fp8_against_reference(case, scale, out_mul=1.0, score_ulps=0) -> None:
+    """The op's output, and the reference's, over out_mul (the values' magnitude);
+    score_ulps widens the tolerance by that many fp32 ulps of the largest possible
+    score, which the softmax passes on to the output (large queries)."""
     q, kc, vc, ks, vs, tables, lens = case
     out = ops.paged_attention(q, kc, vc, tables, lens, scale, ks, vs)
     assert out.dtype == q.dtype and out.shape == q.shape
-    ref = reference(q, dequantize(kc, ks), dequantize(vc, vs), tables, lens, scale)
-    got = out.double().cpu()
+    k = dequantize(kc, ks)
+    ref = reference(q, k, dequantize(vc, vs), tables, lens, scale) / out_mul
+    got = out.double().cpu() / out_mul
     assert not got.isnan().any(), "NaN: the kernel read a slot past a sequence's length"
-    torch.testing.assert_close(got, ref, atol=TOL[q.dtype], rtol=TOL[q.dtype])
+    score_max = scale * q.double().abs().sum(-1).max() * k.nan_to_num(0).abs().max()
+    tol = TOL[q.dtype] + score_ulps * 2**-23 * float(score_max)
+    torch.testing.assert_close(got, ref, atol=tol, rtol=TOL[q.dtype])
 
 
 @pytest.mark.parametrize("qdtype", DTYPES, ids=str)
@@ -99,6 +107,20 @@ def test_fp8_attention_matches_float64_reference(qdtype, group):
     head_dim = (64, 128, 256)[group % 3]
     case = fp8_case([1, 37, 16, 301], 2, group, head_dim, qdtype, seed=group)
     check_fp8_against_reference(case, 1 / math.sqrt(head_dim))
+
+
+@pytest.mark.parametrize(
+    ("q_mul", "kv_mul"),
+    [(1e-5, 1.0), (300.0, 1.0), (1.0, 1e-12), (1.0, 1e6), (300.0, 1e6), (3e4, 1e-9)],
+)
+def test_fp8_attention_at_every_magnitude(q_mul, kv_mul):
+    """Queries and KV far from 1 (scores that are tiny or saturate the softmax, value
+    scales far below and above 1): fp8 rows are decoded with an exponent offset
+    (paged_attention_cpu_avx512.h, fp8x16) and scaled per block, and none of it may
+    overflow or lose products to fp32's subnormals."""
+    for qdtype in (torch.float32, torch.bfloat16):
+        case = fp8_case([1, 37, 301], 2, 4, 128, qdtype, seed=7, q_mul=q_mul, kv_mul=kv_mul)
+        check_fp8_against_reference(case, 1 / math.sqrt(128), out_mul=kv_mul, score_ulps=4)
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64])

@@ -368,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         notes.append(plot_sweep(times, Path(args.plot), title))
         for note in notes:
-            console.print(note)
+            console.print(note, markup=False)  # plain text: "kvstore[bench]" is no style
         ok = ok and not any(n.startswith("WRONG") for n in notes)
         data["sweep"] = {k: {str(n): v for n, v in t.items()} for k, t in times.items()}
         data["sweep_notes"] = notes

@@ -49,8 +49,8 @@ _WORKER_MAIN = (
 
 
 def _worker_argv(role: str, cfg: dict[str, Any]) -> list[str]:
-    """A worker runs as `python -m support.kill_worker`, `tests/` on its path (it
-    imports conftest and support, as the tests do)."""
+    """A worker runs support.kill_worker as `python -m` would (through _WORKER_MAIN),
+    `tests/` on its path (it imports conftest and support, as the tests do)."""
     return [sys.executable, "-c", _WORKER_MAIN, role, json.dumps(cfg)]
 
 
@@ -402,18 +402,22 @@ class Harness:
         out.append(f"--- its stderr\n{w.err_path.read_text()[-6000:]}")
         store = Path(self.cfg.path)
         files = [store / "LOCK", store / "COMPACT.lock", *sorted(self.hot_dir.glob("*.arena"))]
-        inodes = {}
+        ids = {}  # "maj:min:inode" as /proc/locks writes it -> name
         for f in files:
             with contextlib.suppress(OSError):
-                inodes[f.stat().st_ino] = f.name
+                st = f.stat()
+                dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+                ids[f"{dev}:{st.st_ino}"] = f.name
         with contextlib.suppress(OSError):
             out.append(f"--- LOCK names pid {(store / 'LOCK').read_text().strip() or '?'}")
-        for line in Path("/proc/locks").read_text().splitlines():
+        locks = ""
+        with contextlib.suppress(OSError):
+            locks = Path("/proc/locks").read_text()
+        for line in locks.splitlines():
             parts = line.split()
-            ino = int(parts[-3].rsplit(":", 1)[-1]) if len(parts) >= 8 else -1
-            if ino in inodes:
+            if len(parts) >= 8 and parts[-3] in ids:
                 pid = int(parts[-4]) if parts[-4].lstrip("-").isdigit() else -1
-                out.append(f"/proc/locks {inodes[ino]}: {line} ({self.spawned.get(pid, '?')})")
+                out.append(f"/proc/locks {ids[parts[-3]]}: {line} ({self.spawned.get(pid, '?')})")
         for o in self.pool:
             if o.proc is None:
                 continue
@@ -639,7 +643,7 @@ def _wait_any_ready(pool: list[Worker], timeout: float) -> list[Worker]:
         if time.monotonic() > end:
             first = min(pool, key=lambda w: w.spawned_at)
             raise AssertionError(
-                f"no worker ready {timeout}s after the last was killed; the longest "
+                f"no worker got ready within {timeout}s; the longest "
                 f"starting:\n{first.h.stuck(first)}"
             )
         time.sleep(0.01)

@@ -405,24 +405,24 @@ fn geometry(layout: &Layout, hot_bytes: u64) -> Result<Geometry> {
     })
 }
 
-/// How long an opener waits for the arena's locks (a pruner's, another
-/// opener creating or adopting it, a writer's) before `StoreLocked`. Less
-/// than the store LOCK's wait, which this opener holds meanwhile: the openers
-/// queued behind it get the LOCK back before they give up.
+/// How long an opener waits for the arena's locks, all together (a
+/// pruner's, another opener creating or adopting it, a writer's), before
+/// `StoreLocked`. Less than the store LOCK's wait, which this opener holds
+/// meanwhile: the openers queued behind it get the LOCK back before they
+/// give up.
 const LOCK_WAIT: Duration = Duration::from_secs(20);
 
-/// Tries `take` (true: taken) every millisecond until it succeeds or `wait`
-/// has passed (false).
+/// Tries `take` (true: taken) every millisecond until it succeeds or
+/// `deadline` has passed (false).
 fn waiting(
-    wait: Duration,
+    deadline: Instant,
     mut take: impl FnMut() -> std::io::Result<bool>,
 ) -> std::io::Result<bool> {
-    let start = Instant::now();
     loop {
         if take()? {
             return Ok(true);
         }
-        if start.elapsed() > wait {
+        if Instant::now() > deadline {
             return Ok(false);
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -451,7 +451,8 @@ impl Arena {
         Self::open_waiting(path, layout, tag, hot_bytes, owner, LOCK_WAIT)
     }
 
-    /// `open`, giving up on the arena's locks after `wait`.
+    /// `open`, giving up on the arena's locks once `wait` has passed, all
+    /// waits and retries together.
     fn open_waiting(
         path: &Path,
         layout: &Layout,
@@ -461,20 +462,23 @@ impl Arena {
         wait: Duration,
     ) -> Result<Arena> {
         let geo = geometry(layout, hot_bytes)?;
+        let deadline = Instant::now() + wait;
         let mut tries = 0;
         let (file, created) = loop {
             let (file, created) = Self::open_file(path)?;
             // Refuse what is not ours before waiting on its lock: /dev/shm
             // is writable by everyone, and another user's file could hold
-            // the lock (and this opener, and the store's LOCK) forever.
+            // the lock (and this opener, and the store's LOCK) until the wait
+            // gives up.
             Self::check_ours(&file, path)?;
             // The lifetime lock, before anything is read or mapped; then the
             // path must still name this file (else a pruner removed it).
-            let shared = waiting(wait, || ofd_lock(&file, OfdLock::SharedTry))
+            let shared = waiting(deadline, || ofd_lock(&file, OfdLock::SharedTry))
                 .ctx(|| format!("locking arena {}", path.display()))?;
             if !shared {
                 return Err(Error::StoreLocked(format!(
-                    "arena {}: a pruner has held it for over {}s (kvstore arenas --prune?)",
+                    "arena {}: not free within {}s: a pruner (kvstore arenas --prune) holds \
+                     its lifetime lock",
                     path.display(),
                     wait.as_secs_f64()
                 )));
@@ -492,7 +496,7 @@ impl Arena {
         };
         // Creation and adoption run under the arena lock: a second process
         // waits here until the creator has filled the header.
-        let locked = waiting(wait, || match file.try_lock() {
+        let locked = waiting(deadline, || match file.try_lock() {
             Ok(()) => Ok(true),
             Err(std::fs::TryLockError::WouldBlock) => Ok(false),
             Err(std::fs::TryLockError::Error(e)) => Err(e),
@@ -500,10 +504,10 @@ impl Arena {
         .ctx(|| format!("locking arena {}", path.display()))?;
         if !locked {
             return Err(Error::StoreLocked(format!(
-                "arena {}: another process{} has held its lock for over {}s",
+                "arena {}: its lock was not free within {}s; held now{}",
                 path.display(),
-                crate::holder::flock_holders(&file),
-                wait.as_secs_f64()
+                wait.as_secs_f64(),
+                crate::holder::flock_holders(&file)
             )));
         }
         let res = Self::init_or_adopt(file, path, layout, tag, geo, owner);
@@ -1235,7 +1239,7 @@ mod tests {
         let msg = e.to_string();
         assert!(matches!(e, Error::StoreLocked(_)), "{msg}");
         assert!(
-            msg.contains("(this process, through another handle) has held its lock"),
+            msg.contains("not free within 0.05s; held now (this process, through another handle)"),
             "{msg}"
         );
         drop(writer);

@@ -163,9 +163,9 @@ impl StoreDir {
                 }
                 Err(std::fs::TryLockError::WouldBlock) => {
                     return Err(Error::StoreLocked(format!(
-                        "another process{} has held the store's LOCK for over {}s",
-                        holder(&lock),
-                        LOCK_TIMEOUT.as_secs()
+                        "the store's LOCK was not free within {}s; held now{}",
+                        LOCK_TIMEOUT.as_secs(),
+                        holder(&lock)
                     )))
                 }
                 Err(std::fs::TryLockError::Error(e)) => {
@@ -244,7 +244,13 @@ mod tests {
         child.wait().unwrap();
         let prefix = format!(" (pid {}: threads S", child.id());
         assert!(named.starts_with(&prefix), "{named}");
-        assert_eq!(holder(&other), format!(" (pid {}, gone)", child.id()));
+        assert_eq!(
+            holder(&other),
+            format!(
+                " (by a process sharing the descriptor of pid {}, which took it and exited)",
+                child.id()
+            )
+        );
         // A later holder overwrites a longer pid: what is left is only its own.
         std::fs::write(&path, "4294967295").unwrap();
         let _again = sd.lock().unwrap();

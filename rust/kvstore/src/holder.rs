@@ -6,14 +6,17 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 
 /// ` (pid N: threads <states>)`: each distinct state and kernel wait channel
-/// of process `pid`'s threads from /proc; ` (pid N, gone)` if it has exited.
+/// of process `pid`'s threads from /proc. If it has exited, whoever holds the
+/// lock now shares the descriptor it took it through (inherited it).
 pub(crate) fn describe(pid: u32) -> String {
     if pid == std::process::id() {
         // flock is per open file: another handle of this process holds it.
         return " (this process, through another handle)".into();
     }
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return format!(" (pid {pid}, gone)");
+        return format!(
+            " (by a process sharing the descriptor of pid {pid}, which took it and exited)"
+        );
     };
     let mut seen = std::collections::BTreeSet::new();
     for task in tasks.flatten().take(256) {
@@ -33,9 +36,10 @@ pub(crate) fn describe(pid: u32) -> String {
     format!(" (pid {pid}: threads {})", threads.join(", "))
 }
 
-/// The pids holding a `flock` on `file`, from /proc/locks (which names the
-/// process that took each one), each described as `describe` does; empty if
-/// none is listed.
+/// The processes holding a `flock` on `file`, from /proc/locks (which names
+/// the process that took each one, as seen from this pid namespace), each
+/// described as `describe` does; ` (by a process /proc/locks does not name)`
+/// if none is listed.
 pub(crate) fn flock_holders(file: &File) -> String {
     let Ok(meta) = file.metadata() else {
         return String::new();
@@ -48,12 +52,17 @@ pub(crate) fn flock_holders(file: &File) -> String {
         meta.ino()
     );
     let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
-    locks
+    let named: String = locks
         .lines()
         .filter_map(|line| flock_holder(line, &want))
         .take(4)
         .map(describe)
-        .collect()
+        .collect();
+    if named.is_empty() {
+        " (by a process /proc/locks does not name)".into()
+    } else {
+        named
+    }
 }
 
 /// The pid of a held (not awaited: `->`) FLOCK line of /proc/locks on the
@@ -63,7 +72,8 @@ fn flock_holder(line: &str, dev_ino: &str) -> Option<u32> {
     if f.get(1) != Some(&"FLOCK") || f.get(5) != Some(&dev_ino) {
         return None;
     }
-    f.get(4)?.parse().ok()
+    // 0: a process outside this pid namespace.
+    f.get(4)?.parse().ok().filter(|&pid| pid > 0)
 }
 
 #[cfg(test)]
@@ -89,6 +99,8 @@ mod tests {
             None
         );
         assert_eq!(flock_holder("", at), None);
+        let outside = "3: FLOCK  ADVISORY  WRITE 0 00:1b:78583 0 EOF";
+        assert_eq!(flock_holder(outside, at), None);
     }
 
     #[test]
@@ -97,7 +109,10 @@ mod tests {
         let path = tmp.path().join("f");
         let a = File::create(&path).unwrap();
         let b = File::open(&path).unwrap();
-        assert_eq!(flock_holders(&b), "");
+        assert_eq!(
+            flock_holders(&b),
+            " (by a process /proc/locks does not name)"
+        );
         a.lock().unwrap();
         assert_eq!(flock_holders(&b), " (this process, through another handle)");
     }

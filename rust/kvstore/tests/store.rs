@@ -446,22 +446,28 @@ fn reads_racing_compaction_are_exact_or_misses() {
     }
     let reader = Arc::new(Store::open(dir.path(), o.clone()).unwrap());
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let r = {
         let (reader, stop, seqs) = (reader.clone(), stop.clone(), seqs.clone());
+        let reads = reads.clone();
         std::thread::spawn(move || {
-            let mut reads = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 for t in &seqs {
                     let (m, out) = get(&reader, t);
                     assert_prefix_eq(&l, &out, t.len(), t, m);
-                    reads += 1;
+                    reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             }
-            reads
         })
     };
     let maint = Store::open(dir.path(), o).unwrap();
-    for round in 0..6 {
+    // At least 6 rounds, and on until the reader has read every sequence
+    // twice meanwhile (on a busy host its thread may start late).
+    for round in 0..200 {
+        let read = reads.load(std::sync::atomic::Ordering::Relaxed);
+        if round >= 6 && read >= 2 * seqs.len() {
+            break;
+        }
         // Alternate evicting a little and compacting everything.
         let live = maint.stats().unwrap().live_bytes;
         maint.gc(Some(live - live / 20), None, NO_PROGRESS).unwrap();
@@ -470,7 +476,11 @@ fn reads_racing_compaction_are_exact_or_misses() {
         }
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    assert!(r.join().unwrap() > 0);
+    r.join().unwrap();
+    assert!(
+        reads.load(std::sync::atomic::Ordering::Relaxed) >= 2 * seqs.len(),
+        "the reader never raced the maintenance"
+    );
     assert!(maint.verify(NO_PROGRESS).unwrap().damaged.is_empty());
     // Whatever survived is still whole.
     let mut kept = 0;

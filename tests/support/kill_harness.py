@@ -439,7 +439,7 @@ class Harness:
         self.pool = [monitor]
         try:
             monitor.spawn()  # creates the store
-            _wait_ready(monitor, 60)
+            _wait_ready([monitor], 60)
             for role, n, hot in (
                 ("writer", cfg.writers, False),
                 ("writer", cfg.hot_writers, True),
@@ -456,7 +456,7 @@ class Harness:
             for w in pool:
                 w.spawn()
             for w in pool:
-                _wait_ready(w, 60)
+                _wait_ready([w], 60)
             last = pool[0]
             while f.cycles < cfg.cycles or cfg.cycles <= 0:
                 if cfg.seconds > 0 and time.monotonic() - t0 > cfg.seconds:
@@ -474,7 +474,7 @@ class Harness:
                 else:
                     # one that is up and working (others may still be starting;
                     # if all are, the first to be ready)
-                    victim = rng.choice(_wait_any_ready(pool, 60))
+                    victim = rng.choice(_wait_ready(pool, 60))
                     if victim.role == "compactor" and _wait_compacting(victim, 1):
                         time.sleep(rng.uniform(0, 0.01))
                     else:
@@ -496,7 +496,7 @@ class Harness:
                     )
             # The end: every worker killed at once, mid-whatever.
             for w in pool:
-                _wait_ready(w, 60)
+                _wait_ready([w], 60)
             time.sleep(rng.uniform(0, cfg.max_delay))
             for w in pool:
                 w.kill()
@@ -630,29 +630,21 @@ def _wait_compacting(w: Worker, timeout: float) -> bool:
     return False
 
 
-def _wait_any_ready(pool: list[Worker], timeout: float) -> list[Worker]:
-    """The workers of `pool` that are ready, waiting until one is."""
+def _wait_ready(workers: list[Worker], timeout: float) -> list[Worker]:
+    """Those of `workers` that are ready, waiting until one is."""
     end = time.monotonic() + timeout
     while True:
-        ready = [w for w in pool if w.ready.is_set()]
+        ready = [w for w in workers if w.ready.is_set()]
         if ready:
             return ready
-        for w in pool:
+        for w in workers:
             if not w.alive():
                 raise w.died_by_itself()
         if time.monotonic() > end:
-            first = min(pool, key=lambda w: w.spawned_at)
+            first = min(workers, key=lambda w: w.spawned_at)
+            names = ", ".join(w.name for w in workers)
             raise AssertionError(
-                f"no worker got ready within {timeout}s; the longest "
+                f"none of {names} ready within {timeout}s; {first.name}, the longest "
                 f"starting:\n{first.h.stuck(first)}"
             )
         time.sleep(0.01)
-
-
-def _wait_ready(w: Worker, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while not w.ready.wait(0.05):
-        if not w.alive():
-            raise w.died_by_itself()
-        if time.monotonic() > end:
-            raise AssertionError(f"{w.name} not ready {timeout}s after its start\n{w.h.stuck(w)}")

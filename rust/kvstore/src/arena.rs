@@ -77,6 +77,7 @@
 use crate::error::{Error, IoContext, Result};
 use crate::id::BlockId;
 use crate::layout::Layout;
+use crate::lockwait::{flock_holders, try_flock, wait_for};
 use crate::os::{ofd_lock, OfdLock};
 use crate::os::{Rows, SharedMap};
 use crate::pages::PageKind;
@@ -412,22 +413,8 @@ fn geometry(layout: &Layout, hot_bytes: u64) -> Result<Geometry> {
 /// give up.
 const LOCK_WAIT: Duration = Duration::from_secs(20);
 
-/// Tries `take` (true: taken) every millisecond until it succeeds or
-/// `deadline` has passed (false).
-fn waiting(
-    deadline: Instant,
-    mut take: impl FnMut() -> std::io::Result<bool>,
-) -> std::io::Result<bool> {
-    loop {
-        if take()? {
-            return Ok(true);
-        }
-        if Instant::now() > deadline {
-            return Ok(false);
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
+/// How often an opener tries the arena's locks while it waits.
+const LOCK_POLL: Duration = Duration::from_millis(1);
 
 /// How to get past an arena refused for its contents.
 const REMOVE: &str = "remove it (kvstore.remove_arena) to start a fresh one: processes that \
@@ -473,7 +460,7 @@ impl Arena {
             Self::check_ours(&file, path)?;
             // The lifetime lock, before anything is read or mapped; then the
             // path must still name this file (else a pruner removed it).
-            let shared = waiting(deadline, || ofd_lock(&file, OfdLock::SharedTry))
+            let shared = wait_for(deadline, LOCK_POLL, || ofd_lock(&file, OfdLock::SharedTry))
                 .ctx(|| format!("locking arena {}", path.display()))?;
             if !shared {
                 return Err(Error::StoreLocked(format!(
@@ -496,18 +483,14 @@ impl Arena {
         };
         // Creation and adoption run under the arena lock: a second process
         // waits here until the creator has filled the header.
-        let locked = waiting(deadline, || match file.try_lock() {
-            Ok(()) => Ok(true),
-            Err(std::fs::TryLockError::WouldBlock) => Ok(false),
-            Err(std::fs::TryLockError::Error(e)) => Err(e),
-        })
-        .ctx(|| format!("locking arena {}", path.display()))?;
+        let locked = wait_for(deadline, LOCK_POLL, || try_flock(&file))
+            .ctx(|| format!("locking arena {}", path.display()))?;
         if !locked {
             return Err(Error::StoreLocked(format!(
                 "arena {}: its lock was not free within {}s; held now{}",
                 path.display(),
                 wait.as_secs_f64(),
-                crate::holder::flock_holders(&file)
+                flock_holders(&file)
             )));
         }
         let res = Self::init_or_adopt(file, path, layout, tag, geo, owner);

@@ -13,6 +13,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::format::{self, Manifest};
 use crate::fs;
 use crate::layout::{Layout, Storage};
+use crate::lockwait;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -145,37 +146,26 @@ impl StoreDir {
     pub fn lock(&self) -> Result<File> {
         let lock = fs::open_or_create(&self.root.join("LOCK"))
             .ctx(|| format!("lock file in {}", self.root.display()))?;
-        let start = Instant::now();
-        loop {
-            match lock.try_lock() {
-                Ok(()) => {
-                    // Who holds it, for the error of an opener that gives up
-                    // waiting. Advisory: not the store's data, so written past
-                    // the fault hooks (`fs`), and a failed write changes nothing.
-                    let pid = std::process::id().to_string();
-                    let _ = lock
-                        .set_len(0)
-                        .and_then(|()| lock.write_all_at(pid.as_bytes(), 0));
-                    return Ok(lock);
-                }
-                Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < LOCK_TIMEOUT => {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(std::fs::TryLockError::WouldBlock) => {
-                    return Err(Error::StoreLocked(format!(
-                        "the store's LOCK was not free within {}s; held now{}",
-                        LOCK_TIMEOUT.as_secs(),
-                        holder(&lock)
-                    )))
-                }
-                Err(std::fs::TryLockError::Error(e)) => {
-                    return Err(Error::Io {
-                        context: "locking the store".into(),
-                        source: e,
-                    })
-                }
-            }
+        let deadline = Instant::now() + LOCK_TIMEOUT;
+        let taken = lockwait::wait_for(deadline, Duration::from_millis(5), || {
+            lockwait::try_flock(&lock)
+        })
+        .ctx(|| "locking the store".to_string())?;
+        if !taken {
+            return Err(Error::StoreLocked(format!(
+                "the store's LOCK was not free within {}s; held now{}",
+                LOCK_TIMEOUT.as_secs(),
+                holder(&lock)
+            )));
         }
+        // Who holds it, for the error of an opener that gives up waiting.
+        // Advisory: not the store's data, so written past the fault hooks
+        // (`fs`), and a failed write changes nothing.
+        let pid = std::process::id().to_string();
+        let _ = lock
+            .set_len(0)
+            .and_then(|()| lock.write_all_at(pid.as_bytes(), 0));
+        Ok(lock)
     }
 
     /// The store-wide compaction lock (one compaction or gc at a time), or
@@ -191,7 +181,7 @@ impl StoreDir {
 }
 
 /// ` (pid N: <what its threads are doing>)`: the holder of the LOCK file
-/// `lock`, as it wrote itself there (`holder::describe`); empty where no
+/// `lock`, as it wrote itself there (`lockwait::describe`); empty where no
 /// holder is known.
 fn holder(lock: &File) -> String {
     let mut buf = [0u8; 16];
@@ -202,7 +192,7 @@ fn holder(lock: &File) -> String {
     else {
         return String::new();
     };
-    crate::holder::describe(pid)
+    lockwait::describe(pid)
 }
 
 /// The number of a segment file from its name (`<16 hex digits>.kvseg`).

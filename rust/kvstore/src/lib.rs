@@ -48,10 +48,10 @@ pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 mod fault;
 mod fs;
-mod holder;
 mod id;
 mod known;
 mod layout;
+mod lockwait;
 mod os;
 mod paged;
 mod pages;

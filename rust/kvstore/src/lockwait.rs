@@ -1,9 +1,39 @@
-//! Who holds a lock that an opener gave up waiting for, for its
-//! `StoreLocked` error: the holder's pid and what its threads are doing
-//! (one stuck in the kernel, state D, keeps a lock however it is killed).
+//! Waiting for a lock an opener needs (the store's LOCK, the arena's), with
+//! a deadline; and, when the wait gives up, who holds it, for the
+//! `StoreLocked` error: the holder's pid and what its threads are doing (one
+//! stuck in the kernel, state D, keeps a lock however it is killed).
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
+use std::time::{Duration, Instant};
+
+/// Tries `take` (true: taken) every `poll` until it succeeds or `deadline`
+/// has passed (false).
+pub(crate) fn wait_for(
+    deadline: Instant,
+    poll: Duration,
+    mut take: impl FnMut() -> std::io::Result<bool>,
+) -> std::io::Result<bool> {
+    loop {
+        if take()? {
+            return Ok(true);
+        }
+        if Instant::now() > deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(poll);
+    }
+}
+
+/// `flock(LOCK_EX)` of `file` without waiting: false if another open file
+/// description holds it.
+pub(crate) fn try_flock(file: &File) -> std::io::Result<bool> {
+    match file.try_lock() {
+        Ok(()) => Ok(true),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(false),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
+}
 
 /// ` (pid N: threads <states>)`: each distinct state and kernel wait channel
 /// of process `pid`'s threads from /proc. If it has exited, whoever holds the

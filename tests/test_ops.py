@@ -465,11 +465,23 @@ def test_cuda_paged_attention_matches_float64_reference(dtype, group, head_dim):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("group", [2, 3, 5, 6, 12, 16])
+def test_cuda_groups_that_fill_part_of_a_tile_or_span_tiles(group):
+    # The CUDA op attends 4 query heads per CTA for groups up to 4, else 8: groups
+    # that leave part of a tile empty (2, 3; 5, 6) or need two tiles (12 = 8 + 4,
+    # 16 = 8 + 8).
+    args = paged_case(LENS + [2049], 2, group, 128, torch.bfloat16, device="cuda")
+    check_against_reference(args, 1 / math.sqrt(128), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 24, 32, 64])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_cuda_block_sizes_and_head_dims(block_size, head_dim):
     # Every head size the CUDA op builds; lengths 1, one token into a block, and
-    # several 512-token partitions; every dtype in turn.
+    # several 512-token partitions; every dtype in turn. 24: a block size that is not
+    # a power of two (a division where the others shift).
     dtype = DTYPES[(head_dim // 16 + block_size // 16) % 3]
     args = paged_case([1, 613, 2049], 2, 4, head_dim, dtype, block_size, head_dim, "cuda")
     check_against_reference(args, 1 / math.sqrt(head_dim), dtype)

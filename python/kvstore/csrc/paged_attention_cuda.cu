@@ -3,10 +3,10 @@
 //
 // paged_attention runs in two kernels, as vLLM's "v2" does:
 // 1. grid (kv head x query-head tile, sequence, partition): each CTA attends one
-//    kv head's group of up to kGroupTile query heads over one partition of the
-//    context. K and V rows are fetched once per CTA and used by every query head of
-//    the tile (GQA). Scores go to shared memory, then softmax statistics, then P·V,
-//    all in fp32.
+//    kv head's group of up to G query heads (G = 4 for groups up to 4, else 8) over
+//    one partition of the context. K and V rows are fetched once per CTA and used by
+//    every query head of the tile (GQA). Scores go to shared memory, then softmax
+//    statistics, then P·V, all in fp32.
 // 2. when the context spans more than one partition, a reduce kernel merges the
 //    partitions' (max, sum, unnormalised output) in fp32 with softmax_merge, the
 //    same helper the CPU kernel uses (paged_attention_common.h).
@@ -18,6 +18,19 @@
 // partition size shrinks (down to kMinPartitionTokens) until the grid fills the
 // device several times over, so that a short context or a small batch still
 // keeps every SM reading.
+//
+// Past the bytes in flight, what bounds the step is the instructions per row (an
+// H200 issues about 1 T warp instructions a second), so:
+// - each thread keeps its columns of a 4-head tile's queries in registers (an 8-head
+//   tile reads them from shared memory: 64 more registers would cost a CTA per SM);
+// - the tile's per-head partial scores are summed across a row's threads in one
+//   transposed butterfly (log2(G) exchanges of halves, then a plain sum: 5 shuffles
+//   for G = 4 where one reduction per head took 16);
+// - the tile width is a template parameter, so a GQA group of 4 holds 4 heads'
+//   accumulators, not 8 (94 registers, 5 CTAs per SM, where 118 allowed 4);
+// - a row's block is a shift of its token for power-of-two block sizes, not a
+//   division;
+// - the first V rows are loaded before the softmax, not after it.
 #include "checks.h"
 #include "paged_attention_common.h"
 
@@ -41,12 +54,18 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kGroupTile = 8;  // query heads per CTA (all of a GQA group up to 8)
+// Query heads per CTA, G: the whole GQA group up to 8, as a tile of 4 or 8.
+constexpr int kMaxGroupTile = 8;
 // Tokens per split-K partition: the largest (what shared memory is sized for) and
 // the smallest the host picks (partition_tokens).
 constexpr int kMaxPartitionTokens = 512;
 constexpr int kMinPartitionTokens = 64;
-constexpr int kUnrollRows = 8;  // rows per thread whose loads are in flight together
+// Bytes of rows a thread loads per step, all in flight together: kUnrollRows = this
+// over the bytes of one load, 8 rows of a 16-bit cache, 16 of fp8. (Two steps' rows
+// per thread, one step's loads in flight while the other's rows are computed on, was
+// slower on an H200: 64 bytes a step, 2-5% for 16-bit caches and up to 20% for fp8;
+// 128 bytes cost a CTA per SM, 25% for 16-bit and 2.5x for fp8.)
+constexpr int kStepBytes = 128;
 constexpr int kCtasPerSm = 4;   // the grid the partition size aims for, per SM
 
 __host__ __device__ constexpr int next_pow2(int x) {
@@ -171,6 +190,32 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Sums each of v[0..N) over the kLanes threads of a row (lanes that differ only in
+// the bits below kMask * 2), N at a time: at each of the first log2(N) levels a
+// thread keeps one half of its values and sends the other half to its partner, which
+// keeps the opposite half, so each level halves the values and costs N/2 shuffles;
+// the remaining levels sum the one value left. Afterwards v[0] of a thread holds
+// the full sum of value number `tl / (kLanes / N)` (tl: its lane within the row).
+template <int kMask, int N, int M>
+__device__ __forceinline__ void row_sum_transposed(float (&v)[M], int tl) {
+  if constexpr (kMask > 0) {
+    if constexpr (N > 1) {
+      constexpr int h = N / 2;
+      const bool upper = (tl & kMask) != 0;
+#pragma unroll
+      for (int j = 0; j < h; ++j) {
+        const float send = upper ? v[j] : v[j + h];
+        const float keep = upper ? v[j + h] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, kMask);
+      }
+      row_sum_transposed<kMask / 2, h>(v, tl);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], kMask);
+      row_sum_transposed<kMask / 2, 1>(v, tl);
+    }
+  }
+}
+
 struct KernelArgs {
   void* out;          // [S, NH, D] (T)
   float* part_out;    // [S, NH, P, D]
@@ -193,13 +238,15 @@ struct KernelArgs {
   int group;
   int group_tiles;
   int block_size;
+  int block_shift;  // log2(block_size) where it is a power of two, else -1
   int num_partitions;
   int partition_tokens;
   float scale;
 };
 
-// T: query and output type; C: cache type (T, or Fp8 with scales in `a`).
-template <typename T, typename C, int D>
+// T: query and output type; C: cache type (T, or Fp8 with scales in `a`); G: the
+// query heads of a CTA's tile.
+template <typename T, typename C, int D, int G>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelArgs a) {
   using V = Vec16<T>;
   using VC = Vec16<C>;
@@ -211,14 +258,17 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
   constexpr int kTG = kRowVecs >= 32 ? 32 : next_pow2(kRowVecs);  // threads per row
   constexpr int kVecsPerThread = (kRowVecs + kTG - 1) / kTG;
   constexpr int kRowsPerPass = kThreads / kTG;
+  constexpr int kUnrollRows = kStepBytes / static_cast<int>(sizeof(Raw));
   constexpr int kRowsPerStep = kRowsPerPass * kUnrollRows;
+  static_assert(G <= kTG, "the transposed sum needs a thread per head in a row");
+  constexpr int kLanesPerHead = kTG / G;  // threads of a row that end with one head's sum
   // A partition's block ids: at most one per token, plus one where it starts inside
   // a block.
   constexpr int kMaxPartitionBlocks = kMaxPartitionTokens + 1;
 
   const int kv_head = blockIdx.x / a.group_tiles;
-  const int g0 = (blockIdx.x % a.group_tiles) * kGroupTile;
-  const int gcount = min(kGroupTile, a.group - g0);
+  const int g0 = (blockIdx.x % a.group_tiles) * G;
+  const int gcount = min(G, a.group - g0);
   const int head0 = kv_head * a.group + g0;  // first query head of this CTA
   const int s = blockIdx.y;
   const int part = blockIdx.z;
@@ -237,11 +287,11 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
   const int tg = tid / kTG;  // row handled by this thread in a pass
   const int tl = tid % kTG;  // this thread's loads in the row: tl, tl + kTG, ...
 
-  __shared__ __align__(16) float q_s[kGroupTile][D];
-  __shared__ __align__(16) float out_s[kGroupTile][D];
-  __shared__ float logits[kGroupTile][kMaxPartitionTokens];
-  __shared__ float stat_max[kGroupTile];
-  __shared__ float stat_sum[kGroupTile];
+  __shared__ __align__(16) float q_s[G][D];
+  __shared__ __align__(16) float out_s[G][D];
+  __shared__ float logits[G][kMaxPartitionTokens];
+  __shared__ float stat_max[G];
+  __shared__ float stat_sum[G];
   __shared__ int32_t blocks_s[kMaxPartitionBlocks];
   __shared__ float k_scale_s[kFp8 ? kMaxPartitionBlocks : 1];
   __shared__ float v_scale_s[kFp8 ? kMaxPartitionBlocks : 1];
@@ -258,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
     }
   }
   const T* query = static_cast<const T*>(a.query);
-  for (int i = tid; i < kGroupTile * D; i += kThreads) {
+  for (int i = tid; i < G * D; i += kThreads) {
     const int g = i / D, d = i % D;
     q_s[g][d] = g < gcount ? V::load1(query + (int64_t(s) * a.num_heads + head0 + g) * D + d) *
                                  a.scale
@@ -267,11 +317,30 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
   }
   __syncthreads();
 
+  // This thread's columns of the tile's queries (zeros past the row and for heads
+  // past the group), read once into registers for a tile of 4; a tile of 8 reads them
+  // from shared memory for each row, as 64 more registers would cost it a CTA per SM.
+  constexpr bool kQInRegisters = G <= 4;
+  float qr[kQInRegisters ? G : 1][kVecsPerThread][kVec];
+#pragma unroll
+  for (int g = 0; g < (kQInRegisters ? G : 1); ++g)
+#pragma unroll
+    for (int v = 0; v < kVecsPerThread; ++v) {
+      const int vi = tl + v * kTG;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) qr[g][v][i] = vi < kRowVecs ? q_s[g][vi * kVec + i] : 0.f;
+    }
+
   const int64_t row_stride = int64_t(a.num_kv_heads) * D;
   const C* kc = static_cast<const C*>(a.key_cache);
   const C* vc = static_cast<const C*>(a.value_cache);
   // Partition token t: its index into blocks_s, and its row in a cache.
-  const auto block_index = [&](int t) { return (start + t) / a.block_size - first_block; };
+  // A shift, not a division, for the usual power-of-two block sizes: this runs for
+  // every row a thread loads.
+  const auto block_of = [&](int token) {
+    return a.block_shift >= 0 ? token >> a.block_shift : token / a.block_size;
+  };
+  const auto block_index = [&](int t) { return block_of(start + t) - first_block; };
   const auto row = [&](const C* cache, int64_t block_stride, int t) {
     const int b = block_index(t);
     const int off = (start + t) - (first_block + b) * a.block_size;
@@ -280,8 +349,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
   };
   // The loads of a step's rows, all issued before any is used; rows past n and a
   // row's loads past its end load nothing (zeros).
-  const auto load_rows = [&](const C* cache, int64_t block_stride, int t0,
-                             Raw (&raw)[kUnrollRows][kVecsPerThread]) {
+  using Rows = Raw[kUnrollRows][kVecsPerThread];
+  const auto load_rows = [&](const C* cache, int64_t block_stride, int t0, Rows& raw) {
 #pragma unroll
     for (int r = 0; r < kUnrollRows; ++r) {
       const int t = t0 + r * kRowsPerPass + tg;
@@ -294,11 +363,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
     }
   };
 
-  // 1. Scores. Every thread runs the same number of steps, so the shuffles below
-  // always see full warps.
-  for (int t0 = 0; t0 < n; t0 += kRowsPerStep) {
-    Raw raw[kUnrollRows][kVecsPerThread];
-    load_rows(kc, a.k_block_stride, t0, raw);
+  // 1. Scores. The shuffles below see full warps: every thread runs the same steps.
+  const auto scores = [&](const Rows& raw, int t0) {
 #pragma unroll
     for (int r = 0; r < kUnrollRows; ++r) {
       const int t = t0 + r * kRowsPerPass + tg;
@@ -306,41 +372,49 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
 #pragma unroll
       for (int v = 0; v < kVecsPerThread; ++v) VC::to_float(raw[r][v], k[v]);
       // Query heads past the group (gcount, the same for the whole CTA) are skipped,
-      // not computed on zeros: a GQA group of 4 does half a tile's work.
-      float dots[kGroupTile];
+      // not computed on zeros: a group of 1 in a tile of 4 does a quarter of the work.
+      float dots[G];
 #pragma unroll
-      for (int g = 0; g < kGroupTile; ++g) {
+      for (int g = 0; g < G; ++g) {
         dots[g] = 0.f;
         if (g >= gcount) continue;
-        float acc = 0.f;
 #pragma unroll
         for (int v = 0; v < kVecsPerThread; ++v) {
-          const int vi = tl + v * kTG;
-          if (vi < kRowVecs) {
+          if constexpr (kQInRegisters) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) dots[g] = fmaf(qr[g][v][i], k[v][i], dots[g]);
+          } else {
+            const int vi = tl + v * kTG;
+            if (vi >= kRowVecs) continue;
 #pragma unroll
             for (int i = 0; i < kVec; i += 4) {
               const float4 qv = *reinterpret_cast<const float4*>(&q_s[g][vi * kVec + i]);
-              acc += qv.x * k[v][i] + qv.y * k[v][i + 1] + qv.z * k[v][i + 2] +
-                     qv.w * k[v][i + 3];
+              dots[g] = fmaf(qv.x, k[v][i], dots[g]);
+              dots[g] = fmaf(qv.y, k[v][i + 1], dots[g]);
+              dots[g] = fmaf(qv.z, k[v][i + 2], dots[g]);
+              dots[g] = fmaf(qv.w, k[v][i + 3], dots[g]);
             }
           }
         }
-#pragma unroll
-        for (int mask = kTG / 2; mask > 0; mask >>= 1) {
-          acc += __shfl_xor_sync(0xffffffffu, acc, mask);
-        }
-        dots[g] = acc;
       }
-      if (t < n && tl == 0) {
+      row_sum_transposed<kTG / 2, G>(dots, tl);
+      const int head = tl / kLanesPerHead;
+      if (t < n && tl % kLanesPerHead == 0 && head < gcount) {
         float ks = 1.f;
         if constexpr (kFp8) ks = k_scale_s[block_index(t)];
-#pragma unroll
-        for (int g = 0; g < kGroupTile; ++g) {
-          if (g < gcount) logits[g][t] = dots[g] * ks;
-        }
+        logits[head][t] = dots[0] * ks;
       }
     }
+  };
+  for (int t0 = 0; t0 < n; t0 += kRowsPerStep) {
+    Rows raw;
+    load_rows(kc, a.k_block_stride, t0, raw);
+    scores(raw, t0);
   }
+  // The first V rows' loads go out now, so that they are in flight during the
+  // softmax instead of after it.
+  Rows vraw;
+  load_rows(vc, a.v_block_stride, 0, vraw);
   __syncthreads();
 
   // 2. Softmax statistics of each query head (one warp per head); logits become
@@ -364,17 +438,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
   __syncthreads();
 
   // 3. P·V: each V row is loaded once and feeds every query head of the tile.
-  float acc[kGroupTile][kVecsPerThread][kVec];
+  float acc[G][kVecsPerThread][kVec];
 #pragma unroll
-  for (int g = 0; g < kGroupTile; ++g)
+  for (int g = 0; g < G; ++g)
 #pragma unroll
     for (int v = 0; v < kVecsPerThread; ++v)
 #pragma unroll
       for (int i = 0; i < kVec; ++i) acc[g][v][i] = 0.f;
 
-  for (int t0 = 0; t0 < n; t0 += kRowsPerStep) {
-    Raw raw[kUnrollRows][kVecsPerThread];
-    load_rows(vc, a.v_block_stride, t0, raw);
+  const auto pv = [&](const Rows& raw, int t0) {
 #pragma unroll
     for (int r = 0; r < kUnrollRows; ++r) {
       const int t = t0 + r * kRowsPerPass + tg;
@@ -385,7 +457,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
       float vs = 1.f;
       if constexpr (kFp8) vs = v_scale_s[block_index(t)];
 #pragma unroll
-      for (int g = 0; g < kGroupTile; ++g) {
+      for (int g = 0; g < G; ++g) {
         if (g >= gcount) continue;
         const float p = logits[g][t] * vs;
 #pragma unroll
@@ -394,12 +466,16 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
           for (int i = 0; i < kVec; ++i) acc[g][v][i] += p * val[v][i];
       }
     }
+  };
+  for (int t0 = 0; t0 < n; t0 += kRowsPerStep) {
+    if (t0 > 0) load_rows(vc, a.v_block_stride, t0, vraw);
+    pv(vraw, t0);
   }
 
   // Rows of one warp share the lane -> column mapping: sum them with shuffles,
   // then add the warps one after another (a fixed order: deterministic output).
 #pragma unroll
-  for (int g = 0; g < kGroupTile; ++g)
+  for (int g = 0; g < G; ++g)
 #pragma unroll
     for (int v = 0; v < kVecsPerThread; ++v)
 #pragma unroll
@@ -411,7 +487,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
   for (int w = 0; w < kWarps; ++w) {
     if (warp == w && lane < kTG) {
 #pragma unroll
-      for (int g = 0; g < kGroupTile; ++g)
+      for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int v = 0; v < kVecsPerThread; ++v) {
           const int vi = tl + v * kTG;
@@ -465,10 +541,18 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(const 
   }
 }
 
+// The tile width: 4 query heads for GQA groups up to 4 (1, 2 and 3 skip the heads
+// they lack), else 8, in as many tiles as the group needs.
+int group_tile(int64_t group) { return group <= 4 ? 4 : kMaxGroupTile; }
+
 template <typename T, typename C, int D>
 void launch_attention(const KernelArgs& a, int num_seqs, cudaStream_t stream) {
   const dim3 grid(a.num_kv_heads * a.group_tiles, num_seqs, a.num_partitions);
-  paged_attention_kernel<T, C, D><<<grid, kThreads, 0, stream>>>(a);
+  if (group_tile(a.group) == 4) {
+    paged_attention_kernel<T, C, D, 4><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    paged_attention_kernel<T, C, D, kMaxGroupTile><<<grid, kThreads, 0, stream>>>(a);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -544,7 +628,7 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   // The partition count comes from the table width, an upper bound of every length
   // that needs no device-to-host copy of seq_lens.
   const int64_t max_len = dims.max_blocks * dims.block_size;
-  const int group_tiles = static_cast<int>(ceil_div(dims.group, kGroupTile));
+  const int group_tiles = static_cast<int>(ceil_div(dims.group, group_tile(dims.group)));
   const int partition = partition_tokens(max_len, dims.num_kv_heads * group_tiles * dims.num_seqs,
                                          at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   const int num_partitions = static_cast<int>(std::max<int64_t>(1, ceil_div(max_len, partition)));
@@ -578,6 +662,7 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
   a.group = static_cast<int>(dims.group);
   a.group_tiles = group_tiles;
   a.block_size = static_cast<int>(dims.block_size);
+  a.block_shift = (a.block_size & (a.block_size - 1)) == 0 ? __builtin_ctz(a.block_size) : -1;
   a.num_partitions = num_partitions;
   a.partition_tokens = partition;
   a.scale = static_cast<float>(scale);

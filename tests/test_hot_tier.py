@@ -221,6 +221,53 @@ def test_sigkill_mid_put_and_get_leaves_no_lock_or_leaked_slot(tmp_path: Path) -
         assert s.verify()["damaged"] == []
 
 
+HOLD_AND_STOP = """
+import fcntl, os, signal, sys
+f = open(sys.argv[1], "rb")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("HELD", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_stopped_holder_of_the_writers_lock_delays_puts_once_and_fails_pins(
+    tmp_path: Path,
+) -> None:
+    # A process stopped while it holds the arena's writers' lock (SIGSTOP, a
+    # debugger): puts and gets still work, from the segments, late by one wait
+    # (2 s) in all, not one per block; a pin fails with StoreLocked naming it.
+    store, hot = tmp_path / "s", tmp_path / "hot"
+    hot.mkdir()
+    with open_store(store, hot) as s:
+        (arena,) = hot.iterdir()
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_AND_STOP, str(arena)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "HELD"
+            start = time.monotonic()
+            for i in range(8):  # 32 blocks
+                s.put(seq(i), kv_of(seq(i)))
+            took = time.monotonic() - start
+            assert 2.0 <= took < 6.0, took
+            for i in range(8):
+                assert check(s, seq(i)) == 64
+            assert s.stats()["hot_slots_used"] == 0
+            with pytest.raises(
+                kvstore.StoreLocked,
+                match=rf"writers' lock was not free within 2s; held now \(pid {holder.pid}: ",
+            ):
+                s.pin(seq(0), priority=1)
+        finally:
+            holder.kill()
+            holder.wait()
+        # The lock is free again: fills and pins go through the hot tier.
+        s.put(seq(9), kv_of(seq(9)))
+        assert s.pin(seq(0), priority=1) == 64
+        assert s.stats()["hot_slots_used"] >= 8
+        assert check(s, seq(9)) == 64
+
+
 def test_page_kind_without_a_huge_page_pool_is_reported(tmp_path: Path) -> None:
     with open_store(tmp_path / "s", tmp_path) as s:
         kind = s.stats()["page_kind"]

@@ -287,7 +287,8 @@ class Store:
         """Keeps the longest stored prefix of `tokens` warm: in the hot tier ahead of
         blocks pinned lower or not at all, and kept by `gc`, for `ttl` seconds (None:
         until `unpin`). Returns the tokens pinned. StoreFull if the hot tier is full of
-        blocks pinned at `priority` or higher."""
+        blocks pinned at `priority` or higher; StoreLocked if its writer lock stayed
+        held for 2 s (by a stopped process): the blocks before that one stay pinned."""
         if (
             isinstance(priority, bool)
             or not isinstance(priority, int)
@@ -299,7 +300,8 @@ class Store:
         return self._raw.pin(tokens_array(tokens), extra_bytes(extra), priority, ttl)
 
     def unpin(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
-        """Makes the blocks of `tokens` evictable again."""
+        """Makes the blocks of `tokens` evictable again (StoreLocked as for `pin`: call it
+        again once the holder has gone)."""
         return self._raw.unpin(tokens_array(tokens), extra_bytes(extra))
 
     def hot_blocks(

@@ -19,7 +19,13 @@
 //!
 //! Writers (insert, evict, pin) serialise on `flock(LOCK_EX)` of the arena
 //! file plus a mutex for the threads of one process. The kernel drops a dead
-//! process's `flock`, so a crash at any instruction leaves nothing locked.
+//! process's `flock`, so a crash at any instruction leaves nothing locked;
+//! a stopped process (SIGSTOP, a debugger, a frozen cgroup) keeps it, so a
+//! writer waits for it at most [`WRITE_WAIT`]: a pin then fails with
+//! `StoreLocked`, and a cache fill (a put's or a read's copy into the arena)
+//! is skipped (`Inserted::Busy`: the block stays in the segments), and the
+//! fills of the next [`FILL_BACKOFF`] try the lock once without waiting, so
+//! a stopped holder costs one wait per `FILL_BACKOFF`, not one per block.
 //!
 //! Each slot has a version counter used as a seqlock. A writer makes it odd,
 //! fills id, tokens, data and the data's checksum, then makes it even.
@@ -248,6 +254,10 @@ pub enum Inserted {
     Present,
     /// Every slot of its set holds a block pinned at least as high.
     Full,
+    /// Not stored: the writers' lock was not free within [`WRITE_WAIT`] (or,
+    /// for a cache fill, another fill gave up on it less than
+    /// [`FILL_BACKOFF`] ago and it was not free at once).
+    Busy,
 }
 
 /// Figures of the hot tier.
@@ -319,6 +329,9 @@ pub(crate) struct Arena {
     /// process checked for `locate` (0: none), so a block copied out by DMA
     /// is checked once per process and version, not on every copy.
     located: OnceLock<Box<[AtomicU64]>>,
+    /// Until when cache fills try the writers' lock once instead of waiting
+    /// for it: one gave up waiting.
+    fills_skip_until: Mutex<Option<Instant>>,
 }
 
 /// Where everything lies in an arena: a function of the layout and the size
@@ -415,6 +428,20 @@ const LOCK_WAIT: Duration = Duration::from_secs(20);
 
 /// How often an opener tries the arena's locks while it waits.
 const LOCK_POLL: Duration = Duration::from_millis(1);
+
+/// How long a writer (insert, pin, unpin) waits for the writers' `flock`
+/// before it gives up (see "Protocol"). Writers hold it for one block's copy,
+/// tens of microseconds; only a stopped process holds it for seconds.
+pub(crate) const WRITE_WAIT: Duration = Duration::from_secs(2);
+
+/// After a cache fill gave up on the writers' `flock`, how long fills try it
+/// once instead of waiting: a free lock is still taken at once, a held one
+/// costs nothing.
+const FILL_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How often a writer tries the writers' `flock` while another holds it:
+/// about a block copy, so a contended writer starts soon after the holder.
+const WRITE_POLL: Duration = Duration::from_micros(50);
 
 /// How to get past an arena refused for its contents.
 const REMOVE: &str = "remove it (kvstore.remove_arena) to start a fresh one: processes that \
@@ -655,6 +682,7 @@ impl Arena {
             chunk_bytes: layout.chunk_bytes(),
             page_kind,
             located: OnceLock::new(),
+            fills_skip_until: Mutex::new(None),
         };
         arena.reclaim_torn();
         arena
@@ -947,21 +975,36 @@ impl Arena {
         self.holding(id).is_some()
     }
 
-    fn write_locked<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+    /// Runs `f` under the writers' lock, waiting at most `wait` for it
+    /// (zero: one try); `None` if it was not free within that.
+    fn write_locked<T>(&self, wait: Duration, f: impl FnOnce() -> T) -> Result<Option<T>> {
         let _guard = self.lock.lock().expect("arena lock");
-        self.file
-            .lock()
+        let locked = wait_for(Instant::now() + wait, WRITE_POLL, || try_flock(&self.file))
             .ctx(|| format!("locking arena {}", self.path.display()))?;
+        if !locked {
+            return Ok(None);
+        }
         let out = f();
         self.file
             .unlock()
             .ctx(|| format!("unlocking arena {}", self.path.display()))?;
-        Ok(out)
+        Ok(Some(out))
+    }
+
+    /// The `StoreLocked` of a pin or unpin that gave up on the writers' lock.
+    pub(crate) fn writers_locked(&self) -> Error {
+        Error::StoreLocked(format!(
+            "arena {}: its writers' lock was not free within {}s; held now{}",
+            self.path.display(),
+            WRITE_WAIT.as_secs_f64(),
+            flock_holders(&self.file)
+        ))
     }
 
     /// Stores a block (its `2L` runs), evicting per the policy above.
-    /// `priority` 0 = unpinned; `expires_ms` 0 = never. A copy of the block
-    /// already there whose data fails its checksum is rewritten in place.
+    /// `priority` 0 = unpinned (a cache fill); `expires_ms` 0 = never. A copy
+    /// of the block already there whose data fails its checksum is rewritten
+    /// in place. `Busy` when the writers' lock stays held (see "Protocol").
     pub fn insert(
         &self,
         id: &BlockId,
@@ -979,7 +1022,11 @@ impl Arena {
                 "arena insert: block of the wrong shape".into(),
             ));
         }
-        self.write_locked(|| {
+        // A fill soon after another gave up tries once; a pin always waits.
+        let skip_until = *self.fills_skip_until.lock().expect("arena fills");
+        let skipping = priority == 0 && skip_until.is_some_and(|t| Instant::now() < t);
+        let wait = if skipping { Duration::ZERO } else { WRITE_WAIT };
+        let done = self.write_locked(wait, || {
             let mut victim: Option<(usize, (u8, u64, u64))> = None;
             let (mut priority, mut expires_ms) = (priority, expires_ms);
             for slot in self.set_of(id) {
@@ -1036,7 +1083,14 @@ impl Arena {
             }
             self.map.u64_at(H_INSERTS).fetch_add(1, Ordering::Relaxed);
             Inserted::Stored
-        })
+        })?;
+        Ok(done.unwrap_or_else(|| {
+            if !skipping {
+                *self.fills_skip_until.lock().expect("arena fills") =
+                    Some(Instant::now() + FILL_BACKOFF);
+            }
+            Inserted::Busy
+        }))
     }
 
     /// Writes a block into `slot` under the slot's seqlock (odd version
@@ -1123,7 +1177,10 @@ impl Arena {
 
     fn with_slot(&self, id: &BlockId, f: impl FnOnce(usize)) -> Result<bool> {
         // Under the write lock no version can change: `holding` is exact here.
-        self.write_locked(|| self.holding(id).map(|(slot, _)| f(slot)).is_some())
+        self.write_locked(WRITE_WAIT, || {
+            self.holding(id).map(|(slot, _)| f(slot)).is_some()
+        })?
+        .ok_or_else(|| self.writers_locked())
     }
 
     pub fn stats(&self, now_ms: u64) -> ArenaStats {
@@ -1197,6 +1254,16 @@ mod tests {
     use super::*;
     use crate::layout::DType;
 
+    /// A small layout, and the owner and path of an arena in `dir`.
+    fn small_arena(dir: &Path) -> (Layout, Owner, PathBuf) {
+        let layout = Layout::new(2, 2, 16, DType::Float16, 16).unwrap();
+        let owner = Owner {
+            store_id: "0".repeat(32),
+            store_path: dir.to_path_buf(),
+        };
+        (layout, owner, dir.join("arena"))
+    }
+
     /// An opener gives up on a held arena after its wait, with `StoreLocked`
     /// naming the holder: the writers' `flock` (here held by this process,
     /// through another description), then a pruner's exclusive lifetime lock;
@@ -1204,12 +1271,7 @@ mod tests {
     #[test]
     fn an_opener_gives_up_on_a_held_arena() {
         let dir = tempfile::tempdir().unwrap();
-        let layout = Layout::new(2, 2, 16, DType::Float16, 16).unwrap();
-        let owner = Owner {
-            store_id: "0".repeat(32),
-            store_path: dir.path().to_path_buf(),
-        };
-        let path = dir.path().join("arena");
+        let (layout, owner, path) = small_arena(dir.path());
         let open = |wait| Arena::open_waiting(&path, &layout, &[7; 32], 4 << 20, &owner, wait);
         drop(open(Duration::ZERO).unwrap());
         let wait = Duration::from_millis(50);
@@ -1236,6 +1298,87 @@ mod tests {
         );
         drop(pruner);
         open(wait).unwrap();
+    }
+
+    /// A writer gives up on the writers' lock held by a stopped process (here
+    /// this process, through another description) after `WRITE_WAIT`: a pin
+    /// and an unpin with `StoreLocked` naming the holder, a cache fill with
+    /// `Busy`, and the fills of the next `FILL_BACKOFF` at once; a pinned
+    /// insert still waits. Once the lock is free, all of them go through.
+    #[test]
+    fn writers_give_up_on_a_held_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let (layout, owner, path) = small_arena(dir.path());
+        let a = Arena::open(&path, &layout, &[7; 32], 4 << 20, &owner).unwrap();
+        let block: Vec<u8> = (0..a.block_bytes).map(|i| (i * 13) as u8).collect();
+        let runs: Vec<&[u8]> = block.chunks(a.chunk_bytes).collect();
+        let tokens = vec![5u32; 16];
+        let (held, fresh, later) = ([1u8; 32], [2u8; 32], [3u8; 32]);
+        assert_eq!(
+            a.insert(&held, &tokens, &runs, 0, 0, 10).unwrap(),
+            Inserted::Stored
+        );
+
+        let writer = File::open(&path).unwrap();
+        writer.lock().unwrap();
+        let timed = |f: &dyn Fn() -> Result<bool>| {
+            let start = Instant::now();
+            (f(), start.elapsed())
+        };
+        for (what, res) in [
+            ("pin", timed(&|| a.pin(&held, 5, 0))),
+            ("unpin", timed(&|| a.unpin(&held))),
+        ] {
+            let (res, took) = res;
+            assert!(took >= WRITE_WAIT, "{what} gave up after {took:?}");
+            let e = res.expect_err(what);
+            assert!(
+                matches!(e, Error::StoreLocked(ref m) if m.contains(
+                    "writers' lock was not free within 2s; held now (this process, through another handle)"
+                )),
+                "{what}: {e}"
+            );
+        }
+        let start = Instant::now();
+        assert_eq!(
+            a.insert(&fresh, &tokens, &runs, 0, 0, 20).unwrap(),
+            Inserted::Busy
+        );
+        assert!(start.elapsed() >= WRITE_WAIT);
+        // The next fills within FILL_BACKOFF try once.
+        let start = Instant::now();
+        assert_eq!(
+            a.insert(&fresh, &tokens, &runs, 0, 0, 1_000).unwrap(),
+            Inserted::Busy
+        );
+        assert_eq!(
+            a.insert(&later, &tokens, &runs, 0, 0, 2_019).unwrap(),
+            Inserted::Busy
+        );
+        assert!(start.elapsed() < WRITE_WAIT / 2, "{:?}", start.elapsed());
+        // A pin waits whatever the fills do.
+        let start = Instant::now();
+        assert_eq!(
+            a.insert(&later, &tokens, &runs, 3, 0, 1_500).unwrap(),
+            Inserted::Busy
+        );
+        assert!(start.elapsed() >= WRITE_WAIT);
+        assert!(!a.contains(&fresh) && !a.contains(&later));
+
+        drop(writer);
+        // A fill within the window (it began before the pin above) tries once,
+        // and the lock is free now.
+        assert_eq!(
+            a.insert(&fresh, &tokens, &runs, 0, 0, 1_000).unwrap(),
+            Inserted::Stored
+        );
+        assert!(a.pin(&held, 5, 0).unwrap());
+        assert!(a.unpin(&held).unwrap());
+        assert_eq!(
+            a.insert(&later, &tokens, &runs, 0, 0, 10_000).unwrap(),
+            Inserted::Stored
+        );
+        assert!(a.contains(&fresh) && a.contains(&later) && a.contains(&held));
     }
 
     /// A 128 KiB mapping of a temporary file, and the bytes written there.

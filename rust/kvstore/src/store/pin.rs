@@ -58,7 +58,8 @@ impl Inner {
 
     /// Pins the blocks at `locs` in the hot tier, loading those not there.
     /// Returns how many of them are pinned (a prefix) and, if the hot tier
-    /// refused one, the `StoreFull` to report.
+    /// refused one, the error to report: `StoreFull`, or `StoreLocked` where
+    /// its writers' lock stayed held (`arena::WRITE_WAIT`).
     pub(super) fn pin_hot(
         &self,
         arena: &Arena,
@@ -72,8 +73,11 @@ impl Inner {
         let mut buf = vec![0u8; self.layout.block_bytes()];
         let mut scratch = Vec::new();
         for (i, (id, loc)) in ids.iter().zip(locs).enumerate() {
-            if arena.pin(id, priority, expires)? {
-                continue;
+            match arena.pin(id, priority, expires) {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e @ Error::StoreLocked(_)) => return Ok((i, Some(e))),
+                Err(e) => return Err(e),
             }
             let block_tokens = &tokens[i * b..(i + 1) * b];
             let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
@@ -84,16 +88,18 @@ impl Inner {
                 return Ok((i, None)); // damaged or compacted away: the pinned prefix ends here
             }
             let chunks: Vec<&[u8]> = buf.chunks(self.layout.chunk_bytes()).collect();
-            if arena.insert(id, block_tokens, &chunks, priority, expires, now_ms())?
-                == Inserted::Full
-            {
-                return Ok((
-                    i,
-                    Some(Error::StoreFull(format!(
-                        "the hot tier has no room for block {i} of this sequence: its slots hold \
-                         blocks pinned at priority {priority} or higher"
-                    ))),
-                ));
+            match arena.insert(id, block_tokens, &chunks, priority, expires, now_ms())? {
+                Inserted::Stored | Inserted::Present => {}
+                Inserted::Full => {
+                    return Ok((
+                        i,
+                        Some(Error::StoreFull(format!(
+                            "the hot tier has no room for block {i} of this sequence: its slots \
+                             hold blocks pinned at priority {priority} or higher"
+                        ))),
+                    ));
+                }
+                Inserted::Busy => return Ok((i, Some(arena.writers_locked()))),
             }
         }
         Ok((locs.len(), None))

@@ -122,7 +122,9 @@ impl Inner {
         // Into the hot tier only once written (a failed put publishes nothing)
         // and, unless a batch commit is still due, committed: other processes
         // must not see a block a crash could take back. A batch put shows its
-        // blocks before the group commit, as it does to this handle.
+        // blocks before the group commit, as it does to this handle. A fill
+        // the arena refuses (full, or `Busy`: its writers' lock held by a
+        // stopped process) leaves the block where it is durable, the segments.
         if let Some(arena) = &self.arena {
             for &i in &fresh {
                 let (id, block_tokens) = block(i);

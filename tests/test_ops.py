@@ -466,12 +466,13 @@ def test_cuda_paged_attention_matches_float64_reference(dtype, group, head_dim):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("group", [2, 3, 5, 6, 12, 16])
-def test_cuda_groups_that_fill_part_of_a_tile_or_span_tiles(group):
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_cuda_groups_that_fill_part_of_a_tile_or_span_tiles(group, head_dim):
     # The CUDA op attends 4 query heads per CTA for groups up to 4, else 8: groups
     # that leave part of a tile empty (2, 3; 5, 6) or need two tiles (12 = 8 + 4,
-    # 16 = 8 + 8).
-    args = paged_case(LENS + [2049], 2, group, 128, torch.bfloat16, device="cuda")
-    check_against_reference(args, 1 / math.sqrt(128), torch.bfloat16)
+    # 16 = 8 + 8); 80, a head size whose rows leave some of their threads no columns.
+    args = paged_case(LENS + [2049], 2, group, head_dim, torch.bfloat16, device="cuda")
+    check_against_reference(args, 1 / math.sqrt(head_dim), torch.bfloat16)
 
 
 @gpu

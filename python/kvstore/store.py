@@ -300,8 +300,8 @@ class Store:
         return self._raw.pin(tokens_array(tokens), extra_bytes(extra), priority, ttl)
 
     def unpin(self, tokens: Any, *, extra: bytes | str | None = None) -> int:
-        """Makes the blocks of `tokens` evictable again (StoreLocked as for `pin`: call it
-        again once the holder has gone)."""
+        """Makes the blocks of `tokens` evictable again. StoreLocked as for `pin`: the
+        blocks then stay pinned (in the hot tier and for `gc`) until a call succeeds."""
         return self._raw.unpin(tokens_array(tokens), extra_bytes(extra))
 
     def hot_blocks(

@@ -24,10 +24,11 @@
 // - each thread keeps its columns of a 4-head tile's queries in registers (an 8-head
 //   tile reads them from shared memory: 64 more registers would cost a CTA per SM);
 // - the tile's per-head partial scores are summed across a row's threads in one
-//   transposed butterfly (log2(G) exchanges of halves, then a plain sum: 5 shuffles
-//   for G = 4 where one reduction per head took 16);
+//   transposed butterfly (log2(G) exchanges of halves, then a plain sum:
+//   G - 1 + log2(row threads / G) shuffles where one reduction per head took
+//   G * log2(row threads), 5 against 16 for 4 heads over 16 threads);
 // - the tile width is a template parameter, so a GQA group of 4 holds 4 heads'
-//   accumulators, not 8 (94 registers, 5 CTAs per SM, where 118 allowed 4);
+//   accumulators, not 8, and fits one more CTA per SM;
 // - a row's block is a shift of its token for power-of-two block sizes, not a
 //   division;
 // - the first V rows are loaded before the softmax, not after it.
@@ -61,10 +62,10 @@ constexpr int kMaxGroupTile = 8;
 constexpr int kMaxPartitionTokens = 512;
 constexpr int kMinPartitionTokens = 64;
 // Bytes of rows a thread loads per step, all in flight together: kUnrollRows = this
-// over the bytes of one load, 8 rows of a 16-bit cache, 16 of fp8. (Two steps' rows
-// per thread, one step's loads in flight while the other's rows are computed on, was
-// slower on an H200: 64 bytes a step, 2-5% for 16-bit caches and up to 20% for fp8;
-// 128 bytes cost a CTA per SM, 25% for 16-bit and 2.5x for fp8.)
+// over the bytes of one load, 8 rows of a 16-bit or float32 cache, 16 of fp8. (Two
+// steps' rows per thread, one step's loads in flight while the other's rows are
+// computed on, was slower on an H200 at either size: the registers it takes cost
+// CTAs per SM; benches/README.md.)
 constexpr int kStepBytes = 128;
 constexpr int kCtasPerSm = 4;   // the grid the partition size aims for, per SM
 
@@ -190,14 +191,16 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sums each of v[0..N) over the kLanes threads of a row (lanes that differ only in
-// the bits below kMask * 2), N at a time: at each of the first log2(N) levels a
-// thread keeps one half of its values and sends the other half to its partner, which
-// keeps the opposite half, so each level halves the values and costs N/2 shuffles;
-// the remaining levels sum the one value left. Afterwards v[0] of a thread holds
-// the full sum of value number `tl / (kLanes / N)` (tl: its lane within the row).
+// Sums each of v[0..N) over the threads of a row: the 2 * kMask lanes that differ
+// only in the bits below 2 * kMask (call it with kMask = half the row). At each of
+// the first log2(N) levels a thread keeps one half of its values and sends the other
+// half to its partner, which keeps the opposite half, so each level halves the values
+// and costs N/2 shuffles; the remaining levels sum the one value left. Afterwards
+// v[0] of a thread holds the full sum of value number `tl / (2 * kMask / N)` (tl: its
+// lane within the row).
 template <int kMask, int N, int M>
 __device__ __forceinline__ void row_sum_transposed(float (&v)[M], int tl) {
+  static_assert((N & (N - 1)) == 0, "halves all the way down: N a power of two");
   if constexpr (kMask > 0) {
     if constexpr (N > 1) {
       constexpr int h = N / 2;

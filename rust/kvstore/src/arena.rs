@@ -21,11 +21,13 @@
 //! file plus a mutex for the threads of one process. The kernel drops a dead
 //! process's `flock`, so a crash at any instruction leaves nothing locked;
 //! a stopped process (SIGSTOP, a debugger, a frozen cgroup) keeps it, so a
-//! writer waits for it at most [`WRITE_WAIT`]: a pin then fails with
-//! `StoreLocked`, and a cache fill (a put's or a read's copy into the arena)
-//! is skipped (`Inserted::Busy`: the block stays in the segments), and the
-//! fills of the next [`FILL_BACKOFF`] try the lock once without waiting, so
-//! a stopped holder costs one wait per `FILL_BACKOFF`, not one per block.
+//! writer gives up [`WRITE_WAIT`] after it started waiting (the mutex
+//! included): a pin or unpin then fails with `StoreLocked`, and a cache fill
+//! (a put's or a read's copy into the arena) is skipped (`Inserted::Busy`:
+//! the block stays in the segments). After a writer gave up, the fills of
+//! this process try the lock once without waiting, until one takes it or
+//! [`FILL_BACKOFF`] has passed: a stopped holder costs a process about one
+//! wait per `FILL_BACKOFF`, not one per block or per thread.
 //!
 //! Each slot has a version counter used as a seqlock. A writer makes it odd,
 //! fills id, tokens, data and the data's checksum, then makes it even.
@@ -255,8 +257,8 @@ pub enum Inserted {
     /// Every slot of its set holds a block pinned at least as high.
     Full,
     /// Not stored: the writers' lock was not free within [`WRITE_WAIT`] (or,
-    /// for a cache fill, another fill gave up on it less than
-    /// [`FILL_BACKOFF`] ago and it was not free at once).
+    /// for a cache fill, another writer of this process gave up on it less
+    /// than [`FILL_BACKOFF`] ago and it was not free at once).
     Busy,
 }
 
@@ -330,7 +332,7 @@ pub(crate) struct Arena {
     /// is checked once per process and version, not on every copy.
     located: OnceLock<Box<[AtomicU64]>>,
     /// Until when cache fills try the writers' lock once instead of waiting
-    /// for it: one gave up waiting.
+    /// for it: a writer gave up waiting, and none has taken it since.
     fills_skip_until: Mutex<Option<Instant>>,
 }
 
@@ -430,17 +432,20 @@ const LOCK_WAIT: Duration = Duration::from_secs(20);
 const LOCK_POLL: Duration = Duration::from_millis(1);
 
 /// How long a writer (insert, pin, unpin) waits for the writers' `flock`
-/// before it gives up (see "Protocol"). Writers hold it for one block's copy,
-/// tens of microseconds; only a stopped process holds it for seconds.
+/// (and the mutex of its process's writers) before it gives up (see
+/// "Protocol"). Writers hold it for one block's copy (all layers of its
+/// tokens: 2 MiB for a 16-token block of Llama-3-8B, a few hundred
+/// microseconds); only a stopped process holds it for seconds.
 pub(crate) const WRITE_WAIT: Duration = Duration::from_secs(2);
 
-/// After a cache fill gave up on the writers' `flock`, how long fills try it
-/// once instead of waiting: a free lock is still taken at once, a held one
-/// costs nothing.
+/// After a writer gave up on the writers' `flock`, how long this process's
+/// fills try it once instead of waiting (unless one takes it first): a free
+/// lock is still taken at once, a held one costs nothing.
 const FILL_BACKOFF: Duration = Duration::from_secs(30);
 
-/// How often a writer tries the writers' `flock` while another holds it:
-/// about a block copy, so a contended writer starts soon after the holder.
+/// How often a writer tries the writers' `flock` while another process holds
+/// it: a fraction of a block's copy, so a contended writer starts soon after
+/// the holder is done.
 const WRITE_POLL: Duration = Duration::from_micros(50);
 
 /// How to get past an arena refused for its contents.
@@ -975,15 +980,33 @@ impl Arena {
         self.holding(id).is_some()
     }
 
-    /// Runs `f` under the writers' lock, waiting at most `wait` for it
-    /// (zero: one try); `None` if it was not free within that.
-    fn write_locked<T>(&self, wait: Duration, f: impl FnOnce() -> T) -> Result<Option<T>> {
+    /// Runs `f` under the writers' lock, waiting for it until `deadline`
+    /// (taken before the mutex, so a thread queued behind another's wait
+    /// does not wait again); `None` if it was not free by then. A cache
+    /// `fill` tries once after a writer gave up (`fills_skip_until`).
+    fn write_locked<T>(
+        &self,
+        deadline: Instant,
+        fill: bool,
+        f: impl FnOnce() -> T,
+    ) -> Result<Option<T>> {
         let _guard = self.lock.lock().expect("arena lock");
-        let locked = wait_for(Instant::now() + wait, WRITE_POLL, || try_flock(&self.file))
+        let mut skip_until = self.fills_skip_until.lock().expect("arena fills");
+        let now = Instant::now();
+        let skipping = fill && skip_until.is_some_and(|t| now < t);
+        let deadline = if skipping { now } else { deadline };
+        drop(skip_until);
+        let locked = wait_for(deadline, WRITE_POLL, || try_flock(&self.file))
             .ctx(|| format!("locking arena {}", self.path.display()))?;
+        skip_until = self.fills_skip_until.lock().expect("arena fills");
         if !locked {
+            if !skipping {
+                *skip_until = Some(Instant::now() + FILL_BACKOFF);
+            }
             return Ok(None);
         }
+        *skip_until = None;
+        drop(skip_until);
         let out = f();
         self.file
             .unlock()
@@ -992,7 +1015,7 @@ impl Arena {
     }
 
     /// The `StoreLocked` of a pin or unpin that gave up on the writers' lock.
-    pub(crate) fn writers_locked(&self) -> Error {
+    pub(crate) fn writers_locked_error(&self) -> Error {
         Error::StoreLocked(format!(
             "arena {}: its writers' lock was not free within {}s; held now{}",
             self.path.display(),
@@ -1022,11 +1045,8 @@ impl Arena {
                 "arena insert: block of the wrong shape".into(),
             ));
         }
-        // A fill soon after another gave up tries once; a pin always waits.
-        let skip_until = *self.fills_skip_until.lock().expect("arena fills");
-        let skipping = priority == 0 && skip_until.is_some_and(|t| Instant::now() < t);
-        let wait = if skipping { Duration::ZERO } else { WRITE_WAIT };
-        let done = self.write_locked(wait, || {
+        let deadline = Instant::now() + WRITE_WAIT;
+        let done = self.write_locked(deadline, priority == 0, || {
             let mut victim: Option<(usize, (u8, u64, u64))> = None;
             let (mut priority, mut expires_ms) = (priority, expires_ms);
             for slot in self.set_of(id) {
@@ -1084,13 +1104,7 @@ impl Arena {
             self.map.u64_at(H_INSERTS).fetch_add(1, Ordering::Relaxed);
             Inserted::Stored
         })?;
-        Ok(done.unwrap_or_else(|| {
-            if !skipping {
-                *self.fills_skip_until.lock().expect("arena fills") =
-                    Some(Instant::now() + FILL_BACKOFF);
-            }
-            Inserted::Busy
-        }))
+        Ok(done.unwrap_or(Inserted::Busy))
     }
 
     /// Writes a block into `slot` under the slot's seqlock (odd version
@@ -1177,10 +1191,10 @@ impl Arena {
 
     fn with_slot(&self, id: &BlockId, f: impl FnOnce(usize)) -> Result<bool> {
         // Under the write lock no version can change: `holding` is exact here.
-        self.write_locked(WRITE_WAIT, || {
+        self.write_locked(Instant::now() + WRITE_WAIT, false, || {
             self.holding(id).map(|(slot, _)| f(slot)).is_some()
         })?
-        .ok_or_else(|| self.writers_locked())
+        .ok_or_else(|| self.writers_locked_error())
     }
 
     pub fn stats(&self, now_ms: u64) -> ArenaStats {
@@ -1301,10 +1315,11 @@ mod tests {
     }
 
     /// A writer gives up on the writers' lock held by a stopped process (here
-    /// this process, through another description) after `WRITE_WAIT`: a pin
-    /// and an unpin with `StoreLocked` naming the holder, a cache fill with
-    /// `Busy`, and the fills of the next `FILL_BACKOFF` at once; a pinned
-    /// insert still waits. Once the lock is free, all of them go through.
+    /// this process, through another description) `WRITE_WAIT` after it
+    /// started: cache fills with `Busy` (three threads at once in one wait,
+    /// not three), a pin and an unpin with `StoreLocked` naming the holder;
+    /// after that, fills try once while a pinned insert still waits. Once the
+    /// lock is free, all of them go through.
     #[test]
     fn writers_give_up_on_a_held_lock() {
         let dir = tempfile::tempdir().unwrap();
@@ -1313,23 +1328,33 @@ mod tests {
         let block: Vec<u8> = (0..a.block_bytes).map(|i| (i * 13) as u8).collect();
         let runs: Vec<&[u8]> = block.chunks(a.chunk_bytes).collect();
         let tokens = vec![5u32; 16];
-        let (held, fresh, later) = ([1u8; 32], [2u8; 32], [3u8; 32]);
-        assert_eq!(
-            a.insert(&held, &tokens, &runs, 0, 0, 10).unwrap(),
-            Inserted::Stored
-        );
+        let ids: Vec<BlockId> = (1..=4u8).map(|i| [i; 32]).collect();
+        let insert = |id, priority| a.insert(id, &tokens, &runs, priority, 0, 10).unwrap();
+        assert_eq!(insert(&ids[0], 0), Inserted::Stored);
 
         let writer = File::open(&path).unwrap();
         writer.lock().unwrap();
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            let fills: Vec<_> = ids[1..]
+                .iter()
+                .map(|id| s.spawn(move || insert(id, 0)))
+                .collect();
+            for f in fills {
+                assert_eq!(f.join().unwrap(), Inserted::Busy);
+            }
+        });
+        let took = start.elapsed();
+        assert!(took >= WRITE_WAIT && took < WRITE_WAIT * 3 / 2, "{took:?}");
+
         let timed = |f: &dyn Fn() -> Result<bool>| {
             let start = Instant::now();
             (f(), start.elapsed())
         };
-        for (what, res) in [
-            ("pin", timed(&|| a.pin(&held, 5, 0))),
-            ("unpin", timed(&|| a.unpin(&held))),
+        for (what, (res, took)) in [
+            ("pin", timed(&|| a.pin(&ids[0], 5, 0))),
+            ("unpin", timed(&|| a.unpin(&ids[0]))),
         ] {
-            let (res, took) = res;
             assert!(took >= WRITE_WAIT, "{what} gave up after {took:?}");
             let e = res.expect_err(what);
             assert!(
@@ -1340,45 +1365,22 @@ mod tests {
             );
         }
         let start = Instant::now();
-        assert_eq!(
-            a.insert(&fresh, &tokens, &runs, 0, 0, 20).unwrap(),
-            Inserted::Busy
-        );
-        assert!(start.elapsed() >= WRITE_WAIT);
-        // The next fills within FILL_BACKOFF try once.
-        let start = Instant::now();
-        assert_eq!(
-            a.insert(&fresh, &tokens, &runs, 0, 0, 1_000).unwrap(),
-            Inserted::Busy
-        );
-        assert_eq!(
-            a.insert(&later, &tokens, &runs, 0, 0, 2_019).unwrap(),
-            Inserted::Busy
-        );
+        assert_eq!(insert(&ids[1], 0), Inserted::Busy);
         assert!(start.elapsed() < WRITE_WAIT / 2, "{:?}", start.elapsed());
-        // A pin waits whatever the fills do.
         let start = Instant::now();
-        assert_eq!(
-            a.insert(&later, &tokens, &runs, 3, 0, 1_500).unwrap(),
-            Inserted::Busy
-        );
+        assert_eq!(insert(&ids[2], 3), Inserted::Busy);
         assert!(start.elapsed() >= WRITE_WAIT);
-        assert!(!a.contains(&fresh) && !a.contains(&later));
+        assert!(ids[1..].iter().all(|id| !a.contains(id)));
 
         drop(writer);
-        // A fill within the window (it began before the pin above) tries once,
-        // and the lock is free now.
-        assert_eq!(
-            a.insert(&fresh, &tokens, &runs, 0, 0, 1_000).unwrap(),
-            Inserted::Stored
-        );
-        assert!(a.pin(&held, 5, 0).unwrap());
-        assert!(a.unpin(&held).unwrap());
-        assert_eq!(
-            a.insert(&later, &tokens, &runs, 0, 0, 10_000).unwrap(),
-            Inserted::Stored
-        );
-        assert!(a.contains(&fresh) && a.contains(&later) && a.contains(&held));
+        // A fill tries once, and takes the lock: the fills wait again after it.
+        assert_eq!(insert(&ids[1], 0), Inserted::Stored);
+        assert!(a.fills_skip_until.lock().unwrap().is_none());
+        assert!(a.pin(&ids[0], 5, 0).unwrap());
+        assert!(a.unpin(&ids[0]).unwrap());
+        assert_eq!(insert(&ids[2], 3), Inserted::Stored);
+        assert_eq!(insert(&ids[3], 0), Inserted::Stored);
+        assert!(ids.iter().all(|id| a.contains(id)));
     }
 
     /// A 128 KiB mapping of a temporary file, and the bytes written there.

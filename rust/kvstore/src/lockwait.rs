@@ -1,5 +1,5 @@
-//! Waiting for a lock an opener needs (the store's LOCK, the arena's), with
-//! a deadline; and, when the wait gives up, who holds it, for the
+//! Waiting for a lock with a deadline (an opener's: the store's LOCK, the
+//! arena's; an arena writer's `flock`); and, when the wait gives up, who holds it, for the
 //! `StoreLocked` error: the holder's pid and what its threads are doing (one
 //! stuck in the kernel, state D, keeps a lock however it is killed).
 

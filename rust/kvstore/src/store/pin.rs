@@ -99,7 +99,7 @@ impl Inner {
                         ))),
                     ));
                 }
-                Inserted::Busy => return Ok((i, Some(arena.writers_locked()))),
+                Inserted::Busy => return Ok((i, Some(arena.writers_locked_error()))),
             }
         }
         Ok((locs.len(), None))
@@ -109,16 +109,18 @@ impl Inner {
         let ids = self
             .keyer
             .chain(tokens, self.layout.block_size as usize, extra);
-        let mut txn = self.index.write()?;
-        for id in &ids {
-            self.index.delete_pin(&mut txn, id)?;
-        }
-        self.index.commit(txn, self.durable())?;
+        // The hot tier first: an unpin that fails there (StoreLocked) leaves
+        // its blocks pinned in the index too, so gc keeps them until a retry.
         if let Some(arena) = &self.arena {
             for id in &ids {
                 arena.unpin(id)?;
             }
         }
+        let mut txn = self.index.write()?;
+        for id in &ids {
+            self.index.delete_pin(&mut txn, id)?;
+        }
+        self.index.commit(txn, self.durable())?;
         Ok(ids.len() * self.layout.block_size as usize)
     }
 }

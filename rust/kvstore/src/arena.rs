@@ -315,7 +315,10 @@ pub(crate) struct Arena {
     map: SharedMap,
     file: File,
     path: PathBuf,
-    lock: Mutex<()>,
+    /// The mutex of this process's writers, which holds the fills' backoff:
+    /// until when cache fills try the writers' `flock` once instead of
+    /// waiting for it (a writer gave up waiting, and none has taken it since).
+    writers: Mutex<Option<Instant>>,
     nslots: usize,
     ways: usize,
     slot_hdr: usize,
@@ -331,9 +334,6 @@ pub(crate) struct Arena {
     /// process checked for `locate` (0: none), so a block copied out by DMA
     /// is checked once per process and version, not on every copy.
     located: OnceLock<Box<[AtomicU64]>>,
-    /// Until when cache fills try the writers' lock once instead of waiting
-    /// for it: a writer gave up waiting, and none has taken it since.
-    fills_skip_until: Mutex<Option<Instant>>,
 }
 
 /// Where everything lies in an arena: a function of the layout and the size
@@ -675,7 +675,7 @@ impl Arena {
             map,
             file,
             path: path.to_path_buf(),
-            lock: Mutex::new(()),
+            writers: Mutex::new(None),
             nslots: geo.nslots,
             ways: geo.ways,
             slot_hdr: geo.slot_hdr,
@@ -687,7 +687,6 @@ impl Arena {
             chunk_bytes: layout.chunk_bytes(),
             page_kind,
             located: OnceLock::new(),
-            fills_skip_until: Mutex::new(None),
         };
         arena.reclaim_torn();
         arena
@@ -983,22 +982,19 @@ impl Arena {
     /// Runs `f` under the writers' lock, waiting for it until `deadline`
     /// (taken before the mutex, so a thread queued behind another's wait
     /// does not wait again); `None` if it was not free by then. A cache
-    /// `fill` tries once after a writer gave up (`fills_skip_until`).
+    /// `fill` tries once after a writer gave up (the backoff in `writers`).
     fn write_locked<T>(
         &self,
         deadline: Instant,
         fill: bool,
         f: impl FnOnce() -> T,
     ) -> Result<Option<T>> {
-        let _guard = self.lock.lock().expect("arena lock");
-        let mut skip_until = self.fills_skip_until.lock().expect("arena fills");
+        let mut skip_until = self.writers.lock().expect("arena writers");
         let now = Instant::now();
         let skipping = fill && skip_until.is_some_and(|t| now < t);
         let deadline = if skipping { now } else { deadline };
-        drop(skip_until);
         let locked = wait_for(deadline, WRITE_POLL, || try_flock(&self.file))
             .ctx(|| format!("locking arena {}", self.path.display()))?;
-        skip_until = self.fills_skip_until.lock().expect("arena fills");
         if !locked {
             if !skipping {
                 *skip_until = Some(Instant::now() + FILL_BACKOFF);
@@ -1006,7 +1002,6 @@ impl Arena {
             return Ok(None);
         }
         *skip_until = None;
-        drop(skip_until);
         let out = f();
         self.file
             .unlock()
@@ -1375,7 +1370,7 @@ mod tests {
         drop(writer);
         // A fill tries once, and takes the lock: the fills wait again after it.
         assert_eq!(insert(&ids[1], 0), Inserted::Stored);
-        assert!(a.fills_skip_until.lock().unwrap().is_none());
+        assert!(a.writers.lock().unwrap().is_none());
         assert!(a.pin(&ids[0], 5, 0).unwrap());
         assert!(a.unpin(&ids[0]).unwrap());
         assert_eq!(insert(&ids[2], 3), Inserted::Stored);

@@ -23,10 +23,11 @@
 //   heads), so every KV line is loaded from memory once per step;
 // - the 16 dot products of a tile are summed across lanes together by a transposing
 //   tree instead of one 16-lane reduction per token;
-// - the next tile's rows of the head being computed are prefetched token by token
-//   while this tile's scores are computed (pages are scattered, the hardware
-//   prefetchers cannot cross to the next block), and rows are located by walking the
-//   block table, not by a division per token. _MM_HINT_T1 measured best (T0, NTA: 1.5-2x slower; none: 2-3x).
+// - the next tile's rows of the head being computed are prefetched a few lines at a
+//   time all through this tile's work on it (LineStream: pages are scattered, the
+//   hardware prefetchers cannot cross to the next block), and rows are located by
+//   walking the block table, not by a division per token. _MM_HINT_T1 measured best
+//   (T0, NTA: 1.5-2x slower; none: 2-3x).
 // Needs head_dim % 16 == 0 (% 32 for bfloat16 caches); other head sizes use the AVX2
 // kernel.
 
@@ -153,32 +154,47 @@ KVSTORE_INLINE __m512 exp16_nonpositive(__m512 x) {
   return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
 }
 
-// The rows of one tile of one kv head, and where the next tile's rows of that head are.
+// The next tile's rows of one kv head, prefetched into L2 (_MM_HINT_T1) a few lines at a
+// time all through this tile's work on that head: q·k, the softmax and P·V. A core keeps
+// only so many misses in flight, so prefetches issued in a burst (all of them during q·k,
+// as it was) stall q·k until the memory delivers, and the softmax and P·V then run with
+// nothing in flight (at 32K tokens on two threads of a Xeon, KV at 0.67 of the read
+// stream then, about 0.8 spread: benches/README.md).
+struct LineStream {
+  const char* rows[2 * kTile];  // K rows, then V rows
+  int64_t n_rows;
+  int64_t row_bytes;
+  int64_t r, b;  // the next line: row r, byte b
+  KVSTORE_INLINE int64_t lines() const { return n_rows * ((row_bytes + 63) / 64); }
+  KVSTORE_INLINE void issue(int64_t count) {
+    for (; count > 0 && r < n_rows; --count) {
+      _mm_prefetch(rows[r] + b, _MM_HINT_T1);
+      b += 64;
+      if (b >= row_bytes) {
+        b = 0;
+        ++r;
+      }
+    }
+  }
+};
+
+// The rows of one tile of one kv head.
 template <Kind C>
 struct TileRows {
   const typename Storage<C>::type* k[kTile];
   const typename Storage<C>::type* v[kTile];
-  const char* next_k[kTile];  // prefetched while the scores are computed
-  const char* next_v[kTile];
   int64_t n;
-  int64_t next_n;
-  int64_t row_bytes;
   alignas(64) float kmul[kTile];  // per token: what multiplies its score
   alignas(64) float vmul[kTile];  // fp8: the token's V scale
 };
 
 // dots[g * 16 + j] = q_g · k_j (16 lanes, to be summed) for GT query heads and the
-// tile's tokens; prefetches the next tile's rows along the way when `prefetch`.
+// tile's tokens; issues `per_token` of the next tile's lines per token.
 template <Kind K, Kind C, int GT>
 KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int64_t D,
-                            bool prefetch, __m512* __restrict dots) {
+                            LineStream& next, int64_t per_token, __m512* __restrict dots) {
   for (int64_t j = 0; j < t.n; ++j) {
-    if (prefetch && j < t.next_n) {
-      for (int64_t b = 0; b < t.row_bytes; b += 64) {
-        _mm_prefetch(t.next_k[j] + b, _MM_HINT_T1);
-        _mm_prefetch(t.next_v[j] + b, _MM_HINT_T1);
-      }
-    }
+    next.issue(per_token);
     const auto* k = t.k[j];
     __m512 acc[GT], acc2[GT];
     for (int g = 0; g < GT; ++g) acc[g] = acc2[g] = _mm512_setzero_ps();
@@ -204,16 +220,18 @@ KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int
 }
 
 // acc[g][d] += sum_j p[g * 16 + j] * v_j[d] for GT query heads, CB columns of 16 at a
-// time (bfloat16: CB / 2 loads of 32 elements, split even/odd).
+// time (bfloat16: CB / 2 loads of 32 elements, split even/odd); issues one of the next
+// tile's lines per row and 16 * CB columns.
 template <Kind K, Kind C, int GT, int CB>
 KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
-                            const TileRows<C>& t, int64_t D) {
+                            const TileRows<C>& t, int64_t D, LineStream& next) {
   for (int64_t d0 = 0; d0 < D; d0 += 16 * CB) {
     __m512 a[GT][CB];
     for (int g = 0; g < GT; ++g) {
       for (int c = 0; c < CB; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c);
     }
     for (int64_t j = 0; j < t.n; ++j) {
+      next.issue(1);
       __m512 v[CB];
       if constexpr (C == Kind::BF16) {
         for (int c = 0; c < CB; c += 2) {
@@ -238,13 +256,19 @@ KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
 // One tile of one kv head for GT query heads (state index i0 .. i0 + GT - 1).
 template <Kind K, Kind C, int GT>
 KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const TileRows<C>& t,
-                                bool prefetch, __m512* dots) {
-  qk_tile<K, C, GT>(w.q + i0 * D, t, D, prefetch, dots);
+                                LineStream& next, __m512* dots) {
+  // The next tile's lines in proportion to the work (measured on the Xeon, 8K tokens in
+  // L2: q·k 45%, the softmax 20%, P·V 35%): K's during q·k, a quarter during the
+  // softmax, one per row and 16 * CB columns during P·V, what is left after it.
+  const int64_t row_lines = (next.row_bytes + 63) / 64;
+  const int64_t softmax_lines = (next.lines() + 4 * GT - 1) / (4 * GT);
+  qk_tile<K, C, GT>(w.q + i0 * D, t, D, next, row_lines, dots);
   float* p = w.scores;  // [GT, 16]
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   const __mmask16 valid = static_cast<__mmask16>((1u << t.n) - 1u);
   for (int g = 0; g < GT; ++g) {
     const int64_t i = i0 + g;
+    next.issue(softmax_lines);
     // Lanes past n hold -inf: their exp is 0 (the stale dots there are never read).
     __m512 raw = transpose_sum16(dots + g * kTile);
     if constexpr (C == Kind::FP8) {
@@ -271,12 +295,13 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
   }
   float* acc = w.acc + i0 * D;
   if (D % 64 == 0) {
-    pv_tile<K, C, GT, 4>(acc, p, t, D);
+    pv_tile<K, C, GT, 4>(acc, p, t, D, next);
   } else if (D % 32 == 0) {
-    pv_tile<K, C, GT, 2>(acc, p, t, D);
+    pv_tile<K, C, GT, 2>(acc, p, t, D, next);
   } else if constexpr (C != Kind::BF16) {
-    pv_tile<K, C, GT, 1>(acc, p, t, D);
+    pv_tile<K, C, GT, 1>(acc, p, t, D, next);
   }
+  next.issue(next.lines());
 }
 
 // Whether any of the tile's e4m3 bytes of this head is a NaN (0x7f or 0xff): an
@@ -510,7 +535,8 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
   alignas(64) __m512 dots[kGroupTile * kTile];
   for (auto& d : dots) d = _mm512_setzero_ps();  // lanes past a short tile: read, never used
   TileRows<C> t{};
-  t.row_bytes = D * static_cast<int64_t>(sizeof(T));
+  LineStream next{};
+  next.row_bytes = D * static_cast<int64_t>(sizeof(T));
   int64_t blk[kTile], off[kTile], next_blk[kTile], next_off[kTile];
   for (int64_t unit = begin; unit < end;) {
     const UnitRun u = unit_run(p, unit, end);
@@ -532,12 +558,12 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
     for (int64_t j = 0; j < first_n; ++j) cur.next(next_blk[j], next_off[j]);
     for (int64_t c0 = start; c0 < stop; c0 += kTile) {
       t.n = min64(kTile, stop - c0);
-      t.next_n = c0 + kTile < stop ? min64(kTile, stop - (c0 + kTile)) : 0;
+      const int64_t next_n = c0 + kTile < stop ? min64(kTile, stop - (c0 + kTile)) : 0;
       for (int64_t j = 0; j < t.n; ++j) {
         blk[j] = next_blk[j];
         off[j] = next_off[j];
       }
-      for (int64_t j = 0; j < t.next_n; ++j) cur.next(next_blk[j], next_off[j]);
+      for (int64_t j = 0; j < next_n; ++j) cur.next(next_blk[j], next_off[j]);
       for (int64_t h = h0; h < h1; ++h) {
         for (int64_t j = 0; j < t.n; ++j) {
           t.k[j] = kc + blk[j] * p.k_block_stride + off[j] * row_stride + h * D;
@@ -547,21 +573,23 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
             t.vmul[j] = p.value_scales[blk[j] * p.v_scale_stride + h];
           }
         }
-        for (int64_t j = 0; j < t.next_n; ++j) {
-          t.next_k[j] = reinterpret_cast<const char*>(kc + next_blk[j] * p.k_block_stride +
-                                                      next_off[j] * row_stride + h * D);
-          t.next_v[j] = reinterpret_cast<const char*>(vc + next_blk[j] * p.v_block_stride +
-                                                      next_off[j] * row_stride + h * D);
+        for (int64_t j = 0; j < next_n; ++j) {
+          next.rows[j] = reinterpret_cast<const char*>(kc + next_blk[j] * p.k_block_stride +
+                                                       next_off[j] * row_stride + h * D);
+          next.rows[next_n + j] = reinterpret_cast<const char*>(
+              vc + next_blk[j] * p.v_block_stride + next_off[j] * row_stride + h * D);
         }
+        next.n_rows = 2 * next_n;
+        next.r = next.b = 0;
         const int64_t i_h = (h - h0) * G;
         int64_t g = 0;
         for (; g + kGroupTile <= G; g += kGroupTile) {
-          attend_tile<K, C, kGroupTile>(w, i_h + g, D, t, g == 0, dots);
+          attend_tile<K, C, kGroupTile>(w, i_h + g, D, t, next, dots);
         }
         switch (G - g) {
-          case 3: attend_tile<K, C, 3>(w, i_h + g, D, t, g == 0, dots); break;
-          case 2: attend_tile<K, C, 2>(w, i_h + g, D, t, g == 0, dots); break;
-          case 1: attend_tile<K, C, 1>(w, i_h + g, D, t, g == 0, dots); break;
+          case 3: attend_tile<K, C, 3>(w, i_h + g, D, t, next, dots); break;
+          case 2: attend_tile<K, C, 2>(w, i_h + g, D, t, next, dots); break;
+          case 1: attend_tile<K, C, 1>(w, i_h + g, D, t, next, dots); break;
           default: break;
         }
         if constexpr (C == Kind::FP8) {

@@ -159,13 +159,18 @@ KVSTORE_INLINE __m512 exp16_nonpositive(__m512 x) {
 // only so many misses in flight, so prefetches issued in a burst (all of them during q·k,
 // as it was) stall q·k until the memory delivers, and the softmax and P·V then run with
 // nothing in flight (at 32K tokens on two threads of a Xeon, KV at 0.67 of the read
-// stream then, about 0.8 spread: benches/README.md).
+// stream then, 0.73-0.81 spread: benches/README.md).
 struct LineStream {
   const char* rows[2 * kTile];  // K rows, then V rows
   int64_t n_rows;
   int64_t row_bytes;
   int64_t r, b;  // the next line: row r, byte b
-  KVSTORE_INLINE int64_t lines() const { return n_rows * ((row_bytes + 63) / 64); }
+  KVSTORE_INLINE int64_t row_lines() const { return ceil_div(row_bytes, 64); }
+  KVSTORE_INLINE int64_t lines() const { return n_rows * row_lines(); }
+  // The next `count` lines (fewer where the stream ends). A row that starts inside a
+  // line (fp8 rows of head sizes 48 mod 64) spans one line more than this issues; its
+  // last line is left to the hardware's adjacent-line prefetcher: fetching it too
+  // (the row's last byte as a last address) made head size 128 3-4% slower.
   KVSTORE_INLINE void issue(int64_t count) {
     for (; count > 0 && r < n_rows; --count) {
       _mm_prefetch(rows[r] + b, _MM_HINT_T1);
@@ -176,6 +181,7 @@ struct LineStream {
       }
     }
   }
+  KVSTORE_INLINE void issue_rest() { issue(INT64_MAX); }
 };
 
 // The rows of one tile of one kv head.
@@ -253,22 +259,28 @@ KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
   }
 }
 
+// How many of the next tile's lines a group tile issues where (LineStream), in
+// proportion to the work (measured on the Xeon, 8K tokens in L2: q·k 45%, the softmax
+// 20%, P·V 35%): K's during q·k, a quarter during the softmax, one per row and 16 * CB
+// columns during P·V, each shared among a head's group tiles; the caller issues what is
+// left once a head's tiles are done. Set per tile, not per call: a division costs
+// Intel cores 40-90 cycles.
+struct LineShare {
+  int64_t per_token;  // during q·k
+  int64_t per_head;   // during the softmax, per query head
+};
+
 // One tile of one kv head for GT query heads (state index i0 .. i0 + GT - 1).
 template <Kind K, Kind C, int GT>
 KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const TileRows<C>& t,
-                                LineStream& next, __m512* dots) {
-  // The next tile's lines in proportion to the work (measured on the Xeon, 8K tokens in
-  // L2: q·k 45%, the softmax 20%, P·V 35%): K's during q·k, a quarter during the
-  // softmax, one per row and 16 * CB columns during P·V, what is left after it.
-  const int64_t row_lines = (next.row_bytes + 63) / 64;
-  const int64_t softmax_lines = (next.lines() + 4 * GT - 1) / (4 * GT);
-  qk_tile<K, C, GT>(w.q + i0 * D, t, D, next, row_lines, dots);
+                                LineStream& next, LineShare share, __m512* dots) {
+  qk_tile<K, C, GT>(w.q + i0 * D, t, D, next, share.per_token, dots);
   float* p = w.scores;  // [GT, 16]
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   const __mmask16 valid = static_cast<__mmask16>((1u << t.n) - 1u);
   for (int g = 0; g < GT; ++g) {
     const int64_t i = i0 + g;
-    next.issue(softmax_lines);
+    next.issue(share.per_head);
     // Lanes past n hold -inf: their exp is 0 (the stale dots there are never read).
     __m512 raw = transpose_sum16(dots + g * kTile);
     if constexpr (C == Kind::FP8) {
@@ -301,7 +313,6 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
   } else if constexpr (C != Kind::BF16) {
     pv_tile<K, C, GT, 1>(acc, p, t, D, next);
   }
-  next.issue(next.lines());
 }
 
 // Whether any of the tile's e4m3 bytes of this head is a NaN (0x7f or 0xff): an
@@ -537,6 +548,7 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
   TileRows<C> t{};
   LineStream next{};
   next.row_bytes = D * static_cast<int64_t>(sizeof(T));
+  const int64_t tiles = ceil_div(G, kGroupTile);  // group tiles per kv head
   int64_t blk[kTile], off[kTile], next_blk[kTile], next_off[kTile];
   for (int64_t unit = begin; unit < end;) {
     const UnitRun u = unit_run(p, unit, end);
@@ -564,6 +576,9 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
         off[j] = next_off[j];
       }
       for (int64_t j = 0; j < next_n; ++j) cur.next(next_blk[j], next_off[j]);
+      next.n_rows = 2 * next_n;
+      const LineShare share{ceil_div(next.row_lines(), tiles),
+                            ceil_div(next.lines(), 4 * (G < kGroupTile ? G : kGroupTile) * tiles)};
       for (int64_t h = h0; h < h1; ++h) {
         for (int64_t j = 0; j < t.n; ++j) {
           t.k[j] = kc + blk[j] * p.k_block_stride + off[j] * row_stride + h * D;
@@ -579,19 +594,19 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
           next.rows[next_n + j] = reinterpret_cast<const char*>(
               vc + next_blk[j] * p.v_block_stride + next_off[j] * row_stride + h * D);
         }
-        next.n_rows = 2 * next_n;
         next.r = next.b = 0;
         const int64_t i_h = (h - h0) * G;
         int64_t g = 0;
         for (; g + kGroupTile <= G; g += kGroupTile) {
-          attend_tile<K, C, kGroupTile>(w, i_h + g, D, t, next, dots);
+          attend_tile<K, C, kGroupTile>(w, i_h + g, D, t, next, share, dots);
         }
         switch (G - g) {
-          case 3: attend_tile<K, C, 3>(w, i_h + g, D, t, next, dots); break;
-          case 2: attend_tile<K, C, 2>(w, i_h + g, D, t, next, dots); break;
-          case 1: attend_tile<K, C, 1>(w, i_h + g, D, t, next, dots); break;
+          case 3: attend_tile<K, C, 3>(w, i_h + g, D, t, next, share, dots); break;
+          case 2: attend_tile<K, C, 2>(w, i_h + g, D, t, next, share, dots); break;
+          case 1: attend_tile<K, C, 1>(w, i_h + g, D, t, next, share, dots); break;
           default: break;
         }
+        next.issue_rest();
         if constexpr (C == Kind::FP8) {
           // A NaN byte is a NaN value (fp8x16 makes it 480): in K the reference's
           // softmax makes every output of the group NaN, in V its column; here both

@@ -263,7 +263,8 @@ KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
 // proportion to the work (measured on the Xeon, 8K tokens in L2: q·k 45%, the softmax
 // 20%, P·V 35%): K's during q·k, a quarter during the softmax, one per row and 16 * CB
 // columns during P·V, each shared among a head's group tiles; the caller issues what is
-// left once a head's tiles are done. Set per tile, not per call: a division costs
+// left once a head's tiles are done. Set once per step (per_token) and per tile
+// (per_head, which follows the next tile's length), not per call: a division costs
 // Intel cores 40-90 cycles.
 struct LineShare {
   int64_t per_token;  // during q·k
@@ -549,6 +550,7 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
   LineStream next{};
   next.row_bytes = D * static_cast<int64_t>(sizeof(T));
   const int64_t tiles = ceil_div(G, kGroupTile);  // group tiles per kv head
+  LineShare share{ceil_div(next.row_lines(), tiles), 0};
   int64_t blk[kTile], off[kTile], next_blk[kTile], next_off[kTile];
   for (int64_t unit = begin; unit < end;) {
     const UnitRun u = unit_run(p, unit, end);
@@ -577,8 +579,7 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
       }
       for (int64_t j = 0; j < next_n; ++j) cur.next(next_blk[j], next_off[j]);
       next.n_rows = 2 * next_n;
-      const LineShare share{ceil_div(next.row_lines(), tiles),
-                            ceil_div(next.lines(), 4 * (G < kGroupTile ? G : kGroupTile) * tiles)};
+      share.per_head = ceil_div(next.lines(), 4 * min64(G, kGroupTile) * tiles);
       for (int64_t h = h0; h < h1; ++h) {
         for (int64_t j = 0; j < t.n; ++j) {
           t.k[j] = kc + blk[j] * p.k_block_stride + off[j] * row_stride + h * D;

@@ -1,7 +1,8 @@
 //! Waiting for a lock with a deadline (an opener's: the store's LOCK, the
-//! arena's; an arena writer's `flock`); and, when the wait gives up, who holds it, for the
-//! `StoreLocked` error: the holder's pid and what its threads are doing (one
-//! stuck in the kernel, state D, keeps a lock however it is killed).
+//! arena's; an arena writer's `flock`); and, when the wait gives up, who
+//! holds it, for the `StoreLocked` error: the holder's pid and what its
+//! threads are doing (one stuck in the kernel, state D, keeps a lock however
+//! it is killed).
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;

@@ -23,8 +23,8 @@
 //   heads), so every KV line is loaded from memory once per step;
 // - the 16 dot products of a tile are summed across lanes together by a transposing
 //   tree instead of one 16-lane reduction per token;
-// - the next tile's rows of the head being computed are prefetched a few lines at a
-//   time all through this tile's work on it (LineStream: pages are scattered, the
+// - the next tile's rows of the head being computed are prefetched a row at a time
+//   all through this tile's work on it (LineStream: pages are scattered, the
 //   hardware prefetchers cannot cross to the next block), and rows are located by
 //   walking the block table, not by a division per token. _MM_HINT_T1 measured best
 //   (T0, NTA: 1.5-2x slower; none: 2-3x).
@@ -154,8 +154,8 @@ KVSTORE_INLINE __m512 exp16_nonpositive(__m512 x) {
   return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
 }
 
-// The next tile's rows of one kv head, prefetched into L2 (_MM_HINT_T1) a few lines at a
-// time all through this tile's work on that head: q·k, the softmax and P·V. A core keeps
+// The next tile's rows of one kv head, prefetched into L2 (_MM_HINT_T1) a row at a time
+// all through this tile's work on that head: q·k, the softmax and P·V. A core keeps
 // only so many misses in flight, so prefetches issued in a burst (all of them during q·k,
 // as it was) stall q·k until the memory delivers, and the softmax and P·V then run with
 // nothing in flight (at 32K tokens on two threads of a Xeon, KV at 0.67 of the read
@@ -164,24 +164,29 @@ struct LineStream {
   const char* rows[2 * kTile];  // K rows, then V rows
   int64_t n_rows;
   int64_t row_bytes;
-  int64_t r, b;  // the next line: row r, byte b
+  int64_t r;       // the next row
+  int64_t credit;  // lines asked for and not issued yet; negative: issued ahead
   KVSTORE_INLINE int64_t row_lines() const { return ceil_div(row_bytes, 64); }
   KVSTORE_INLINE int64_t lines() const { return n_rows * row_lines(); }
-  // The next `count` lines (fewer where the stream ends). A row that starts inside a
-  // line (fp8 rows of head sizes 48 mod 64) spans one line more than this issues; its
-  // last line is left to the hardware's adjacent-line prefetcher: fetching it too
-  // (the row's last byte as a last address) made head size 128 3-4% slower.
+  // From the first row of a new tile (rows set by the caller).
+  KVSTORE_INLINE void restart() { r = credit = 0; }
+  // Asks for `count` more lines, issued a whole row at a time (none past the last row):
+  // a call is an add and a compare unless a row is owed. Issued line by line (the next
+  // row and byte kept from call to call) they took about nine instructions a line, 8
+  // lines a token and kv head at head size 128: with the KV in L2 (one thread, 1K
+  // tokens) the step took 6-9% longer. A row that starts inside a line (fp8 rows of
+  // head sizes 48 mod 64) spans one line more than this issues; its last line is left
+  // to the hardware's adjacent-line prefetcher: fetching it too (the row's last byte as
+  // a last address) made head size 128 3-4% slower.
   KVSTORE_INLINE void issue(int64_t count) {
-    for (; count > 0 && r < n_rows; --count) {
-      _mm_prefetch(rows[r] + b, _MM_HINT_T1);
-      b += 64;
-      if (b >= row_bytes) {
-        b = 0;
-        ++r;
-      }
+    credit += count;
+    while (credit > 0 && r < n_rows) {
+      const char* row = rows[r++];
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+      credit -= row_lines();
     }
   }
-  KVSTORE_INLINE void issue_rest() { issue(INT64_MAX); }
+  KVSTORE_INLINE void issue_rest() { issue(lines()); }
 };
 
 // The rows of one tile of one kv head.
@@ -595,7 +600,7 @@ KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t be
           next.rows[next_n + j] = reinterpret_cast<const char*>(
               vc + next_blk[j] * p.v_block_stride + next_off[j] * row_stride + h * D);
         }
-        next.r = next.b = 0;
+        next.restart();
         const int64_t i_h = (h - h0) * G;
         int64_t g = 0;
         for (; g + kGroupTile <= G; g += kGroupTile) {

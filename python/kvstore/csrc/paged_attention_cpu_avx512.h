@@ -171,13 +171,13 @@ struct LineStream {
   // From the first row of a new tile (rows set by the caller).
   KVSTORE_INLINE void restart() { r = credit = 0; }
   // Asks for `count` more lines, issued a whole row at a time (none past the last row):
-  // a call is an add and a compare unless a row is owed. Issued line by line (the next
-  // row and byte kept from call to call) they took about nine instructions a line, 8
-  // lines a token and kv head at head size 128: with the KV in L2 (one thread, 1K
-  // tokens) the step took 6-9% longer. A row that starts inside a line (fp8 rows of
-  // head sizes 48 mod 64) spans one line more than this issues; its last line is left
-  // to the hardware's adjacent-line prefetcher: fetching it too (the row's last byte as
-  // a last address) made head size 128 3-4% slower.
+  // a call is an add and a compare or two unless a row is owed. Issued line by line
+  // (the next row and byte kept from call to call) they took about nine instructions a
+  // line, 8 lines a token and kv head for 2-byte rows of head size 128: with the KV in
+  // L2 (two threads) the kernel ran 4-8% slower. A row that starts inside a line (fp8
+  // rows of head sizes 48 mod 64) spans one line more than this issues; its last line
+  // is left to the hardware's adjacent-line prefetcher: fetching it too (the row's last
+  // byte as a last address) made head size 128 3-4% slower.
   KVSTORE_INLINE void issue(int64_t count) {
     credit += count;
     while (credit > 0 && r < n_rows) {
@@ -186,6 +186,8 @@ struct LineStream {
       credit -= row_lines();
     }
   }
+  // Every row not issued yet: credit never falls below -row_lines(), so lines() is
+  // enough (and cannot overflow it, as INT64_MAX would).
   KVSTORE_INLINE void issue_rest() { issue(lines()); }
 };
 
@@ -200,7 +202,7 @@ struct TileRows {
 };
 
 // dots[g * 16 + j] = q_g · k_j (16 lanes, to be summed) for GT query heads and the
-// tile's tokens; issues `per_token` of the next tile's lines per token.
+// tile's tokens; asks for `per_token` of the next tile's lines per token.
 template <Kind K, Kind C, int GT>
 KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int64_t D,
                             LineStream& next, int64_t per_token, __m512* __restrict dots) {
@@ -231,8 +233,8 @@ KVSTORE_INLINE void qk_tile(const float* __restrict q, const TileRows<C>& t, int
 }
 
 // acc[g][d] += sum_j p[g * 16 + j] * v_j[d] for GT query heads, CB columns of 16 at a
-// time (bfloat16: CB / 2 loads of 32 elements, split even/odd); issues one of the next
-// tile's lines per row and 16 * CB columns.
+// time (bfloat16: CB / 2 loads of 32 elements, split even/odd); asks for one of the
+// next tile's lines per row and 16 * CB columns.
 template <Kind K, Kind C, int GT, int CB>
 KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
                             const TileRows<C>& t, int64_t D, LineStream& next) {
@@ -264,7 +266,7 @@ KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
   }
 }
 
-// How many of the next tile's lines a group tile issues where (LineStream), in
+// How many of the next tile's lines a group tile asks for where (LineStream), in
 // proportion to the work (measured on the Xeon, 8K tokens in L2: q·k 45%, the softmax
 // 20%, P·V 35%): K's during q·k, a quarter during the softmax, one per row and 16 * CB
 // columns during P·V, each shared among a head's group tiles; the caller issues what is

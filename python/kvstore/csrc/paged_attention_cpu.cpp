@@ -14,9 +14,9 @@
 // - a step is cut into work items (sequence, partition, group of kv heads), several
 //   per thread: long contexts are split into partitions (split-K) whose partial
 //   softmax states are merged in fp32 (softmax_merge, shared with the CUDA kernel) by
-//   the thread that finishes a group's last partition, and the threads take items as
-//   they finish, so a descheduled thread on a busy host does not hold the step up by
-//   a whole share;
+//   the thread that completes the last outstanding partition of a (sequence, group of
+//   kv heads), and the threads take items as they finish, so a descheduled thread on
+//   a busy host does not hold the step up by a whole share;
 // - tokens go by chunks: the generic kernel widens K and V rows to fp32 once into
 //   L1-sized scratch, then scores, the online softmax (one rescale per chunk,
 //   not per token) and the P·V accumulation run on 8-lane fp32 vectors.
@@ -559,10 +559,11 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
     std::fill(p.part_sum, p.part_sum + n, 0.f);
   }
   // A split step's merge runs per (sequence, group of kv heads), on the thread that
-  // finishes the group's last partition, while the other threads still compute: after
-  // the step, on the caller alone, it took 6-10 us of a 210 us step (1K tokens, 32
-  // query heads, 4 partitions, two threads; partials written by the other core). The
-  // count's acquire-release makes every partition's partials visible to the merger.
+  // completes the group's last outstanding partition, while the other threads still
+  // compute: after the step, on the caller alone, it took 6-10 us of a 200-260 us step
+  // (1K tokens, 32 query heads, 4 partitions, two threads; partials written by the
+  // other core). The count's acquire-release makes every partition's partials visible
+  // to the merger.
   MergeFn merge = nullptr;
   std::unique_ptr<std::atomic<int64_t>[]> finished;
   if (parts > 1) {
@@ -611,6 +612,8 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
       const int64_t begin = sp * H + hg * heads_per_item;
       const int64_t end = std::min(begin + heads_per_item, (sp + 1) * H);
       attend(p, w, begin, end);
+      // Before the next claim, which counts this item done: the caller returns once
+      // every item is, so every merge has written its outputs by then.
       if (merge != nullptr) {
         const int64_t s = sp / parts;
         if (finished[s * head_groups + hg].fetch_add(1, std::memory_order_acq_rel) + 1 == parts) {

@@ -609,15 +609,13 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_c
     for (int64_t i = 0; claim(i);) {
       // Units are numbered (sequence, partition, kv head), the head fastest.
       const int64_t sp = i / head_groups, hg = i % head_groups;
-      const int64_t begin = sp * H + hg * heads_per_item;
-      const int64_t end = std::min(begin + heads_per_item, (sp + 1) * H);
-      attend(p, w, begin, end);
+      const int64_t h0 = hg * heads_per_item, h1 = std::min(h0 + heads_per_item, H);  // kv heads
+      attend(p, w, sp * H + h0, sp * H + h1);
       // Before the next claim, which counts this item done: the caller returns once
       // every item is, so every merge has written its outputs by then.
       if (merge != nullptr) {
         const int64_t s = sp / parts;
         if (finished[s * head_groups + hg].fetch_add(1, std::memory_order_acq_rel) + 1 == parts) {
-          const int64_t h0 = begin - sp * H, h1 = end - sp * H;  // kv heads
           merge(p, s * NH + h0 * G, s * NH + h1 * G, weights.data());
         }
       }

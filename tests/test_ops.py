@@ -172,10 +172,13 @@ def cpu_flags() -> set[str]:
 
 
 def expected_isa(qdtype, fp8: bool, head_dim: int, capability: str | None = None) -> str:
-    """The kernel build the CPU's flags (/proc/cpuinfo) and ATEN_CPU_CAPABILITY call for:
+    """The kernel build the CPU's flags (/proc/cpuinfo) and ATEN_CPU_CAPABILITY call for
+    (`capability`, else the environment's, which the kernel reads once per process):
     AVX-512 (F, BW, VL, DQ) for head sizes of whole 16-float columns (32 for bfloat16
     caches), with AVX512-BF16 and VBMI for bfloat16 queries and head sizes of whole 64
     columns; else AVX2 with FMA and F16C; else the baseline."""
+    if capability is None:
+        capability = os.environ.get("ATEN_CPU_CAPABILITY")
     flags = cpu_flags()
     if capability == "default" or not {"avx2", "fma", "f16c"} <= flags:
         return "base"
@@ -278,6 +281,29 @@ def test_narrower_cpu_kernels(capability):
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_avx2_kernels_pass_the_reference_tests():
+    """The AVX2 kernels (head-major on 8 lanes for head sizes of whole 16-element columns,
+    the generic one for the others) are the widest only on CPUs without AVX-512, which
+    this host may not be: the float64-reference tests of both op suites run again under
+    ATEN_CPU_CAPABILITY=avx2 (GQA 1/3/4/8, head sizes 36 to 256, block sizes 5 to 64,
+    lengths 1 and not a multiple of the block, NaN-poisoned unused slots, split-K, fp8
+    with scales per kv head, every e4m3 byte, NaN bytes), and those that check which
+    kernel ran expect "avx2" (expected_isa reads the environment)."""
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("no AVX2 on this CPU")
+    select = (
+        "(float64_reference or odd_block or odd_head or split_k or widest or one_score_vector"
+        " or every_magnitude or every_byte or nan_byte) and not avx2_kernels"
+    )
+    here = Path(__file__).resolve().parent
+    suites = [str(here / "test_ops.py"), str(here / "test_ops_fp8.py")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites, "-k", select]
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    r = subprocess.run(cmd, env=env, cwd=here.parent, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------ write_kv

@@ -2,8 +2,10 @@
 //
 // Four builds of the decode kernel, picked at run time (cpu_isa): AVX-512 with
 // AVX512-BF16 (vdpbf16ps for bfloat16 queries), AVX-512 (paged_attention_cpu_avx512.h:
-// rows converted in registers, 16 lanes), and the generic 8-lane kernel
-// (paged_attention_cpu_kernel.h) for AVX2 and for baseline x86-64.
+// rows converted in registers, 16 lanes), AVX2 (paged_attention_cpu_avx2.h: the same on
+// 8 lanes; both walk their units by paged_attention_cpu_head_major.h), and the generic
+// 8-lane kernel (paged_attention_cpu_kernel.h) for baseline x86-64 and for head sizes the
+// AVX2 one does not take.
 //
 // Decode attention is a stream over the KV pages, so the kernel is shaped to
 // read each page once and keep every core busy:
@@ -44,7 +46,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // The generic kernel is compiled twice, for AVX2+FMA+F16C and for baseline x86-64, the
-// AVX-512 kernel once, and `cpu_isa()` picks on the running CPU: the build runs on any
+// AVX2 and AVX-512 kernels once each, and `cpu_isa()` picks on the running CPU: the build runs on any
 // x86-64 (which -march=native would not promise) and uses the widest vectors there are.
 #define KVSTORE_X86_DISPATCH 1
 #include <immintrin.h>
@@ -201,6 +203,7 @@ namespace cpu_avx2 {
 #define KVSTORE_F16C 1
 #include "paged_attention_cpu_kernel.h"
 #undef KVSTORE_F16C
+#include "paged_attention_cpu_avx2.h"
 }  // namespace cpu_avx2
 #pragma GCC pop_options
 #endif
@@ -238,7 +241,7 @@ namespace cpu_avx512bf16 {
 template <Kind K, Kind C>
 __attribute__((target(KVSTORE_AVX512))) void attend_avx512(const Params& p, const Scratch& w,
                                                            int64_t b, int64_t e) {
-  cpu_avx512::attend_units<K, C>(p, w, b, e);
+  cpu_avx512::attend_rows<K, C>(p, w, b, e);
 }
 
 template <Kind C>
@@ -251,6 +254,13 @@ __attribute__((target(KVSTORE_AVX512 ",avx512bf16,avx512vbmi"))) void attend_avx
 template <Kind K, Kind C>
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Params& p, const Scratch& w,
                                                           int64_t b, int64_t e) {
+  cpu_avx2::attend_rows<K, C>(p, w, b, e);
+}
+
+template <Kind K, Kind C>
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2_generic(const Params& p,
+                                                                  const Scratch& w, int64_t b,
+                                                                  int64_t e) {
   cpu_avx2::attend_units<K, C>(p, w, b, e);
 }
 
@@ -316,7 +326,12 @@ Kernel kernel_for_isa(int64_t head_dim) {
     }
   }
   if ((isa == Isa::Avx512 || isa == Isa::Avx512Bf16) && fits) return {&attend_avx512<K, C>, "avx512"};
-  if (isa != Isa::Base) return {&attend_avx2<K, C>, "avx2"};
+  // The AVX2 kernel reads rows 16 elements at a time; other head sizes go through the
+  // generic kernel's scratch.
+  if (isa != Isa::Base) {
+    return head_dim % 16 == 0 ? Kernel{&attend_avx2<K, C>, "avx2"}
+                              : Kernel{&attend_avx2_generic<K, C>, "avx2"};
+  }
 #else
   (void)head_dim;
 #endif

@@ -5,7 +5,9 @@
 // Kind, Storage and the common header). That second build decodes bfloat16 queries
 // token-major (paged_attention_cpu_token_major.h, included at the end), with vdpbf16ps
 // over bfloat16 and fp8 caches, and uses this file's helpers only: the head-major
-// kernel below runs in the first build (no AVX512-BF16, or fp32/fp16 queries).
+// kernel (this file's tiles, walked by paged_attention_cpu_head_major.h) runs in the
+// first build (no AVX512-BF16, or fp32/fp16 queries). paged_attention_cpu_avx2.h is
+// the same kernel on 8 lanes.
 //
 // At long context a decode step is a stream over the KV pages: the kernel must consume
 // bytes faster than DRAM delivers them (measured: the previous kernel ran at about 6
@@ -29,10 +31,11 @@
 //   walking the block table, not by a division per token. _MM_HINT_T1 measured best
 //   (T0, NTA: 1.5-2x slower; none: 2-3x).
 // Needs head_dim % 16 == 0 (% 32 for bfloat16 caches); other head sizes use the AVX2
-// kernel.
+// kernels.
 
-constexpr int64_t kTile = 16;      // tokens per tile: one score vector
-constexpr int64_t kGroupTile = 4;  // query heads sharing a loaded K or V vector
+#include "paged_attention_cpu_rows.h"
+
+using DotVec = __m512;  // a tile's dot accumulators (paged_attention_cpu_head_major.h)
 
 // Whether q·k runs on vdpbf16ps (the token-major kernel): a bfloat16 query, a bfloat16
 // or fp8 cache (fp8 rows become bfloat16 by table lookup, fp8_to_bf16x64), and this
@@ -154,53 +157,6 @@ KVSTORE_INLINE __m512 exp16_nonpositive(__m512 x) {
   return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
 }
 
-// The next tile's rows of one kv head, prefetched into L2 (_MM_HINT_T1) a row at a time
-// all through this tile's work on that head: q·k, the softmax and P·V. A core keeps
-// only so many misses in flight, so prefetches issued in a burst (all of them during q·k,
-// as it was) stall q·k until the memory delivers, and the softmax and P·V then run with
-// nothing in flight (at 32K tokens on two threads of a Xeon, KV at 0.67 of the read
-// stream then, 0.73-0.81 spread: benches/README.md).
-struct LineStream {
-  const char* rows[2 * kTile];  // K rows, then V rows
-  int64_t n_rows;
-  int64_t row_bytes;
-  int64_t r;       // the next row
-  int64_t credit;  // lines asked for and not issued yet; negative: issued ahead
-  KVSTORE_INLINE int64_t row_lines() const { return ceil_div(row_bytes, 64); }
-  KVSTORE_INLINE int64_t lines() const { return n_rows * row_lines(); }
-  // From the first row of a new tile (rows set by the caller).
-  KVSTORE_INLINE void restart() { r = credit = 0; }
-  // Asks for `count` more lines, issued a whole row at a time (none past the last row):
-  // a call is an add and a compare or two unless a row is owed. Issued line by line
-  // (the next row and byte kept from call to call) they took about nine instructions a
-  // line, 8 lines a token and kv head for 2-byte rows of head size 128: with the KV in
-  // L2 (two threads) the kernel ran 4-8% slower. A row that starts inside a line (fp8
-  // rows of head sizes 48 mod 64) spans one line more than this issues; its last line
-  // is left to the hardware's adjacent-line prefetcher: fetching it too (the row's last
-  // byte as a last address) made head size 128 3-4% slower.
-  KVSTORE_INLINE void issue(int64_t count) {
-    credit += count;
-    while (credit > 0 && r < n_rows) {
-      const char* row = rows[r++];
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
-      credit -= row_lines();
-    }
-  }
-  // Every row not issued yet: credit never falls below -row_lines(), so lines() is
-  // enough (and cannot overflow it, as INT64_MAX would).
-  KVSTORE_INLINE void issue_rest() { issue(lines()); }
-};
-
-// The rows of one tile of one kv head.
-template <Kind C>
-struct TileRows {
-  const typename Storage<C>::type* k[kTile];
-  const typename Storage<C>::type* v[kTile];
-  int64_t n;
-  alignas(64) float kmul[kTile];  // per token: what multiplies its score
-  alignas(64) float vmul[kTile];  // fp8: the token's V scale
-};
-
 // dots[g * 16 + j] = q_g · k_j (16 lanes, to be summed) for GT query heads and the
 // tile's tokens; asks for `per_token` of the next tile's lines per token.
 template <Kind K, Kind C, int GT>
@@ -265,18 +221,6 @@ KVSTORE_INLINE void pv_tile(float* __restrict acc, const float* __restrict p,
     }
   }
 }
-
-// How many of the next tile's lines a group tile asks for where (LineStream), in
-// proportion to the work (measured on the Xeon, 8K tokens in L2: q·k 45%, the softmax
-// 20%, P·V 35%): K's during q·k, a quarter during the softmax, one per row and 16 * CB
-// columns during P·V, each shared among a head's group tiles; the caller issues what is
-// left once a head's tiles are done. Set once per step (per_token) and per tile
-// (per_head, which follows the next tile's length), not per call: a division costs
-// Intel cores 40-90 cycles.
-struct LineShare {
-  int64_t per_token;  // during q·k
-  int64_t per_head;   // during the softmax, per query head
-};
 
 // One tile of one kv head for GT query heads (state index i0 .. i0 + GT - 1).
 template <Kind K, Kind C, int GT>
@@ -344,34 +288,6 @@ KVSTORE_INLINE bool fp8_tile_has_nan(const TileRows<Kind::FP8>& t, int64_t D) {
 }
 
 KVSTORE_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-template <Kind K>
-KVSTORE_INLINE void store_scalar(void* out, int64_t i, float v) {
-  if constexpr (K == Kind::F32) {
-    static_cast<float*>(out)[i] = v;
-  } else if constexpr (K == Kind::F16) {
-    static_cast<c10::Half*>(out)[i] = c10::Half(v);
-  } else {
-    static_cast<c10::BFloat16*>(out)[i] = c10::BFloat16(v);
-  }
-}
-
-// Walks a sequence's tokens in order: the pool block and offset of each, without a
-// division per token.
-struct TokenCursor {
-  const int32_t* table;
-  int64_t block_size;
-  int64_t index;   // block index in the table
-  int64_t offset;  // token offset in that block
-  KVSTORE_INLINE void next(int64_t& blk, int64_t& off) {
-    blk = table[index];
-    off = offset;
-    if (++offset == block_size) {
-      offset = 0;
-      ++index;
-    }
-  }
-};
 
 // 64 accumulators of a dot order (DotBf16 or DotFp8) as four vectors of 16 in natural
 // order: two-source permutes (DotBf16: each 16 from two of the vectors), or a transpose
@@ -533,116 +449,7 @@ KVSTORE_INLINE void write_unit_outputs(const Params& p, const Scratch& w, int64_
   }
 }
 
-// The same work units and outputs as attend_units in paged_attention_cpu_kernel.h;
-// K: query and output dtype, C: cache dtype (K, or FP8 with per-(block, head) scales).
-// Per unit group (one sequence and partition, kv heads h0 .. h1 - 1): tile by tile,
-// head by head within a tile (the heads' rows of a token are adjacent, so each page is
-// touched while hot), with the next tile of each head prefetched while its current one
-// computes.
-// DC: head_dim known at compile time (0: at run time).
-template <Kind K, Kind C, int DC>
-KVSTORE_INLINE void attend_units_d(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
-  // The AVX512-BF16 build decodes bfloat16 queries token-major (attend_units_token_major).
-  static_assert(!kDot<K, C>, "vdpbf16ps decoding is paged_attention_cpu_token_major.h's");
-  using T = typename Storage<C>::type;
-  using TQ = typename Storage<K>::type;
-  const int64_t D = DC > 0 ? DC : p.head_dim, G = p.group, H = p.num_kv_heads, P = p.num_partitions;
-  const int64_t row_stride = H * D;
-  const T* kc = static_cast<const T*>(p.key_cache);
-  const T* vc = static_cast<const T*>(p.value_cache);
-  // The 16-lane dot accumulators of a tile: [kGroupTile, 16] vectors (4 KiB), aligned.
-  alignas(64) __m512 dots[kGroupTile * kTile];
-  for (auto& d : dots) d = _mm512_setzero_ps();  // lanes past a short tile: read, never used
-  TileRows<C> t{};
-  LineStream next{};
-  next.row_bytes = D * static_cast<int64_t>(sizeof(T));
-  const int64_t tiles = ceil_div(G, kGroupTile);  // group tiles per kv head
-  LineShare share{ceil_div(next.row_lines(), tiles), 0};
-  int64_t blk[kTile], off[kTile], next_blk[kTile], next_off[kTile];
-  for (int64_t unit = begin; unit < end;) {
-    const UnitRun u = unit_run(p, unit, end);
-    const int64_t s = u.s, part = u.part, h0 = u.h0, h1 = u.h1, start = u.start, stop = u.stop;
-    const int32_t* table = u.table;
-    unit += h1 - h0;
-
-    const int64_t heads = (h1 - h0) * G;
-    const TQ* q = static_cast<const TQ*>(p.query) + (s * p.num_heads + h0 * G) * D;
-    load_q<K, C>(q, w.q, heads * D, p.scale);
-    for (int64_t i = 0; i < heads * D; ++i) w.acc[i] = 0.f;
-    for (int64_t i = 0; i < heads; ++i) {
-      w.m[i] = -__builtin_inff();
-      w.l[i] = 0.f;
-    }
-
-    TokenCursor cur{table, p.block_size, start / p.block_size, start % p.block_size};
-    const int64_t first_n = min64(kTile, stop - start);
-    for (int64_t j = 0; j < first_n; ++j) cur.next(next_blk[j], next_off[j]);
-    for (int64_t c0 = start; c0 < stop; c0 += kTile) {
-      t.n = min64(kTile, stop - c0);
-      const int64_t next_n = c0 + kTile < stop ? min64(kTile, stop - (c0 + kTile)) : 0;
-      for (int64_t j = 0; j < t.n; ++j) {
-        blk[j] = next_blk[j];
-        off[j] = next_off[j];
-      }
-      for (int64_t j = 0; j < next_n; ++j) cur.next(next_blk[j], next_off[j]);
-      next.n_rows = 2 * next_n;
-      share.per_head = ceil_div(next.lines(), 4 * min64(G, kGroupTile) * tiles);
-      for (int64_t h = h0; h < h1; ++h) {
-        for (int64_t j = 0; j < t.n; ++j) {
-          t.k[j] = kc + blk[j] * p.k_block_stride + off[j] * row_stride + h * D;
-          t.v[j] = vc + blk[j] * p.v_block_stride + off[j] * row_stride + h * D;
-          if constexpr (C == Kind::FP8) {
-            t.kmul[j] = p.key_scales[blk[j] * p.k_scale_stride + h];
-            t.vmul[j] = p.value_scales[blk[j] * p.v_scale_stride + h];
-          }
-        }
-        for (int64_t j = 0; j < next_n; ++j) {
-          next.rows[j] = reinterpret_cast<const char*>(kc + next_blk[j] * p.k_block_stride +
-                                                       next_off[j] * row_stride + h * D);
-          next.rows[next_n + j] = reinterpret_cast<const char*>(
-              vc + next_blk[j] * p.v_block_stride + next_off[j] * row_stride + h * D);
-        }
-        next.restart();
-        const int64_t i_h = (h - h0) * G;
-        int64_t g = 0;
-        for (; g + kGroupTile <= G; g += kGroupTile) {
-          attend_tile<K, C, kGroupTile>(w, i_h + g, D, t, next, share, dots);
-        }
-        switch (G - g) {
-          case 3: attend_tile<K, C, 3>(w, i_h + g, D, t, next, share, dots); break;
-          case 2: attend_tile<K, C, 2>(w, i_h + g, D, t, next, share, dots); break;
-          case 1: attend_tile<K, C, 1>(w, i_h + g, D, t, next, share, dots); break;
-          default: break;
-        }
-        next.issue_rest();
-        if constexpr (C == Kind::FP8) {
-          // A NaN byte is a NaN value (fp8x16 makes it 480): in K the reference's
-          // softmax makes every output of the group NaN, in V its column; here both
-          // make the group's accumulators NaN, never a finite value (merges keep it;
-          // test_fp8_nan_byte_in_an_attended_token_is_nan).
-          if (fp8_tile_has_nan(t, D)) {
-            for (int64_t d = 0; d < G * D; ++d) w.acc[i_h * D + d] = __builtin_nanf("");
-          }
-        }
-      }
-    }
-
-    write_unit_outputs<K, C>(p, w, s, part, h0, heads);
-  }
-}
-
-// Head size 128 known at compile time: the loops over a row unroll and their pointers
-// fold into addressing, as in the token-major kernel. On the Xeon (AVX-512 without BF16),
-// one thread, 8K bfloat16 tokens in L2: 320-325 -> 290-292 ns per token; outputs
-// bit-identical.
-template <Kind K, Kind C>
-KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begin, int64_t end) {
-  if (p.head_dim == 128) {
-    attend_units_d<K, C, 128>(p, w, begin, end);
-  } else {
-    attend_units_d<K, C, 0>(p, w, begin, end);
-  }
-}
+#include "paged_attention_cpu_head_major.h"
 
 #if KVSTORE_DPBF16
 #include "paged_attention_cpu_token_major.h"

@@ -165,7 +165,7 @@ KVSTORE_INLINE void flush_dots(__m512* dots, int64_t nd, float* row, __m512 mul)
   _mm512_store_ps(row, _mm512_mul_ps(transpose_sum16(dots), mul));
 }
 
-// The same work units and outputs as attend_units<BF16, C> (paged_attention_cpu_avx512.h),
+// The same work units and outputs as attend_rows<BF16, C> (paged_attention_cpu_head_major.h),
 // C: the cache, bfloat16 or fp8 (e4m3 looked up as bfloat16 in registers; the scales
 // multiply the scores and the probabilities, one per token and kv head, never the rows).
 // DC: head_dim known at compile time (0: at run time).

@@ -132,6 +132,31 @@ def test_odd_block_sizes_and_head_dims(block_size):
     check_against_reference(args, 0.1, torch.float32)
 
 
+@pytest.mark.parametrize("head_dim", [16, 48, 144])
+@pytest.mark.parametrize("group", [2, 3, 5, 6, 7])
+def test_tile_shapes_match_float64_reference(monkeypatch, head_dim, group):
+    """Head sizes of an odd number of 16-element columns (the AVX2 kernel's 16-column
+    P·V steps, rows that start inside a cache line; bfloat16 caches leave the AVX-512
+    kernel there), GQA groups that leave 1 to 3 query heads after the tiles of four,
+    and lengths 0, 1 and on either side of one and two 8-lane score vectors; then one
+    sequence with one kv head split into partitions of 32 tokens."""
+    threads = torch.get_num_threads()
+    try:
+        for i, dtype in enumerate(DTYPES):
+            monkeypatch.delenv("KVSTORE_SPLIT_MIN_TOKENS", raising=False)
+            args = paged_case([0, 1, 9, 17, 70], 2, group, head_dim, dtype, seed=group + i)
+            check_against_reference(args, head_dim**-0.5, dtype)
+            assert ops.last_kernel()["isa"] == expected_isa(dtype, False, head_dim)
+            monkeypatch.setenv("KVSTORE_SPLIT_MIN_TOKENS", "32")
+            torch.set_num_threads(2)
+            args = paged_case([70], 1, group, head_dim, dtype, seed=group + i)
+            check_against_reference(args, head_dim**-0.5, dtype)
+            assert ops.last_kernel()["partitions"] > 1, ops.last_kernel()
+            torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_k_merge_of_odd_head_dims(split_k, dtype):
     # head_dim 36: the merge's eight-column loop leaves a tail of four; a length-0
@@ -176,17 +201,19 @@ def expected_isa(qdtype, fp8: bool, head_dim: int, capability: str | None = None
     (`capability`, else the environment's, which the kernel reads once per process):
     AVX-512 (F, BW, VL, DQ) for head sizes of whole 16-float columns (32 for bfloat16
     caches), with AVX512-BF16 and VBMI for bfloat16 queries and head sizes of whole 64
-    columns; else AVX2 with FMA and F16C; else the baseline."""
+    columns; else AVX2 with FMA and F16C (the generic kernel for head sizes that are not
+    a multiple of 16); else the baseline."""
     if capability is None:
         capability = os.environ.get("ATEN_CPU_CAPABILITY")
     flags = cpu_flags()
     if capability == "default" or not {"avx2", "fma", "f16c"} <= flags:
         return "base"
+    avx2 = "avx2" if head_dim % 16 == 0 else "avx2_generic"
     if capability == "avx2" or not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx2"
+        return avx2
     bf16_cache = qdtype == torch.bfloat16 and not fp8
     if head_dim % (32 if bf16_cache else 16) != 0:
-        return "avx2"
+        return avx2
     dot = {"avx512_bf16", "avx512vbmi"} <= flags and capability != "avx512"
     if dot and qdtype == torch.bfloat16 and head_dim % 64 == 0:
         return "avx512_bf16"
@@ -287,14 +314,17 @@ def test_avx2_kernels_pass_the_reference_tests():
     """The AVX2 kernels (head-major on 8 lanes for head sizes of whole 16-element columns,
     the generic one for the others) are the widest only on CPUs without AVX-512, which
     this host may not be: the float64-reference tests of both op suites run again under
-    ATEN_CPU_CAPABILITY=avx2 (GQA 1/3/4/8, head sizes 36 to 256, block sizes 5 to 64,
-    lengths 1 and not a multiple of the block, NaN-poisoned unused slots, split-K, fp8
-    with scales per kv head, every e4m3 byte, NaN bytes), and those that check which
-    kernel ran expect "avx2" (expected_isa reads the environment)."""
+    ATEN_CPU_CAPABILITY=avx2 (GQA 1 to 8, head sizes 16 to 256 for the head-major kernel
+    and 36 and 72 for the generic one, block sizes 5 to 64, lengths 0, 1 and not a
+    multiple of the block, NaN-poisoned unused slots, split-K, fp8 with scales per kv
+    head, every e4m3 byte, NaN bytes in the last 16-byte column), and those that check
+    which kernel ran expect "avx2" or "avx2_generic" (expected_isa reads the
+    environment)."""
     if not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("no AVX2 on this CPU")
     select = (
         "(float64_reference or odd_block or odd_head or split_k or widest or one_score_vector"
+        " or tile_shapes"
         " or every_magnitude or every_byte or nan_byte) and not avx2_kernels"
     )
     here = Path(__file__).resolve().parent

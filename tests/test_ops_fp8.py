@@ -157,6 +157,28 @@ def test_fp8_odd_block_size_and_head_dim():
     check_fp8_against_reference(case, 0.1)
 
 
+@pytest.mark.parametrize("head_dim", [16, 48, 144])
+@pytest.mark.parametrize("group", [3, 6, 7])
+def test_fp8_tile_shapes_match_float64_reference(head_dim, group):
+    """fp8 caches at head sizes of an odd number of 16-byte columns (the AVX2 kernel's
+    16-byte tail of its NaN check, rows that start inside a cache line), groups that
+    leave 2 or 3 query heads after the tiles of four, lengths 0, 1, 9, 17 and 70; then a
+    NaN byte in the last column of a K row makes its kv head's outputs NaN, and the
+    other kv head still matches the reference."""
+    for i, qdtype in enumerate(DTYPES):
+        case = fp8_case([0, 1, 9, 17, 70], 2, group, head_dim, qdtype, seed=group + i)
+        check_fp8_against_reference(case, head_dim**-0.5)
+        assert ops.last_kernel()["isa"] == expected_isa(qdtype, True, head_dim)
+        q, kc, vc, ks, vs, tables, lens = case
+        blk, off = int(tables[4, 50 // 16]), 50 % 16
+        kc.view(torch.uint8)[blk, off, 0, head_dim - 1] = NAN_BYTE
+        got = ops.paged_attention(q, kc, vc, tables, lens, 0.1, ks, vs).double()
+        ref = reference(q, dequantize(kc, ks), dequantize(vc, vs), tables, lens, 0.1)
+        assert got[4, :group].isnan().all() and ref[4, :group].isnan().all()
+        tol = TOL[qdtype]
+        torch.testing.assert_close(got[4, group:], ref[4, group:], atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("qdtype", DTYPES, ids=str)
 def test_fp8_long_context_runs_the_widest_kernel_split_k(two_threads, qdtype):
     """fp8 over a long context (one sequence, 8K tokens, GQA 8) on two threads: the

@@ -405,7 +405,8 @@ def _cuda_include_dirs(nvcc: Path) -> list[str]:
 
 def last_kernel() -> dict[str, str | int]:
     """What the calling thread's last CPU `paged_attention` call ran: `isa` (the kernel
-    build: `avx512_bf16`, `avx512`, `avx2`, `base`, or `none` before any call),
+    build: `avx512_bf16`, `avx512`, `avx2`, `avx2_generic` (AVX2 at head sizes that are
+    not a multiple of 16), `base`, or `none` before any call),
     `partitions` (split-K partitions of the longest sequence; 1: no split),
     `partition_tokens` and `threads` (the threads that ran its work items: 1 for a step
     too small to share, or where a helper started after the caller had taken every item).

@@ -330,7 +330,7 @@ Kernel kernel_for_isa(int64_t head_dim) {
   // generic kernel's scratch.
   if (isa != Isa::Base) {
     return head_dim % 16 == 0 ? Kernel{&attend_avx2<K, C>, "avx2"}
-                              : Kernel{&attend_avx2_generic<K, C>, "avx2"};
+                              : Kernel{&attend_avx2_generic<K, C>, "avx2_generic"};
   }
 #else
   (void)head_dim;
@@ -779,7 +779,7 @@ void write_kv_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
 }  // namespace
 }  // namespace kvstore
 
-// "isa=<avx512_bf16|avx512|avx2|base> partitions=<n> partition_tokens=<n> threads=<n>"
+// "isa=<avx512_bf16|avx512|avx2|avx2_generic|base> partitions=<n> partition_tokens=<n> threads=<n>"
 // for the calling thread's last CPU paged_attention call ("isa=none" before any).
 std::string last_cpu_kernel() {
   const auto& k = kvstore::last_kernel;

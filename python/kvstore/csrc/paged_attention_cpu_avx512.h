@@ -233,7 +233,7 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
   for (int g = 0; g < GT; ++g) {
     const int64_t i = i0 + g;
     next.issue(share.per_head);
-    // Lanes past n hold -inf: their exp is 0 (the stale dots there are never read).
+    // Lanes past n hold -inf: their exp is 0 (the stale dots there are summed, never used).
     __m512 raw = transpose_sum16(dots + g * kTile);
     if constexpr (C == Kind::FP8) {
       raw = _mm512_mul_ps(raw, _mm512_load_ps(t.kmul));

@@ -3,8 +3,8 @@
 // tile, the next tile's rows prefetched (LineStream) while the current one computes.
 // Included at the end of paged_attention_cpu_avx512.h and paged_attention_cpu_avx2.h
 // (no include guard, no #include), which define what it calls for their vector width:
-// DotVec (a tile's dot accumulators), kDot, load_q, attend_tile, fp8_tile_has_nan and
-// write_unit_outputs.
+// DotVec (a tile's dot accumulators), kDot, load_q, attend_tile, fp8_tile_has_nan,
+// write_unit_outputs and min64.
 
 // The same work units and outputs as attend_units in paged_attention_cpu_kernel.h;
 // K: query and output dtype, C: cache dtype (K, or FP8 with per-(block, head) scales).

@@ -30,7 +30,8 @@ struct LineStream {
   // (the next row and byte kept from call to call) they took about nine instructions a
   // line, 8 lines a token and kv head for 2-byte rows of head size 128: with the KV in
   // L2 (two threads) the kernel ran 4-8% slower. A row that starts inside a line (fp8
-  // rows of head sizes 48 mod 64) spans one line more than this issues; its last line
+  // rows of head sizes 48 mod 64; on AVX2 also 2-byte rows of head sizes 16 mod 32)
+  // spans one line more than this issues; its last line
   // is left to the hardware's adjacent-line prefetcher: fetching it too (the row's last
   // byte as a last address) made head size 128 3-4% slower.
   KVSTORE_INLINE void issue(int64_t count) {
@@ -58,8 +59,8 @@ struct TileRows {
 
 // How many of the next tile's lines a group tile asks for where (LineStream), in
 // proportion to the work (measured on the Xeon, 8K tokens in L2: q·k 45%, the softmax
-// 20%, P·V 35%): K's during q·k, a quarter during the softmax, one per row and 16 * CB
-// columns during P·V, each shared among a head's group tiles; the caller issues what is
+// 20%, P·V 35%): K's during q·k, a quarter during the softmax, one per row and column
+// block during P·V (16 * CB columns on AVX-512, 8 * CB on AVX2), each shared among a head's group tiles; the caller issues what is
 // left once a head's tiles are done. Set once per step (per_token) and per tile
 // (per_head, which follows the next tile's length), not per call: a division costs
 // Intel cores 40-90 cycles.

@@ -174,6 +174,19 @@ inline UnitRun unit_run(const Params& p, int64_t unit, int64_t end) {
   return u;
 }
 
+// One output element, rounded as c10 rounds (every kernel's scalar path). Outside the
+// kernels' target pragmas: scalar code, inlined into each.
+template <Kind K>
+KVSTORE_INLINE void store_out(void* out, int64_t i, float v) {
+  if constexpr (K == Kind::F32) {
+    static_cast<float*>(out)[i] = v;
+  } else if constexpr (K == Kind::F16) {
+    static_cast<c10::Half*>(out)[i] = c10::Half(v);
+  } else {
+    static_cast<c10::BFloat16*>(out)[i] = c10::BFloat16(v);
+  }
+}
+
 // Per-thread scratch, allocated once per thread outside the kernels.
 struct Scratch {
   float* q;       // [num_kv_heads * group, head_dim], pre-scaled

@@ -1,8 +1,8 @@
 // The AVX2 decode kernel, included by paged_attention_cpu.cpp under
 // `#pragma GCC target("avx2,fma,f16c")` in namespace cpu_avx2, after the generic kernel
-// (paged_attention_cpu_kernel.h), whose exp8_nonpositive, hsum8 and min64 it uses (no
-// include guard, no #include of its own but the shared parts: the includer provides
-// Params, Scratch, Kind, Storage and the common header).
+// (paged_attention_cpu_kernel.h), whose exp8_nonpositive, hsum8, hmax8 and min64 it
+// uses (no include guard, no #include of its own but the shared parts: the includer
+// provides Params, Scratch, Kind, Storage, store_out and the common header).
 //
 // paged_attention_cpu_avx512.h's head-major design on 8 lanes, for the same reason: at
 // long context a step is a stream over the KV pages, and the generic kernel, which first
@@ -69,13 +69,6 @@ KVSTORE_INLINE __m256 transpose_sum8(const __m256* a) {
   // u0: lanes 0-3 the low halves' sums of a[0..3], lanes 4-7 their high halves'.
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-KVSTORE_INLINE float hmax8_ps(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
 }
 
 // K row k's elements d .. d + 15 as two vectors (bfloat16: its even, then its odd ones).
@@ -191,7 +184,7 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
     const __m256 sc1 = _mm256_blendv_ps(neg_inf, raw1, valid1);
     // Most tiles do not raise the running max once it is reached: skip softmax_merge's
     // two scalar expf then, exp(0) being 1 exactly.
-    const float tile_max = hmax8_ps(_mm256_max_ps(sc0, sc1));
+    const float tile_max = hmax8(_mm256_max_ps(sc0, sc1));
     const SoftmaxMerge mg =
         tile_max <= w.m[i] ? SoftmaxMerge{w.m[i], 1.f, 0.f} : softmax_merge(w.m[i], tile_max);
     const __m256 mx = _mm256_set1_ps(mg.max);
@@ -319,7 +312,7 @@ KVSTORE_INLINE void write_unit_outputs(const Params& p, const Scratch& w, int64_
       const int64_t o = (s * p.num_heads + head) * D;
       if constexpr (K == Kind::F16) {
         static_assert(C != Kind::BF16, "float16 queries: the accumulators are in row order");
-        for (int64_t a = 0; a < D; ++a) store_scalar<K>(p.out, o + a, acc[a] * inv);
+        for (int64_t a = 0; a < D; ++a) store_out<K>(p.out, o + a, acc[a] * inv);
       } else {
         __m256 v[2];
         for (int64_t c = 0; c < D; c += 16) {

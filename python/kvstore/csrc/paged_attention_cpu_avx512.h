@@ -436,7 +436,7 @@ KVSTORE_INLINE void write_unit_outputs(const Params& p, const Scratch& w, int64_
       const float inv = w.l[i] > 0.f ? 1.f / w.l[i] : 0.f;
       const int64_t o = (s * p.num_heads + head) * D;
       for (int64_t a = 0; a < D; ++a) {
-        store_scalar<K>(p.out, o + row_element<kOrder<K, C>>(a), acc[a] * inv);
+        store_out<K>(p.out, o + row_element<kOrder<K, C>>(a), acc[a] * inv);
       }
     } else {
       const int64_t pi = (s * p.num_heads + head) * P + part;

@@ -196,17 +196,6 @@ KVSTORE_INLINE void accumulate_pv(float* __restrict acc, const float* const* __r
   }
 }
 
-template <Kind K>
-KVSTORE_INLINE void store_out(void* out, int64_t i, float v) {
-  if constexpr (K == Kind::F32) {
-    static_cast<float*>(out)[i] = v;
-  } else if constexpr (K == Kind::F16) {
-    static_cast<c10::Half*>(out)[i] = c10::Half(v);
-  } else {
-    static_cast<c10::BFloat16*>(out)[i] = c10::BFloat16(v);
-  }
-}
-
 // Eight outputs from out + i on: bfloat16 rounded to nearest even (NaN: 0x7FC0), as
 // c10::BFloat16 rounds, eight lanes at once; float16 through c10::Half one by one.
 template <Kind K>

@@ -60,25 +60,14 @@ struct TileRows {
 // How many of the next tile's lines a group tile asks for where (LineStream), in
 // proportion to the work (measured on the Xeon, 8K tokens in L2: q·k 45%, the softmax
 // 20%, P·V 35%): K's during q·k, a quarter during the softmax, one per row and column
-// block during P·V (16 * CB columns on AVX-512, 8 * CB on AVX2), each shared among a head's group tiles; the caller issues what is
-// left once a head's tiles are done. Set once per step (per_token) and per tile
-// (per_head, which follows the next tile's length), not per call: a division costs
-// Intel cores 40-90 cycles.
+// block during P·V (16 * CB columns on AVX-512, 8 * CB on AVX2), each shared among a
+// head's group tiles; the caller issues what is left once a head's tiles are done. Set
+// once per step (per_token) and per tile (per_head, which follows the next tile's
+// length), not per call: a division costs Intel cores 40-90 cycles.
 struct LineShare {
   int64_t per_token;  // during q·k
   int64_t per_head;   // during the softmax, per query head
 };
-
-template <Kind K>
-KVSTORE_INLINE void store_scalar(void* out, int64_t i, float v) {
-  if constexpr (K == Kind::F32) {
-    static_cast<float*>(out)[i] = v;
-  } else if constexpr (K == Kind::F16) {
-    static_cast<c10::Half*>(out)[i] = c10::Half(v);
-  } else {
-    static_cast<c10::BFloat16*>(out)[i] = c10::BFloat16(v);
-  }
-}
 
 // Walks a sequence's tokens in order: the pool block and offset of each, without a
 // division per token.

@@ -196,6 +196,21 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+AVX2 = {"avx2", "fma", "f16c"}
+AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def capability_env(capability: str) -> dict[str, str]:
+    """os.environ with ATEN_CPU_CAPABILITY=capability, for a check in a new process.
+    ATen takes the variable at its word: =avx512 on a CPU without AVX-512 runs its own
+    AVX-512 kernels (the float64 reference's among them) into an illegal instruction,
+    so a capability the CPU lacks skips the test."""
+    needs = {"avx2": AVX2, "avx512": AVX512}.get(capability, set())
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {capability}, and ATen does not check before using it")
+    return dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+
+
 def expected_isa(qdtype, fp8: bool, head_dim: int, capability: str | None = None) -> str:
     """The kernel build the CPU's flags (/proc/cpuinfo) and ATEN_CPU_CAPABILITY call for
     (`capability`, else the environment's, which the kernel reads once per process):
@@ -206,10 +221,10 @@ def expected_isa(qdtype, fp8: bool, head_dim: int, capability: str | None = None
     if capability is None:
         capability = os.environ.get("ATEN_CPU_CAPABILITY")
     flags = cpu_flags()
-    if capability == "default" or not {"avx2", "fma", "f16c"} <= flags:
+    if capability == "default" or not flags >= AVX2:
         return "base"
     avx2 = "avx2" if head_dim % 16 == 0 else "avx2_generic"
-    if capability == "avx2" or not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+    if capability == "avx2" or not flags >= AVX512:
         return avx2
     bf16_cache = qdtype == torch.bfloat16 and not fp8
     if head_dim % (32 if bf16_cache else 16) != 0:
@@ -305,7 +320,7 @@ def test_narrower_cpu_kernels(capability):
         print("ok")
         """
     )
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    env = capability_env(capability)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
@@ -330,7 +345,7 @@ def test_avx2_kernels_pass_the_reference_tests():
     here = Path(__file__).resolve().parent
     suites = [str(here / "test_ops.py"), str(here / "test_ops_fp8.py")]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites, "-k", select]
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    env = capability_env("avx2")
     r = subprocess.run(cmd, env=env, cwd=here.parent, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]

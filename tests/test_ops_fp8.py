@@ -29,7 +29,15 @@ torch = pytest.importorskip("torch")
 from kvstore import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_ops import DTYPES, TOL, expected_isa, gpu, needs_cuda, reference  # noqa: E402
+from test_ops import (  # noqa: E402
+    DTYPES,
+    TOL,
+    capability_env,
+    expected_isa,
+    gpu,
+    needs_cuda,
+    reference,
+)
 
 FP8 = torch.float8_e4m3fn
 NAN_BYTE = 0x7F
@@ -215,7 +223,7 @@ def test_fp8_narrower_cpu_kernels(capability):
         print("ok")
         """
     )
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    env = capability_env(capability)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
@@ -262,9 +270,7 @@ def run_in_fresh_process(check: str, capability: str | None) -> None:
         print("ok")
         """
     )
-    env = dict(os.environ)
-    if capability is not None:
-        env["ATEN_CPU_CAPABILITY"] = capability
+    env = dict(os.environ) if capability is None else capability_env(capability)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 

@@ -111,6 +111,9 @@ KILL = [phase("kill-warm", P.kill[:1]), phase("kill", P.kill[1:])]
 # 3 prompts of 7 blocks growing to 8 in 23 usable blocks: vLLM preempts one. Its
 # reference runs in as little memory (a run that preempts nothing batches otherwise).
 PREEMPT = [phase("preempt", P.preempt, max_tokens=12)]
+# B computes and stores P.damage's KV, which the damage runs then find with its 6th
+# block damaged: the blocks that load are vLLM's own KV, as in a run without the store.
+SEED = [phase("damage-seed", [P.damage])]
 DAMAGE = [
     phase("damage", [P.damage, P.damage2]),
     phase("salted-again", [P.a], cache_salt="tenant-2"),
@@ -292,7 +295,7 @@ def fresh_b(world, stored):
             cache = world["model"](ids, use_cache=True).past_key_values
         hf.save_session(s, "transformers", ids, cache)
     before = store_stats(path)
-    results = run(world, "B", spec(world, path, PARTIAL + SHARED + LATER))
+    results = run(world, "B", spec(world, path, PARTIAL + SHARED + LATER + SEED))
     after = store_stats(path)
     return {
         "results": results,
@@ -350,29 +353,34 @@ def test_transformers_session_is_a_hit(fresh_b, reference):
     assert by_name(fresh_b["results"])["session"]["tokens"] == reference["session"]["tokens"]
 
 
-def damage_last_block(world: dict[str, Any], path: Path) -> int:
-    """Stores transformers' KV of P.damage's 6 blocks at `path` (3 blocks, then 3 more
-    from start) and damages the last record written, its 6th block; returns its tokens."""
+def damage_stored_block(world: dict[str, Any], path: Path) -> int:
+    """Damages the record of P.damage's 6th block in the store at `path` (a copy of B's
+    store: the KV vLLM computed in B's seed phase) and returns the tokens of its 6 blocks.
+    Stored KV from transformers instead (as these tests once did) differs from vLLM's in
+    its last bits, and on an AVX2 CPU P.damage2's greedy tokens then left the reference's
+    at a near-tie: the run must differ from a run without the store only by the damage."""
     n = len(P.damage) // B * B
-    ids = torch.tensor([P.damage[:n]])
-    with torch.inference_mode():
-        kv = hf.cache_to_kv(world["model"](ids, use_cache=True).past_key_values)
     with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
-        assert s.put(P.damage[: 3 * B], kv[:, :, : 3 * B].contiguous()) == 3 * B
-        assert s.put(P.damage[:n], kv[:, :, 3 * B :].contiguous(), start=3 * B) == n
-        s.flush()
-        last = max(s.segments(), key=lambda r: r["segment"])
-        block_ids = s.block_ids(P.damage[:n])
-    seg = path / "segments" / f"{last['segment']:016x}.kvseg"
-    data = bytearray(seg.read_bytes())
-    data[last["committed_bytes"] - 100] ^= 0x5A  # inside the last record
+        assert s.lookup(P.damage[:n], count=False) == n
+        block_id = s.block_ids(P.damage[:n])[-1]
+    # The record's header holds its block id; 512 bytes on is inside its payload (the
+    # probe below checks that exactly this block is damaged).
+    found = []
+    for seg in sorted((path / "segments").glob("*.kvseg")):
+        data = bytearray(seg.read_bytes())
+        at = data.find(block_id)
+        if at >= 0:
+            found.append((seg, data, at))
+    assert len(found) == 1, [f[0].name for f in found]
+    seg, data, at = found[0]
+    data[at + 512] ^= 0x5A
     seg.write_bytes(bytes(data))
-    # The reference split, by kvstore's own check of a copy: exactly the last block.
+    # The reference split, by kvstore's own check of a copy: exactly that block.
     probe = path.with_name(path.name + "-probe")
     shutil.copytree(path, probe)
     with hf.open(probe, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
         bad = {bytes.fromhex(d["block_id"]) for d in s.verify()["damaged"]}
-    assert bad == {block_ids[-1]}
+    assert bad == {block_id}
     return n
 
 
@@ -388,13 +396,13 @@ def assert_healed(world: dict[str, Any], path: Path, n: int) -> None:
 
 @pytest.fixture(scope="module")
 def damaged_run(world, stored, fresh_b):
-    """A copy of B's store where P.damage's 6th block is damaged (damage_last_block).
+    """A copy of B's store where P.damage's 6th block is damaged (damage_stored_block).
     Served by a vLLM with little KV memory (24 blocks) that also runs the preemption
     phase, and no prefix cache of its own (else a resumed request finds its blocks
     there, and a salted prompt B served is a local hit)."""
     damaged = world["root"] / "damaged"
     shutil.copytree(stored["path"], damaged)
-    n = damage_last_block(world, damaged)
+    n = damage_stored_block(world, damaged)
     s = spec(world, damaged, DAMAGE + PREEMPT, kv_bytes=SMALL, prefix_caching=False)
     return {"results": run(world, "damaged", s), "path": damaged, "n": n}
 
@@ -441,12 +449,13 @@ def test_preempted_request_resumes_from_the_store(damaged_run, reference):
 
 
 @pytest.fixture(scope="module")
-def damaged_cached_run(world):
-    """A store holding P.damage's 6 blocks, the 6th damaged, served with vLLM's prefix
+def damaged_cached_run(world, stored, fresh_b):
+    """A copy of B's store, P.damage's 6th block damaged, served with vLLM's prefix
     cache on: P.warm first (vLLM then caches P.damage's first 2 blocks), then P.damage
     and P.damage2 together, then both again."""
     path = world["root"] / "damaged-cached"
-    n = damage_last_block(world, path)
+    shutil.copytree(stored["path"], path)
+    n = damage_stored_block(world, path)
     phases = WARM + [
         phase("damage-cached", [P.damage, P.damage2]),
         phase("damage-again", [P.damage, P.damage2]),

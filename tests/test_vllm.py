@@ -283,7 +283,8 @@ def test_stored_kv_equals_transformers(world, stored):
 @pytest.fixture(scope="module")
 def fresh_b(world, stored):
     """Plants KV (random under one prompt, transformers' session under another), then a
-    fresh process B on the same store serves the shared prompts and the later phases."""
+    fresh process B on the same store serves the shared prompts and the later phases,
+    and last P.damage (SEED: the KV the damage runs find, one block damaged)."""
     path = stored["path"]
     with hf.open(path, world["model"], fingerprint=world["fingerprint"], block_size=B) as s:
         n = len(P.planted) // B * B

@@ -727,7 +727,8 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
     dev: dict[str, list[tuple[float, float]]] = {k: [] for k in cpu}
     dev["odirect_huge"] = []
     # The same store through a handle whose reads use O_DIRECT where the page
-    # cache misses (off by default; each reader thread keeps 2 reads in flight
+    # cache misses (the default only with a hot tier, which `st` has not; each
+    # reader thread keeps 2 reads in flight
     # through io_uring), and one that makes them one at a time
     # (KVSTORE_READ_DEPTH=0), alternated with the product's in each round.
     os.environ["KVSTORE_DIRECT_READS"] = "1"
@@ -879,7 +880,8 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             "GiB/s",
             lim_cold,
             "best O_DIRECT read of the segment files (1 or 4 in flight)",
-            note=f"info: O_DIRECT where the page cache misses (off by default), 2 reads in "
+            note=f"info: O_DIRECT where the page cache misses (the default with a hot tier), "
+            f"2 reads in "
             f"flight per reader thread (io_uring; up to 4 threads), same store, alternated "
             f"with the row above; process CPU time / wall time "
             f"{100 * max(cpu['get_cold_direct'], default=0):.0f}% of one core"
@@ -910,7 +912,7 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             max(warm["get_cold_direct"]),
             "GiB/s",
             max(warm["get_cold"]),
-            "the same gets with direct reads off (the default)",
+            "the same gets with direct reads off (the default without a hot tier)",
             note="info: the cost of the page-cache check (cachestat) per record",
             samples=warm["get_cold_direct"],
         )
@@ -1031,9 +1033,9 @@ def _warm_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path]) -> float:
 def _restore_rows(b: _Bench, tokens: int) -> None:
     """6. Restores as users do them: `hf.load` of a `tokens`-token prefix into a
     DynamicCache (bench_ttft.py's model layout, 256 KiB blocks) from the hot tier,
-    warm and cold segments, against `torch.load` of the same DynamicCache in the
-    same page-cache state (bench_ttft.restore_sweep, which checks every restore
-    bitwise)."""
+    warm and cold segments, and cold segments into an empty hot tier, against
+    `torch.load` of the same DynamicCache in the same page-cache state
+    (bench_ttft.restore_sweep, which checks every restore bitwise)."""
     import bench_ttft
 
     from kvstore import hf
@@ -1044,11 +1046,7 @@ def _restore_rows(b: _Bench, tokens: int) -> None:
         times, notes = bench_ttft.restore_sweep(config, [tokens], b.repeat, b.tmp, b.cold_method)
     b.notes.extend(f"restore: {n}" for n in notes)
     nbytes = tokens // layout.block_size * layout.block_bytes
-    for key, ref in (
-        ("kvstore-hot", "torch-warm"),
-        ("kvstore-warm", "torch-warm"),
-        ("kvstore-cold", "torch-cold"),
-    ):
+    for key, ref in bench_ttft.SWEEP_PAIRS:
         ours, theirs = min(times[key][tokens]), min(times[ref][tokens])
         b.res.add(
             Row(

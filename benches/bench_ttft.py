@@ -30,7 +30,9 @@ warm segments vs torch.load warm, cold segments vs torch.load cold).
 
 Then the restore sweep (`--sweep`; `--sweep-only` skips the TTFT part): restore
 time against prefix length, 256 to 32K tokens, for the hot tier, warm and cold
-segments and torch.load warm and cold, with KV of the model's layout (random
+segments, cold segments into an empty hot tier (a restart after a reboot: such a
+handle reads them with O_DIRECT and promotes them) and torch.load warm and cold,
+with KV of the model's layout (random
 values: restore time does not depend on them) put once as one 32K-token
 sequence and torch.save'd per length as the DynamicCache a model would return.
 Every restored cache is checked bitwise against the KV put. The plot (PNG,
@@ -92,6 +94,21 @@ def build_config(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> Any
 # ------------------------------------------------------------------------------ page cache
 
 
+def shm_or(base: Path) -> Path:
+    """/dev/shm where it is a directory we may write (memory, as a hot tier wants),
+    else `base`."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else base
+
+
+def remove_arenas_in(hot_dir: Path) -> None:
+    """Removes the arena files in `hot_dir` only (`kvstore.remove_arena(store,
+    hot_dir=...)` would remove the store's arenas wherever its processes look, the
+    default directory's too)."""
+    for p in hot_dir.glob("kvstore-*.arena"):
+        kvstore.remove_arena(p)
+
+
 def files_under(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file())
 
@@ -145,9 +162,17 @@ SWEEP_METHODS = {
     "kvstore-hot": "kvstore, hot tier",
     "kvstore-warm": "kvstore, segments warm",
     "kvstore-cold": "kvstore, segments cold",
+    "kvstore-cold-hot": "kvstore, segments cold into an empty hot tier",
     "torch-warm": "torch.load, warm",
     "torch-cold": "torch.load, cold",
 }
+# Each kvstore row and the torch.load row in the same page-cache state.
+SWEEP_PAIRS = (
+    ("kvstore-hot", "torch-warm"),
+    ("kvstore-warm", "torch-warm"),
+    ("kvstore-cold", "torch-cold"),
+    ("kvstore-cold-hot", "torch-cold"),
+)
 
 
 def torch_cache(kv: torch.Tensor, n: int, config: Any) -> Any:
@@ -200,7 +225,12 @@ def restore_sweep(
             with open(torch_files[n], "rb") as f:
                 os.fsync(f.fileno())
         store_files = files_under(store_dir)
-        hot = kvstore.open(store_dir, layout=layout, model=fp, hot_bytes=2 * kv_max + (64 << 20))
+        hot_bytes = 2 * kv_max + (64 << 20)
+        hot = kvstore.open(store_dir, layout=layout, model=fp, hot_bytes=hot_bytes)
+        # The hot tier of a restart after a reboot: empty (an arena of its own,
+        # removed after each restore), the segments cold.
+        empty_hot = tempfile.TemporaryDirectory(prefix="kvstore-sweep-", dir=shm_or(root))
+        empty_hot_dir = Path(empty_hot.name)
         warm = kvstore.open(store_dir, layout=layout, model=fp)  # segments only
         try:
             for s in (hot, warm):  # into the hot tier, and the page cache
@@ -233,6 +263,16 @@ def restore_sweep(
                         timed("kvstore-cold", n, load(cold, n), check)
                     if r == 0 and n == n_max:
                         notes.append(f"cold: {used}, {left / 2**20:.1f} MiB of the store resident")
+                    evict(store_files, cold_method)
+                    with kvstore.open(
+                        store_dir,
+                        layout=layout,
+                        model=fp,
+                        hot_bytes=hot_bytes,
+                        hot_dir=empty_hot_dir,
+                    ) as cold:
+                        timed("kvstore-cold-hot", n, load(cold, n), check)
+                    remove_arenas_in(empty_hot_dir)
                     path = torch_files[n]
                     torch.load(path, weights_only=False)  # into the page cache
                     timed("torch-warm", n, load_torch(path), check)
@@ -246,6 +286,7 @@ def restore_sweep(
             hot.close()
             warm.close()
             kvstore.remove_arena(store_dir)
+            empty_hot.cleanup()
     if wrong:
         notes.append("WRONG KV restored: " + ", ".join(wrong))
     return times, notes
@@ -261,11 +302,7 @@ def print_sweep(times: dict[str, dict[int, list[float]]], console: Any) -> None:
         table.add_column(f"{n}", justify="right")
     for key, name in SWEEP_METHODS.items():
         table.add_row(name, *(f"{min(times[key][n]) * 1e3:.2f} ms" for n in lengths))
-    for key, ref in (
-        ("kvstore-hot", "torch-warm"),
-        ("kvstore-warm", "torch-warm"),
-        ("kvstore-cold", "torch-cold"),
-    ):
+    for key, ref in SWEEP_PAIRS:
         table.add_row(
             f"{SWEEP_METHODS[key]} vs {SWEEP_METHODS[ref]}",
             *(f"{min(times[ref][n]) / min(times[key][n]):.2f}x" for n in lengths),
@@ -289,6 +326,7 @@ def plot_sweep(times: dict[str, dict[int, list[float]]], path: Path, title: str)
         "kvstore-hot": ("tab:green", "-", "o"),
         "kvstore-warm": ("tab:blue", "-", "s"),
         "kvstore-cold": ("tab:purple", "-", "^"),
+        "kvstore-cold-hot": ("tab:brown", "-", "v"),
         "torch-warm": ("tab:orange", "--", "s"),
         "torch-cold": ("tab:red", "--", "^"),
     }
@@ -441,19 +479,21 @@ def ttft(args: argparse.Namespace, model: Any, console: Any, data: dict[str, Any
 
         names = {
             "recompute": "recompute (prefill all)",
-            "kvstore-hot": "kvstore, hot tier",
-            "kvstore-hot-reused": "kvstore, hot tier, reused buf",
-            "kvstore-warm": "kvstore, segments warm",
-            "kvstore-warm-reused": "kvstore, segments warm, reused buf",
-            "kvstore-cold": "kvstore, segments cold",
-            "torch-warm": "torch.load, warm",
-            "torch-cold": "torch.load, cold",
+            "kvstore-hot": SWEEP_METHODS["kvstore-hot"],
+            "kvstore-hot-reused": SWEEP_METHODS["kvstore-hot"] + ", reused buf",
+            "kvstore-warm": SWEEP_METHODS["kvstore-warm"],
+            "kvstore-warm-reused": SWEEP_METHODS["kvstore-warm"] + ", reused buf",
+            **{k: SWEEP_METHODS[k] for k in ("kvstore-cold", "kvstore-cold-hot")},
+            **{k: SWEEP_METHODS[k] for k in ("torch-warm", "torch-cold")},
         }
         timings = {key: Timing(name) for key, name in names.items()}
         results: dict[str, tuple[int, torch.Tensor]] = {}
         warm_store = hf.open(store_dir, model, fingerprint=fp)  # no hot tier: segments only
         hf.load(warm_store, prefix)  # the page cache holds the segments
-        hot_store = hf.open(store_dir, model, fingerprint=fp, hot_bytes=2 * kv_bytes + (64 << 20))
+        hot_bytes = 2 * kv_bytes + (64 << 20)
+        hot_store = hf.open(store_dir, model, fingerprint=fp, hot_bytes=hot_bytes)
+        empty_hot = tempfile.TemporaryDirectory(prefix="kvstore-ttft-", dir=shm_or(root))
+        empty_hot_dir = Path(empty_hot.name)
         hf.load(hot_store, prefix)  # read from the segments once, then served from memory
         hot_before = hot_store.stats()
         torch_restore()
@@ -490,6 +530,14 @@ def ttft(args: argparse.Namespace, model: Any, console: Any, data: dict[str, Any
                     results["kvstore-cold"] = timed_restore(
                         model, rest, kvstore_restore(store), timings["kvstore-cold"]
                     )
+                evict(store_files, args.cold_method)
+                with hf.open(
+                    store_dir, model, fingerprint=fp, hot_bytes=hot_bytes, hot_dir=empty_hot_dir
+                ) as store:  # a restart after a reboot: the hot tier empty too
+                    results["kvstore-cold-hot"] = timed_restore(
+                        model, rest, kvstore_restore(store), timings["kvstore-cold-hot"]
+                    )
+                remove_arenas_in(empty_hot_dir)
                 results["torch-warm"] = timed_restore(
                     model, rest, torch_restore, timings["torch-warm"]
                 )
@@ -503,6 +551,7 @@ def ttft(args: argparse.Namespace, model: Any, console: Any, data: dict[str, Any
             warm_store.close()
             hot_store.close()
             kvstore.remove_arena(store_dir)
+            empty_hot.cleanup()
         hot_served = hot["hot_hit_blocks"] - hot_before["hot_hit_blocks"]
         hot_disk = hot["disk_hit_blocks"] - hot_before["disk_hit_blocks"]
 
@@ -519,10 +568,12 @@ def ttft(args: argparse.Namespace, model: Any, console: Any, data: dict[str, Any
     columns = ("method", "restore", "TTFT", "TTFT median", "TTFT speedup", "vs torch.load")
     for col in columns:
         table.add_column(col, justify="left" if col == "method" else "right")
+    peer = dict(SWEEP_PAIRS)
     for key, t in timings.items():
-        ref = timings["torch-cold" if key.endswith("cold") else "torch-warm"]
         vs_torch = "-"
-        if key.startswith("kvstore"):  # restore time ratio, then TTFT ratio (>1: kvstore faster)
+        if key.startswith("kvstore"):
+            # Restore time ratio, then TTFT ratio (>1: kvstore faster).
+            ref = timings[peer[key.removesuffix("-reused")]]
             vs_torch = f"{min(ref.restore) / min(t.restore):.2f}x / {ref.best / t.best:.2f}x"
         table.add_row(
             t.name,
@@ -556,11 +607,7 @@ def ttft(args: argparse.Namespace, model: Any, console: Any, data: dict[str, Any
             all(recompute / timings[k].best >= 20 for k in timings if k.startswith("kvstore")),
         ),
     ]
-    for ours, peer in (
-        ("kvstore-hot", "torch-warm"),
-        ("kvstore-warm", "torch-warm"),
-        ("kvstore-cold", "torch-cold"),
-    ):
+    for ours, peer in SWEEP_PAIRS:
         targets.append(
             (f"restore: {names[ours]} faster than {names[peer]}", restore(ours) < restore(peer))
         )

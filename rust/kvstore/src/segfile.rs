@@ -1,10 +1,10 @@
 //! A segment file open for reads: its buffered descriptor, an `O_DIRECT`
 //! one beside it where the file system has them, and the version its header
-//! names. A record's read picks the way per payload: one the page cache
-//! holds is copied from there (buffered, as fast as memory); one it does not
-//! is read with `O_DIRECT`, straight into the destination when that is
-//! aligned as the device requires, else through a bounded per-thread bounce
-//! buffer. Direct reads keep the device busy with the whole request (no
+//! names. Where the caller asks for direct reads, a record's read picks the
+//! way per payload: one the page cache holds is copied from there (buffered,
+//! as fast as memory); one it does not is read with `O_DIRECT`, straight into
+//! the destination when that is aligned as the device requires, else through
+//! a bounded per-thread bounce buffer. Direct reads keep the device busy with the whole request (no
 //! readahead guessing, no page-cache copy to fill and later evict); the
 //! kernel writes back dirty cached pages of the range before a direct read,
 //! so it sees what was just written. A get's reader threads may instead
@@ -134,19 +134,21 @@ impl SegmentFile {
 
     /// Fills `head`, then the `payload` buffers in order, from `offset`:
     /// a record's padding and meta, then its payload, which starts at
-    /// `offset + head.len()`. End of file is an error.
+    /// `offset + head.len()`; with `O_DIRECT` if `direct` asks for it and the
+    /// page cache does not hold the payload. End of file is an error.
     pub(crate) fn read(
         &self,
         head: &mut [u8],
         payload: &mut [&mut [u8]],
         offset: u64,
+        direct: bool,
     ) -> io::Result<()> {
         let at = offset + head.len() as u64;
         let len: usize = payload.iter().map(|p| p.len()).sum();
         if let Some(d) = self
             .direct
             .as_ref()
-            .filter(|d| d.ok.load(Ordering::Relaxed))
+            .filter(|d| direct && d.ok.load(Ordering::Relaxed))
         {
             if at.is_multiple_of(d.offset_align) && !self.cached(at, len as u64) {
                 match d.read(head, payload, offset, at, len) {

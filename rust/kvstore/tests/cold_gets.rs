@@ -31,7 +31,7 @@ fn opts(segment_bytes: u64) -> Options {
         durability: Durability::Sync,
         segment_bytes,
         // The buffered path (direct reads have their own threads).
-        direct_reads: false,
+        direct_reads: Some(false),
         ..Options::default()
     }
 }

@@ -9,7 +9,7 @@
 use kvstore::format;
 use kvstore::index::Index;
 use kvstore::record;
-use kvstore::{DType, Durability, Keyer, Layout, Options, Store};
+use kvstore::{DType, Durability, Keyer, Layout, Options, PagedLayout, PagedPart, Store};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -40,7 +40,7 @@ fn opts(l: Layout, durability: Durability, (direct, depth): Reads) -> Options {
         fingerprint: Some(MODEL.into()),
         layout: Some(l),
         durability,
-        direct_reads: direct,
+        direct_reads: Some(direct),
         read_depth: depth,
         ..Options::default()
     }
@@ -123,6 +123,117 @@ fn direct_and_buffered_reads_agree_cold_and_warm() {
             }
         }
     }
+}
+
+/// Cache blocks laid out `[K or V][head][token][dim]` for `l`.
+fn paged_of(l: &Layout) -> PagedLayout {
+    let (b, h, d) = (
+        l.block_size as usize,
+        l.num_kv_heads as usize,
+        l.head_dim as usize,
+    );
+    let part = |offset| PagedPart {
+        offset,
+        strides: [d, b * d, 1],
+    };
+    PagedLayout {
+        block_stride: 2 * b * h * d,
+        parts: [part(0), part(b * h * d)],
+    }
+}
+
+/// By default (`direct_reads: None`) a get reads cold payloads with
+/// `O_DIRECT` exactly when its handle has a hot tier to promote them into:
+/// then the page cache stays empty and the next get, on another handle, is
+/// served from the hot tier. Without a hot tier, and for a paged load (an
+/// engine's, which promotes nothing) with one, the page cache fills. Every
+/// get is checked against the reference KV.
+#[test]
+fn by_default_only_reads_that_fill_a_hot_tier_are_direct() {
+    let l = layout();
+    let n = 24;
+    let t = seq(11, n * l.block_size as usize);
+    let payloads = (n * l.block_bytes()) as u64;
+    let dir = tempfile::tempdir().unwrap();
+    let o = |hot: Option<&Path>| Options {
+        hot_bytes: hot.map(|_| 2 * payloads + (4 << 20)),
+        hot_dir: hot.map(Path::to_path_buf),
+        direct_reads: None,
+        ..opts(l, Durability::Sync, READS[0])
+    };
+    let s = Store::open(dir.path(), o(None)).unwrap();
+    assert_eq!(s.put(&t, &kv_for(&l, &t), t.len(), b"").unwrap(), t.len());
+    drop(s);
+    drop_cache(dir.path());
+    let Some(before) = resident(dir.path()) else {
+        return; // no fincore here: the page cache cannot be looked at
+    };
+    assert!(before < payloads / 4, "evicted, yet {before} bytes cached");
+
+    // Into a hot tier: direct, the page cache left as it was.
+    let hot = tempfile::tempdir().unwrap();
+    assert_eq!(
+        get(dir.path(), o(Some(hot.path())), &l, &t),
+        (t.len(), true)
+    );
+    let after = resident(dir.path()).unwrap();
+    assert!(after < payloads / 4, "hot tier: {after} bytes cached");
+    let s = Store::open(dir.path(), o(Some(hot.path()))).unwrap();
+    let mut out = vec![0u8; l.kv_bytes(t.len()).unwrap()];
+    assert_eq!(s.get_into(&t, b"", &mut out, t.len()).unwrap(), t.len());
+    assert!(prefix_matches(&l, &out, t.len(), &t, t.len()));
+    let st = s.stats().unwrap();
+    assert_eq!((st.hot_hit_blocks, st.disk_hit_blocks), (n as u64, 0));
+
+    // A paged load with an empty hot tier: buffered.
+    drop(s);
+    let hot = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path(), o(Some(hot.path()))).unwrap();
+    let paged = paged_of(&l);
+    let mut cache = vec![0xEEu8; l.num_layers as usize * n * paged.block_stride * 2];
+    let blocks: Vec<usize> = (0..n).rev().collect();
+    let mut layers: Vec<&mut [u8]> = cache.chunks_mut(n * paged.block_stride * 2).collect();
+    assert_eq!(
+        s.get_paged(&t, 0, b"", &paged, &mut layers, &blocks)
+            .unwrap(),
+        t.len()
+    );
+    let st = s.stats().unwrap();
+    assert_eq!((st.hot_hit_blocks, st.disk_hit_blocks), (0, n as u64));
+    // Each landed row of D elements (contiguous in both layouts) against the
+    // reference KV, `[L, 2, T, H, D]`.
+    let (b, h, d) = (
+        l.block_size as usize,
+        l.num_kv_heads as usize,
+        l.head_dim as usize,
+    );
+    let want = kv_for(&l, &t);
+    for (layer, cache) in layers.iter().enumerate() {
+        for (kv, part) in paged.parts.iter().enumerate() {
+            for (k, &blk) in blocks.iter().enumerate() {
+                for tok in 0..b {
+                    for head in 0..h {
+                        let at = blk * paged.block_stride + part.offset + (head * b + tok) * d;
+                        let src = (((layer * 2 + kv) * t.len() + k * b + tok) * h + head) * d;
+                        assert_eq!(
+                            cache[at * 2..(at + d) * 2],
+                            want[src * 2..(src + d) * 2],
+                            "paged load: layer {layer} part {kv} block {k} token {tok} head {head}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let after = resident(dir.path()).unwrap();
+    assert!(after >= payloads, "paged load: {after} bytes cached");
+    drop(s);
+
+    // Without a hot tier: buffered.
+    drop_cache(dir.path());
+    assert_eq!(get(dir.path(), o(None), &l, &t), (t.len(), true));
+    let after = resident(dir.path()).unwrap();
+    assert!(after >= payloads, "no hot tier: {after} bytes cached");
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! bytes into a new segment, repoints their entries, and deletes the old
 //! files once nothing points into them.
 
+use super::read::Cold;
 use super::writer::Writer;
 use super::{Inner, Progress};
 use crate::error::{Error, IoContext, Result};
@@ -128,7 +129,14 @@ impl Inner {
         for (id, loc) in entries {
             let mut chunks: Vec<&mut [u8]> =
                 copier.buf.chunks_mut(self.layout.chunk_bytes()).collect();
-            match self.read_record(loc, id, None, &mut chunks, &mut copier.scratch, None) {
+            match self.read_record(
+                loc,
+                id,
+                None,
+                &mut chunks,
+                &mut copier.scratch,
+                Cold::plain(self.direct(false)),
+            ) {
                 Ok(()) => {
                     let tokens = self.record_tokens_at(loc)?;
                     let chunks: Vec<&[u8]> = copier.buf.chunks(self.layout.chunk_bytes()).collect();

@@ -84,13 +84,20 @@ pub struct Options {
     /// more to read, or `KVSTORE_GET_READERS`. For tests and tuning.
     pub get_readers: Option<usize>,
     /// Read payloads the page cache does not hold with `O_DIRECT` where the
-    /// file system allows it (version-2 segments). Default: off, unless the
-    /// environment variable `KVSTORE_DIRECT_READS` is `1`. Off because on
-    /// this project's VM (benches/README.md, "A quiet run") it bought only
-    /// 1.06x on cold 2 MiB gets, lost on 256 KiB blocks (vLLM's loads, hf
-    /// restores), and a direct read leaves nothing in the page cache, so a
-    /// store without a hot tier never warms. For tests and tuning.
-    pub direct_reads: bool,
+    /// file system allows it (version-2 segments): `Some(on)` for every read,
+    /// `None` (the default, unless the environment variable
+    /// `KVSTORE_DIRECT_READS` is `1` or `0`) for the reads that promote what
+    /// they read into a hot tier (gets, restores, pins) when the handle has
+    /// one. That tier, shared by every process of the store, keeps those
+    /// blocks warm; the page cache would hold a second copy, and filling it
+    /// made cold restores slower (a direct one took 0.35-1.04x the time,
+    /// benches/README.md, "Cold restores into a hot tier"). Reads that
+    /// promote nothing (a serving engine's paged loads, `verify`,
+    /// compaction), and every read of a handle without a hot tier, go
+    /// through the page cache, the only cache they warm. A hot tier much
+    /// smaller than the blocks read again keeps fewer of them than the page
+    /// cache would: there, `Some(false)`.
+    pub direct_reads: Option<bool>,
     /// With direct reads: reads a get's reader thread keeps in flight
     /// (`io_uring`), each a record read whole into a buffer of the ring;
     /// 0: one synchronous read at a time. Default: 2, or
@@ -119,7 +126,11 @@ impl Default for Options {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .filter(|&n| n > 0),
-            direct_reads: std::env::var_os("KVSTORE_DIRECT_READS").is_some_and(|v| v == "1"),
+            direct_reads: match std::env::var("KVSTORE_DIRECT_READS").as_deref() {
+                Ok("1") => Some(true),
+                Ok("0") => Some(false),
+                _ => None,
+            },
             read_depth: std::env::var("KVSTORE_READ_DEPTH")
                 .ok()
                 .and_then(|v| v.parse().ok())

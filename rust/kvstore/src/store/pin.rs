@@ -1,6 +1,7 @@
 //! Pins: blocks kept warm in the hot tier ahead of others and kept by `gc`,
 //! by priority and until an expiry.
 
+use super::read::Cold;
 use super::Inner;
 use crate::arena::{Arena, Inserted};
 use crate::clock::now_ms;
@@ -82,7 +83,14 @@ impl Inner {
             let block_tokens = &tokens[i * b..(i + 1) * b];
             let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
             if self
-                .read_record(loc, id, Some(block_tokens), &mut chunks, &mut scratch, None)
+                .read_record(
+                    loc,
+                    id,
+                    Some(block_tokens),
+                    &mut chunks,
+                    &mut scratch,
+                    Cold::plain(self.direct(true)),
+                )
                 .is_err()
             {
                 return Ok((i, None)); // damaged or compacted away: the pinned prefix ends here

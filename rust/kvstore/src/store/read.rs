@@ -192,6 +192,27 @@ enum Fetched {
     Miss,
 }
 
+/// How a read takes a record's payload that the page cache does not hold
+/// ([`Inner::direct`] decides which).
+pub(super) enum Cold<'q> {
+    /// Through the page cache, which then keeps it for the next read.
+    Buffered,
+    /// With `O_DIRECT` where the record allows it; from `queue` where its
+    /// read was queued there.
+    Direct(Option<&'q mut ReadQueue>),
+}
+
+impl Cold<'_> {
+    /// Direct or buffered, no queue.
+    pub(super) fn plain(direct: bool) -> Cold<'static> {
+        if direct {
+            Cold::Direct(None)
+        } else {
+            Cold::Buffered
+        }
+    }
+}
+
 /// A record's padding must be zeros: anything else is damage (the bytes of
 /// a record are one range, and every one of them is checked).
 fn check_padding(pad: &[u8]) -> Result<(), ReadFail> {
@@ -211,6 +232,16 @@ impl ReadFail {
 }
 
 impl Inner {
+    /// Whether a read that does (`promotes`) or does not put what it reads
+    /// into the hot tier reads payloads the page cache does not hold with
+    /// `O_DIRECT`: as the `direct_reads` option says, else exactly when it
+    /// promotes into a hot tier (see the option).
+    pub(super) fn direct(&self, promotes: bool) -> bool {
+        self.opts
+            .direct_reads
+            .unwrap_or(promotes && self.arena.is_some())
+    }
+
     /// A fresh index snapshot; advances the location cache (and drops open
     /// segment files) when the index generation moved on.
     pub(super) fn snapshot(&self) -> Result<Snap<'_>> {
@@ -398,7 +429,7 @@ impl Inner {
             n,
             self.layout.block_bytes(),
             self.opts.get_readers,
-            self.opts.direct_reads,
+            self.direct(true),
         );
         if readers > 1 && self.one_cold_stream(found) {
             readers = 1;
@@ -431,7 +462,7 @@ impl Inner {
     /// ahead (two threads are two cold streams, each ramping up on its own).
     /// Not with direct reads or `get_readers` set.
     fn one_cold_stream(&self, found: &[Found]) -> bool {
-        if self.opts.direct_reads
+        if self.direct(true)
             || self.opts.get_readers.is_some()
             || found.len().saturating_mul(self.layout.block_bytes()) > COLD_ONE_READER_BYTES
         {
@@ -475,7 +506,7 @@ impl Inner {
     ) -> Result<usize> {
         let (b, chunk) = (self.layout.block_size as usize, self.layout.chunk_bytes());
         let mut scratch = Vec::new();
-        let mut queue = self.read_queue();
+        let (direct, mut queue) = (self.direct(true), self.read_queue());
         for (j, id) in range.ids.iter().enumerate() {
             let at = range.at + j;
             if stop.load(Ordering::Relaxed) < at {
@@ -489,6 +520,11 @@ impl Inner {
                 .map(|r| &mut r[j * chunk..(j + 1) * chunk])
                 .collect();
             let block_tokens = &range.tokens[j * b..(j + 1) * b];
+            let cold = if direct {
+                Cold::Direct(queue.as_mut())
+            } else {
+                Cold::Buffered
+            };
             let fetched = self.fetch(
                 snap,
                 id,
@@ -496,7 +532,7 @@ impl Inner {
                 block_tokens,
                 &mut chunks,
                 &mut scratch,
-                queue.as_mut(),
+                cold,
             );
             let served = fetched.and_then(|f| match f {
                 // Past a block another range found missing it is read (the
@@ -518,7 +554,7 @@ impl Inner {
     /// A reader thread's queue of direct reads in flight, when direct reads
     /// are on and `read_depth` asks for one (and the kernel has `io_uring`).
     fn read_queue(&self) -> Option<ReadQueue> {
-        if !self.opts.direct_reads || self.opts.read_depth == 0 {
+        if !self.direct(true) || self.opts.read_depth == 0 {
             return None;
         }
         // A request reads the payload rounded up to the device's alignment.
@@ -574,14 +610,15 @@ impl Inner {
         chunks: &mut [&mut [u8]],
         scratch: &mut Vec<u8>,
     ) -> Result<bool> {
-        let fetched = self.fetch(snap, id, None, block_tokens, chunks, scratch, None)?;
+        let cold = Cold::plain(self.direct(false));
+        let fetched = self.fetch(snap, id, None, block_tokens, chunks, scratch, cold)?;
         Ok(!matches!(fetched, Fetched::Miss))
     }
 
     /// [`Inner::read_block`] without the promotion; `found`, where the block
     /// was seen, spares a lookup (looked up in `snap` when it is `None`, or
-    /// the block moved since); the record is taken from `queue` where its
-    /// read was queued there.
+    /// the block moved since); a payload the page cache does not hold is
+    /// read as `cold` says.
     #[allow(clippy::too_many_arguments)]
     fn fetch<'s>(
         &'s self,
@@ -591,7 +628,7 @@ impl Inner {
         block_tokens: &[u32],
         chunks: &mut [&mut [u8]],
         scratch: &mut Vec<u8>,
-        mut queue: Option<&mut ReadQueue>,
+        mut cold: Cold<'_>,
     ) -> Result<Fetched> {
         if let Some(arena) = &self.arena {
             if arena.get(id, block_tokens, chunks) {
@@ -612,14 +649,11 @@ impl Inner {
                     None => return Ok(Fetched::Miss),
                 },
             };
-            let read = self.read_record(
-                &loc,
-                id,
-                Some(block_tokens),
-                chunks,
-                scratch,
-                queue.as_deref_mut(),
-            );
+            let again = match &mut cold {
+                Cold::Buffered => Cold::Buffered,
+                Cold::Direct(queue) => Cold::Direct(queue.as_deref_mut()),
+            };
+            let read = self.read_record(&loc, id, Some(block_tokens), chunks, scratch, again);
             match read {
                 Ok(()) => {
                     self.counters
@@ -677,7 +711,7 @@ impl Inner {
         }
         let f = Arc::new(SegmentFile::open(
             &self.dir.segment_path(segment),
-            self.opts.direct_reads,
+            self.direct(true),
         )?);
         let mut readers = self.readers.write().expect("reader cache");
         if readers.len() >= MAX_OPEN_SEGMENTS {
@@ -729,16 +763,17 @@ impl Inner {
         let file = self.segment_file(loc)?;
         let pad = self.placed(loc, &file)?;
         let mut head = vec![0u8; pad as usize + record::meta_len(&self.layout)];
-        file.read(&mut head, &mut [], loc.offset)
+        file.read_buffered(&mut head, &mut [], loc.offset)
             .map_err(|e| ReadFail::Damaged(format!("read failed: {e}")))?;
         check_padding(&head[..pad as usize])?;
         Ok(head.split_off(pad as usize))
     }
 
     /// Reads the record at `loc` into `out` (the block's `2L` runs) and checks
-    /// it against `id` and, when given, the requested `tokens`; from `queue`
-    /// where its read was queued there (and came back whole: else it is read
-    /// again, without the queue).
+    /// it against `id` and, when given, the requested `tokens`; a payload the
+    /// page cache does not hold is read as `cold` says (from its queue where
+    /// its read was queued there and came back whole: else it is read again,
+    /// without the queue).
     /// Every failure, I/O included, is a reason not to serve the block.
     pub(super) fn read_record(
         &self,
@@ -747,13 +782,17 @@ impl Inner {
         tokens: Option<&[u32]>,
         out: &mut [&mut [u8]],
         scratch: &mut Vec<u8>,
-        queue: Option<&mut ReadQueue>,
+        cold: Cold<'_>,
     ) -> Result<(), ReadFail> {
         let raw_len = self.layout.block_bytes() as u64;
         let file = self.segment_file(loc)?;
         let pad = self.placed(loc, &file)? as usize;
         let head_len = pad + record::meta_len(&self.layout);
         let mut known_cached = false;
+        let (direct, queue) = match cold {
+            Cold::Buffered => (false, None),
+            Cold::Direct(queue) => (true, queue),
+        };
         if let Some(q) = queue.filter(|_| loc.stored_len == raw_len) {
             let len = raw_len as usize;
             let key = (loc.segment, loc.offset);
@@ -779,10 +818,10 @@ impl Inner {
         let read = if known_cached {
             file.read_buffered(&mut head, out, loc.offset)
         } else if raw {
-            file.read(&mut head, out, loc.offset)
+            file.read(&mut head, out, loc.offset, direct)
         } else {
             scratch.resize(loc.stored_len as usize, 0);
-            file.read(&mut head, &mut [&mut scratch[..]], loc.offset)
+            file.read(&mut head, &mut [&mut scratch[..]], loc.offset, direct)
         };
         if let Err(e) = read {
             return Err(ReadFail::Damaged(format!("read failed: {e}")));

@@ -367,7 +367,7 @@ impl Inner {
         let at = loc.offset + (loc.record_len - loc.stored_len);
         rec.resize(meta_len + loc.stored_len as usize, 0);
         let file = self.reader(loc.segment).ok()?;
-        file.read(&mut rec[meta_len..], &mut [], at).ok()?;
+        file.read_buffered(&mut rec[meta_len..], &mut [], at).ok()?;
         let tokens: Vec<u32> = record::tokens(&rec[..meta_len]).collect();
         let b = self.layout.block_size as usize;
         let mut scratch = vec![0u8; self.layout.block_bytes()];

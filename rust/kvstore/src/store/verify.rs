@@ -4,6 +4,7 @@
 //! `index.rs`) and, on any mismatch, stops trusting them, repair or not:
 //! a wrong mark could make `lookup` count past a hole.
 
+use super::read::Cold;
 use super::{Inner, Progress};
 use crate::error::Result;
 use crate::format;
@@ -113,7 +114,14 @@ impl Inner {
         let mut scratch = Vec::new();
         for (n, (id, loc)) in blocks.iter().enumerate() {
             let mut chunks: Vec<&mut [u8]> = buf.chunks_mut(self.layout.chunk_bytes()).collect();
-            match self.read_record(loc, id, None, &mut chunks, &mut scratch, None) {
+            match self.read_record(
+                loc,
+                id,
+                None,
+                &mut chunks,
+                &mut scratch,
+                Cold::plain(self.direct(false)),
+            ) {
                 Ok(()) => {}
                 Err(fail) => {
                     let reason = fail.damage().expect("verify passes no tokens");

@@ -495,7 +495,9 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
       process opening the store with a hot tier maps the same arena; the first one
       sizes it. It lives in `hot_dir`, else $KVSTORE_HOT_DIR, else a hugetlbfs mount
       with room, else /dev/shm, as `kvstore-<store id>.arena`, and outlives the
-      processes (that is the point); `kvstore.remove_arena(path)` deletes it.
+      processes (that is the point); `kvstore.remove_arena(path)` deletes it. With
+      one, gets read what the page cache lacks with O_DIRECT and keep it in the tier
+      instead (README "Disk format"; $KVSTORE_DIRECT_READS=0 turns that off).
     - `index_bytes`: bound on the LMDB index map (at least 2 MiB; default 64 GiB,
       reserved virtually). Puts raise StoreFull at three quarters of it (all but 1 MiB
       at least), keeping the rest for gc. The first handle of a process sets it.

@@ -1,15 +1,15 @@
-//! A segment file open for reads: its buffered descriptor, an `O_DIRECT`
-//! one beside it where the file system has them, and the version its header
+//! A segment file open for reads: its buffered descriptor, an `O_DIRECT` one
+//! beside it where the file system has them, and the version its header
 //! names. Where the caller asks for direct reads, a record's read picks the
 //! way per payload: one the page cache holds is copied from there (buffered,
 //! as fast as memory); one it does not is read with `O_DIRECT`, straight into
 //! the destination when that is aligned as the device requires, else through
-//! a bounded per-thread bounce buffer. Direct reads keep the device busy with the whole request (no
-//! readahead guessing, no page-cache copy to fill and later evict); the
-//! kernel writes back dirty cached pages of the range before a direct read,
-//! so it sees what was just written. A get's reader threads may instead
-//! queue a record's whole direct read ahead of time (`direct_request`,
-//! read by `readq`), several in flight.
+//! a bounded per-thread bounce buffer. Direct reads keep the device busy with
+//! the whole request (no readahead guessing, no page-cache copy to fill and
+//! later evict); the kernel writes back dirty cached pages of the range
+//! before a direct read, so it sees what was just written. A get's reader
+//! threads may instead queue a record's whole direct read ahead of time
+//! (`direct_request`, read by `readq`), several in flight.
 
 use crate::format;
 use crate::fs;

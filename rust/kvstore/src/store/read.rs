@@ -649,11 +649,12 @@ impl Inner {
                     None => return Ok(Fetched::Miss),
                 },
             };
-            let again = match &mut cold {
+            // `cold` reborrowed for this attempt (a second one follows a move).
+            let how = match &mut cold {
                 Cold::Buffered => Cold::Buffered,
                 Cold::Direct(queue) => Cold::Direct(queue.as_deref_mut()),
             };
-            let read = self.read_record(&loc, id, Some(block_tokens), chunks, scratch, again);
+            let read = self.read_record(&loc, id, Some(block_tokens), chunks, scratch, how);
             match read {
                 Ok(()) => {
                     self.counters

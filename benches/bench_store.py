@@ -728,9 +728,9 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
     dev["odirect_huge"] = []
     # The same store through a handle whose reads use O_DIRECT where the page
     # cache misses (the default only with a hot tier, which `st` has not; each
-    # reader thread keeps 2 reads in flight
-    # through io_uring), and one that makes them one at a time
-    # (KVSTORE_READ_DEPTH=0), alternated with the product's in each round.
+    # reader thread keeps 2 reads in flight through io_uring), and one that
+    # makes them one at a time (KVSTORE_READ_DEPTH=0), alternated with the
+    # product's in each round.
     os.environ["KVSTORE_DIRECT_READS"] = "1"
     try:
         st_direct = open_store(st.path, BIG, durability="sync")
@@ -881,9 +881,8 @@ def _cold_get_rows(b: _Bench, st: kvstore.Store, segs: list[Path], idx: list[Pat
             lim_cold,
             "best O_DIRECT read of the segment files (1 or 4 in flight)",
             note=f"info: O_DIRECT where the page cache misses (the default with a hot tier), "
-            f"2 reads in "
-            f"flight per reader thread (io_uring; up to 4 threads), same store, alternated "
-            f"with the row above; process CPU time / wall time "
+            f"2 reads in flight per reader thread (io_uring; up to 4 threads), same store, "
+            f"alternated with the row above; process CPU time / wall time "
             f"{100 * max(cpu['get_cold_direct'], default=0):.0f}% of one core"
             f"{device_note('get_cold_direct')}",
             samples=rd["get_cold_direct"],

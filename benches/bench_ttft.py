@@ -32,9 +32,9 @@ Then the restore sweep (`--sweep`; `--sweep-only` skips the TTFT part): restore
 time against prefix length, 256 to 32K tokens, for the hot tier, warm and cold
 segments, cold segments into an empty hot tier (a restart after a reboot: such a
 handle reads them with O_DIRECT and promotes them) and torch.load warm and cold,
-with KV of the model's layout (random
-values: restore time does not depend on them) put once as one 32K-token
-sequence and torch.save'd per length as the DynamicCache a model would return.
+with KV of the model's layout (random values: restore time does not depend on
+them) put once as one 32K-token sequence and torch.save'd per length as the
+DynamicCache a model would return.
 Every restored cache is checked bitwise against the KV put. The plot (PNG,
 `--plot`) is drawn when matplotlib is installed (`pip install kvstore[bench]`);
 without it the table is printed and the bench says so.
@@ -483,8 +483,10 @@ def ttft(args: argparse.Namespace, model: Any, console: Any, data: dict[str, Any
             "kvstore-hot-reused": SWEEP_METHODS["kvstore-hot"] + ", reused buf",
             "kvstore-warm": SWEEP_METHODS["kvstore-warm"],
             "kvstore-warm-reused": SWEEP_METHODS["kvstore-warm"] + ", reused buf",
-            **{k: SWEEP_METHODS[k] for k in ("kvstore-cold", "kvstore-cold-hot")},
-            **{k: SWEEP_METHODS[k] for k in ("torch-warm", "torch-cold")},
+            **{
+                k: SWEEP_METHODS[k]
+                for k in ("kvstore-cold", "kvstore-cold-hot", "torch-warm", "torch-cold")
+            },
         }
         timings = {key: Timing(name) for key, name in names.items()}
         results: dict[str, tuple[int, torch.Tensor]] = {}

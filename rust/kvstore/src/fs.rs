@@ -122,11 +122,10 @@ pub fn direct_alignment(file: &File) -> Option<(usize, u64)> {
 }
 
 /// Whether the page cache holds every page of `file`'s bytes
-/// `offset..offset + len` (`cachestat`, Linux 6.5). Where the kernel cannot
-/// tell, yes: the buffered read, as before direct reads.
+/// `offset..offset + len` (`os::all_cached`). Where the kernel cannot tell,
+/// yes: the buffered read, as before direct reads.
 pub fn cached(file: &File, offset: u64, len: u64) -> bool {
-    let pages = len.div_ceil(rustix::param::page_size() as u64);
-    crate::os::cached_pages(file, offset, len).is_none_or(|n| n >= pages)
+    crate::os::all_cached(file, offset, len).unwrap_or(true)
 }
 
 /// Reads a small file whole (a MANIFEST), refusing a symlink or anything

@@ -327,12 +327,7 @@ fn cachestat_pages(file: &std::fs::File, offset: u64, len: u64) -> std::io::Resu
 /// as it was before direct reads. Pages past the end of the file are not
 /// resident. With `stop`, counting ends at the first page missing (asked
 /// 64 pages at a time). `None` where the range cannot be mapped.
-fn resident_pages(
-    file: &std::fs::File,
-    offset: u64,
-    len: u64,
-    stop: bool,
-) -> Option<u64> {
+fn resident_pages(file: &std::fs::File, offset: u64, len: u64, stop: bool) -> Option<u64> {
     const STEP: usize = 64;
     let page = rustix::param::page_size();
     let start = offset / page as u64 * page as u64;

@@ -33,10 +33,12 @@ mod paged;
 mod pin;
 mod put;
 mod read;
+mod readers;
 mod recover;
 mod remote;
 mod session;
 mod stats;
+mod touch;
 mod verify;
 mod writer;
 
@@ -58,7 +60,6 @@ use crate::known::Known;
 use crate::layout::Layout;
 use crate::paged::PagedLayout;
 use crate::progress::Progress;
-use read::Touched;
 use stats::Counters;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -66,6 +67,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
+use touch::Touched;
 use writer::Writer;
 
 /// The state of an open handle, shared by its threads and its flusher.

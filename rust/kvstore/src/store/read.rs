@@ -1,10 +1,10 @@
 //! The read path: where a block is (location cache, index snapshot, this
-//! handle's pending writes), a get's blocks split among reader threads,
-//! reading and checking each record, quarantining damage, and the last-use
-//! times reads leave behind for eviction.
+//! handle's pending writes), a get's blocks read on reader threads
+//! (`readers`), reading and checking each record, and quarantining damage.
 
+use super::readers::{in_ranges, range_bounds, reader_threads};
 use super::{Durability, Inner};
-use crate::clock::{now_ms, now_us};
+use crate::clock::now_ms;
 use crate::error::{Error, Result};
 use crate::format;
 use crate::id::BlockId;
@@ -12,43 +12,8 @@ use crate::index::Location;
 use crate::readq::ReadQueue;
 use crate::record::{self, Mismatch};
 use crate::segfile::{Plan, SegmentFile};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
-
-/// Buffered last-use times: written to the index at flush, close, eviction,
-/// or when there are many or they are old (a read must not write each time).
-pub(super) struct Touched {
-    times: HashMap<BlockId, u64>,
-    since: Instant,
-}
-
-impl Default for Touched {
-    fn default() -> Self {
-        Touched {
-            times: HashMap::new(),
-            since: Instant::now(),
-        }
-    }
-}
-
-const TOUCHED_MAX: usize = 16384;
-const TOUCHED_MAX_AGE: Duration = Duration::from_secs(5);
-
-/// Reader threads a get uses at most (the calling one included): reads in
-/// flight stay few, and a get leaves cores to the others.
-const MAX_READERS: usize = 4;
-
-/// Bytes a reader thread must have to read for a get to start it: below this
-/// a thread's start (tens of µs, more on a busy machine, where it waits for
-/// a core) costs more than it saves. Copies from memory (the hot tier, the
-/// page cache) need 4 MiB each: a 4 MiB restore (256 tokens of 16 KiB) on
-/// one thread measured as fast or faster than on two, cold reads included
-/// (the kernel's readahead keeps one stream busy). Direct reads, whose
-/// threads wait on the device, need 1 MiB: more of them keep it busy.
-const BYTES_PER_READER: usize = 4 << 20;
-const BYTES_PER_DIRECT_READER: usize = 1 << 20;
+use std::sync::Arc;
 
 /// A buffered get of at most this many bytes that reads from the disk
 /// stays on one reader thread (`one_cold_stream`): a cold 8 MiB restore
@@ -59,92 +24,6 @@ const BYTES_PER_DIRECT_READER: usize = 1 << 20;
 /// ms at 16 MiB): two threads are two streams, and the device moves
 /// between them (benches/README.md, the cold restores of 2026-11-24).
 const COLD_ONE_READER_BYTES: usize = 32 << 20;
-
-/// Runs `work` over consecutive ranges of a read's blocks, each given as
-/// (its length, its work): the first on the calling thread with `snap`, the
-/// others on scoped threads named `name`, each taking its own snapshot.
-/// Returns the blocks served as the one-thread walk would count them: in
-/// range order, up to and including the first range that served fewer than
-/// its length (an error past that is never reached).
-pub(super) fn in_ranges<'s, W, F>(
-    snap: &mut Option<Snap<'s>>,
-    name: &str,
-    mut ranges: impl Iterator<Item = (usize, W)>,
-    work: &F,
-) -> Result<usize>
-where
-    W: Send,
-    F: Fn(&mut Option<Snap<'s>>, W) -> Result<usize> + Sync,
-{
-    let Some((len0, first)) = ranges.next() else {
-        return Ok(0);
-    };
-    let results: Vec<(usize, Result<usize>)> = std::thread::scope(|scope| {
-        let spawned: Vec<_> = ranges
-            .map(|(len, w)| {
-                let handle = std::thread::Builder::new()
-                    .name(name.into())
-                    .spawn_scoped(scope, move || work(&mut None, w));
-                (len, handle)
-            })
-            .collect();
-        let mut results = vec![(len0, work(snap, first))];
-        for (len, handle) in spawned {
-            let res = match handle {
-                Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-                // No thread to be had: the range is not read, so the prefix
-                // ends where it starts (a miss is always safe).
-                Err(_) => Ok(0),
-            };
-            results.push((len, res));
-        }
-        results
-    });
-    let mut served = 0;
-    for (len, res) in results {
-        let got = res?;
-        served += got;
-        if got < len {
-            break;
-        }
-    }
-    Ok(served)
-}
-
-/// Reader threads for a get of `blocks` blocks of `block_bytes` each: one
-/// per core (or, with `direct` reads, whose threads mostly wait on the
-/// device, as many as keep it busy whatever the cores), at most
-/// [`MAX_READERS`], each with [`BYTES_PER_READER`] ([`BYTES_PER_DIRECT_READER`])
-/// or more; `forced` (the
-/// `get_readers` option) overrides all but the block count.
-pub(super) fn reader_threads(
-    blocks: usize,
-    block_bytes: usize,
-    forced: Option<usize>,
-    direct: bool,
-) -> usize {
-    static CORES: OnceLock<usize> = OnceLock::new();
-    if let Some(n) = forced {
-        return n.min(blocks).max(1);
-    }
-    let cores = *CORES
-        .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
-    let (threads, per_reader) = if direct {
-        (MAX_READERS, BYTES_PER_DIRECT_READER)
-    } else {
-        (cores, BYTES_PER_READER)
-    };
-    let by_size = blocks.saturating_mul(block_bytes) / per_reader;
-    threads.min(MAX_READERS).min(by_size).min(blocks).max(1)
-}
-
-/// `0..n` cut into `threads` consecutive ranges: their bounds.
-pub(super) fn range_bounds(n: usize, threads: usize) -> Vec<usize> {
-    (0..n)
-        .step_by(n.div_ceil(threads).max(1))
-        .chain([n])
-        .collect()
-}
 
 /// Segment files a handle keeps open for reads.
 const MAX_OPEN_SEGMENTS: usize = 256;
@@ -870,68 +749,5 @@ impl Inner {
         let mut txn = self.index.write()?;
         self.index.quarantine_if_at(&mut txn, id, loc, reason)?;
         self.index.commit(txn, self.durable())
-    }
-
-    /// Records that the blocks of one request were used now (block i stamped
-    /// i µs earlier: see `Location::used_us`).
-    pub(super) fn touch(&self, ids: &[BlockId]) {
-        let now = now_us();
-        let due = {
-            let mut t = self.touched.lock().expect("touched lock");
-            if t.times.is_empty() {
-                t.since = Instant::now();
-            }
-            for (i, id) in ids.iter().enumerate() {
-                t.times.insert(*id, now.saturating_sub(i as u64));
-            }
-            t.times.len() >= TOUCHED_MAX || t.since.elapsed() >= TOUCHED_MAX_AGE
-        };
-        if due {
-            self.save_advisory();
-        }
-    }
-
-    /// Writes buffered last-use times to the index (not synced: losing them
-    /// in a crash only makes eviction a little less informed).
-    pub(super) fn save_touches(&self) -> Result<()> {
-        let times = std::mem::take(&mut self.touched.lock().expect("touched lock").times);
-        if times.is_empty() {
-            return Ok(());
-        }
-        let mut txn = self.index.write()?;
-        for (id, t) in &times {
-            self.index.touch(&mut txn, id, *t)?;
-        }
-        self.index.commit(txn, false)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::reader_threads;
-
-    const BLOCK: usize = 256 << 10;
-
-    #[test]
-    fn small_buffered_gets_stay_on_the_calling_thread() {
-        // 256 tokens of bench_ttft's layout: 16 blocks of 256 KiB, 4 MiB.
-        assert_eq!(reader_threads(16, BLOCK, None, false), 1);
-        assert_eq!(reader_threads(31, BLOCK, None, false), 1);
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-        assert_eq!(reader_threads(32, BLOCK, None, false), cores.min(2));
-        assert_eq!(reader_threads(1 << 20, BLOCK, None, false), cores.min(4));
-    }
-
-    #[test]
-    fn direct_reads_start_a_thread_per_mib() {
-        assert_eq!(reader_threads(3, BLOCK, None, true), 1);
-        assert_eq!(reader_threads(8, BLOCK, None, true), 2);
-        assert_eq!(reader_threads(16, BLOCK, None, true), 4);
-    }
-
-    #[test]
-    fn forced_readers_override_the_size_rule() {
-        assert_eq!(reader_threads(16, BLOCK, Some(3), false), 3);
-        assert_eq!(reader_threads(2, BLOCK, Some(3), false), 2);
     }
 }

@@ -15,8 +15,7 @@
 //! second core it saved ~40%, but on a busy machine waiting for the helper
 //! to be scheduled cost milliseconds, more than it saved.
 
-use super::read::Snap;
-use super::Inner;
+use super::{Inner, Snap};
 use crate::error::Result;
 use crate::id::{BlockId, ROOT};
 use crate::index::Location;

@@ -70,6 +70,12 @@ use std::time::Duration;
 use touch::Touched;
 use writer::Writer;
 
+/// A read snapshot of the index and the generation it saw (`Inner::snapshot`).
+struct Snap<'s> {
+    txn: heed::RoTxn<'s, heed::WithoutTls>,
+    generation: u64,
+}
+
 /// The state of an open handle, shared by its threads and its flusher.
 struct Inner {
     dir: StoreDir,

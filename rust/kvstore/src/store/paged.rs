@@ -11,9 +11,8 @@
 //! large enough, each writing only its own cache blocks.
 
 use super::put::check_start;
-use super::read::Snap;
 use super::readers::{in_ranges, range_bounds, reader_threads};
-use super::Inner;
+use super::{Inner, Snap};
 use crate::arena::LANES;
 use crate::error::{Error, Result};
 use crate::id::BlockId;

@@ -3,7 +3,7 @@
 //! (`readers`), reading and checking each record, and quarantining damage.
 
 use super::readers::{in_ranges, range_bounds, reader_threads};
-use super::{Durability, Inner};
+use super::{Durability, Inner, Snap};
 use crate::clock::now_ms;
 use crate::error::{Error, Result};
 use crate::format;
@@ -27,12 +27,6 @@ const COLD_ONE_READER_BYTES: usize = 32 << 20;
 
 /// Segment files a handle keeps open for reads.
 const MAX_OPEN_SEGMENTS: usize = 256;
-
-/// A read snapshot of the index and the generation it saw.
-pub(super) struct Snap<'s> {
-    pub(super) txn: heed::RoTxn<'s, heed::WithoutTls>,
-    pub(super) generation: u64,
-}
 
 /// One reader's share of a get: blocks `at..` of it.
 struct Range<'a> {

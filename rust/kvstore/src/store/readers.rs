@@ -4,7 +4,7 @@
 //! one-thread walk would have had. Gets (`read`) and paged loads (`paged`)
 //! both use it.
 
-use super::read::Snap;
+use super::Snap;
 use crate::error::Result;
 use std::sync::OnceLock;
 

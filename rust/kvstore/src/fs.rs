@@ -8,6 +8,7 @@ use std::fs::{DirBuilder, File, OpenOptions};
 use std::io::{self, IoSlice, IoSliceMut, Read};
 
 use crate::fault;
+use crate::os::Residency;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 
@@ -122,10 +123,23 @@ pub fn direct_alignment(file: &File) -> Option<(usize, u64)> {
 }
 
 /// Whether the page cache holds every page of `file`'s bytes
-/// `offset..offset + len` (`os::all_cached`). Where the kernel cannot tell,
-/// yes: the buffered read, as before direct reads.
-pub fn cached(file: &File, offset: u64, len: u64) -> bool {
-    crate::os::all_cached(file, offset, len).unwrap_or(true)
+/// `offset..offset + len`, asked `how` (`os::all_cached`; from
+/// [`residency`]). Where it cannot be told, yes: the buffered read, as
+/// before direct reads.
+pub fn cached(file: &File, offset: u64, len: u64, how: Residency) -> bool {
+    crate::os::all_cached(file, offset, len, how)
+}
+
+/// How to ask which of `file`'s pages the page cache holds: by `mincore`
+/// on overlayfs, whose `cachestat` counts the overlay's own page cache (0
+/// pages for a file read through it), else `cachestat` first.
+pub fn residency(file: &File) -> Residency {
+    /// `OVERLAYFS_SUPER_MAGIC` of the kernel's `magic.h`.
+    const OVERLAYFS: u64 = 0x794c_7630;
+    match rustix::fs::fstatfs(file) {
+        Ok(st) if st.f_type as u64 == OVERLAYFS => Residency::Mincore,
+        _ => Residency::Cachestat,
+    }
 }
 
 /// Reads a small file whole (a MANIFEST), refusing a symlink or anything

@@ -238,15 +238,29 @@ impl SharedMap {
     }
 }
 
+/// How to ask which of a file's pages the page cache holds (`all_cached`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Residency {
+    /// `cachestat(2)` (Linux 6.5), falling back to `mincore` where it is
+    /// missing or refused.
+    Cachestat,
+    /// `mincore(2)` only: on overlayfs, whose `cachestat` counts the
+    /// overlay's own page cache, always empty, not the real file's.
+    Mincore,
+}
+
 /// Whether the page cache holds every page of `file`'s bytes
-/// `offset..offset + len` (a partial page at either end included), as
-/// `cachestat(2)` (Linux 6.5) counts them. Where the kernel lacks it,
-/// `mincore(2)` over a mapping (`resident_pages`) looks at the range's
-/// first and last [`MINCORE_SAMPLE`] pages only, for a bounded cost: a
-/// range cached at both ends and not between counts as cached. Neither
-/// touches the cache, unlike a read with `RWF_NOWAIT`, which starts
-/// readahead. `None` where neither can tell. Only a hint: either answer
-/// reads the same bytes.
+/// `offset..offset + len` (a partial page at either end included): yes
+/// where it cannot be told. Only a hint, deciding between a direct and a
+/// buffered read, which read the same bytes.
+///
+/// `cachestat(2)` counts the pages exactly. Where the kernel lacks it
+/// (before 6.5), refuses it (since 6.14, for a file this process neither
+/// owns nor may write; or a seccomp filter), or `how` says so, `mincore(2)`
+/// over a mapping of the range is asked about its first and last
+/// [`MINCORE_SAMPLE`] pages only, for a bounded cost: a range cached at both
+/// ends and not between counts as cached. Neither touches the cache, unlike
+/// a read with `RWF_NOWAIT`, which starts readahead.
 ///
 /// `mincore` costs more per page: 6 µs over 16 KiB, 47 µs over all of
 /// 2 MiB cached (a fifth of its copy from the page cache; the mapping made
@@ -254,46 +268,43 @@ impl SharedMap {
 /// 20 µs at most, 8 µs where the first pages are missing; `cachestat` took
 /// 0.4 µs over 16 KiB, 3-17 µs over 2 MiB and 54 µs over 32 MiB (the AMD
 /// EPYC guest of 2026-11-29).
-pub(crate) fn all_cached(file: &std::fs::File, offset: u64, len: u64) -> Option<bool> {
+pub(crate) fn all_cached(file: &std::fs::File, offset: u64, len: u64, how: Residency) -> bool {
     use std::sync::atomic::{AtomicBool, Ordering};
-    /// Set once `cachestat` is found missing (older kernels, or a seccomp
-    /// filter that refuses it): each later call goes straight to `mincore`.
+    /// Set once `cachestat` is found missing (`ENOSYS`): each later call
+    /// goes straight to `mincore`. A refusal (`EPERM`) is per file.
     static NO_CACHESTAT: AtomicBool = AtomicBool::new(false);
-    if len == 0 {
-        return Some(true);
-    }
+    let Some(end) = offset.checked_add(len).filter(|_| len > 0) else {
+        return true;
+    };
     let page = rustix::param::page_size() as u64;
-    let pages = (offset + len).div_ceil(page) - offset / page;
-    if !NO_CACHESTAT.load(Ordering::Relaxed) {
+    let pages = end.div_ceil(page) - offset / page;
+    if how == Residency::Cachestat && !NO_CACHESTAT.load(Ordering::Relaxed) {
         match cachestat_pages(file, offset, len) {
-            Ok(n) => return Some(n >= pages),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
+            Ok(n) => return n >= pages,
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
                 NO_CACHESTAT.store(true, Ordering::Relaxed);
             }
-            Err(_) => return None,
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {}
+            Err(_) => return true,
         }
     }
-    sampled_cached(file, offset, len)
+    sampled_cached(file, offset, len).unwrap_or(true)
 }
 
 /// `all_cached` by `mincore`: the first and last [`MINCORE_SAMPLE`] pages of
-/// the range (all of it if that is as many).
+/// the range (not empty; all of it if that is as many), over one mapping.
 fn sampled_cached(file: &std::fs::File, offset: u64, len: u64) -> Option<bool> {
-    let page = rustix::param::page_size() as u64;
-    let all = |offset: u64, len: u64| {
-        let pages = (offset + len).div_ceil(page) - offset / page;
-        resident_pages(file, offset, len, true).map(|n| n >= pages)
-    };
-    let (first, end) = (offset / page * page, (offset + len).div_ceil(page) * page);
-    let sample = MINCORE_SAMPLE * page;
-    if end - first <= 2 * sample {
-        return all(offset, len);
+    let (map, pages) = map_pages(file, offset, len)?;
+    let all = |from: usize, to: usize| Some(resident_in(&map, from, to, true)? == to - from);
+    let sample = MINCORE_SAMPLE;
+    if pages <= 2 * sample {
+        return all(0, pages);
     }
-    Some(all(first, sample)? && all(end - sample, sample)?)
+    Some(all(0, sample)? && all(pages - sample, pages)?)
 }
 
 /// Pages at each end of a range that `all_cached` asks `mincore` about.
-const MINCORE_SAMPLE: u64 = 64;
+const MINCORE_SAMPLE: usize = 64;
 
 /// `cachestat(2)` over bytes `offset..offset + len` (not empty): the pages
 /// the page cache holds.
@@ -340,22 +351,15 @@ fn cachestat_pages(file: &std::fs::File, offset: u64, len: u64) -> std::io::Resu
     }
 }
 
-/// Pages of `file`'s bytes `offset..offset + len` (not empty) that the page
-/// cache holds, as `mincore(2)` reports them over a read-only shared
-/// mapping of the range, made for the call and never touched: for a file
-/// mapping the kernel answers from the page cache, mapped in this process
-/// or not. Where it will not tell (a file this process neither owns nor
-/// may write), it reports every page resident: then the read is buffered,
-/// as it was before direct reads. Pages past the end of the file are not
-/// resident. With `stop`, counting ends at the first page missing (asked
-/// 64 pages at a time). `None` where the range cannot be mapped.
-fn resident_pages(file: &std::fs::File, offset: u64, len: u64, stop: bool) -> Option<u64> {
-    const STEP: usize = 64;
-    let page = rustix::param::page_size();
-    let start = offset / page as u64 * page as u64;
-    let map_len = usize::try_from(offset + len - start).ok()?;
-    // SAFETY: a read-only mapping that is never read: its pages are only
-    // asked about, so a file changed or truncated under it is no hazard.
+/// A read-only shared mapping of the pages of `file` that hold bytes
+/// `offset..offset + len` (not empty), made to ask `mincore` about and
+/// never read, so a file changed or truncated under it is no hazard; and
+/// how many pages it spans. `None` where the range cannot be mapped.
+fn map_pages(file: &std::fs::File, offset: u64, len: u64) -> Option<(memmap2::Mmap, usize)> {
+    let page = rustix::param::page_size() as u64;
+    let start = offset / page * page;
+    let map_len = usize::try_from(offset.checked_add(len)?.div_ceil(page) * page - start).ok()?;
+    // SAFETY: never read (above): only its pages' residency is asked.
     let map = unsafe {
         memmap2::MmapOptions::new()
             .offset(start)
@@ -363,29 +367,45 @@ fn resident_pages(file: &std::fs::File, offset: u64, len: u64, stop: bool) -> Op
             .map(file)
             .ok()?
     };
+    Some((map, map_len / page as usize))
+}
+
+/// Of pages `from..to` of `map` (from `map_pages`), how many the page cache
+/// holds, as `mincore(2)` reports them, 64 at a time; with `stop`, counting
+/// ends at the first page missing. For a shared file mapping the kernel
+/// answers from the page cache whether or not this process mapped the page
+/// in (since Linux 5.2; 5.0 and 5.1 counted only pages mapped in, so every
+/// read there would be direct). Where it will not tell (a file this process
+/// neither owns nor may write) it reports every page resident: then reads
+/// are buffered, as before direct reads. Pages past the end of the file are
+/// not resident, except within a huge page of a tmpfs mounted `huge=`.
+fn resident_in(map: &memmap2::Mmap, from: usize, to: usize, stop: bool) -> Option<usize> {
+    const STEP: usize = 64;
+    let page = rustix::param::page_size();
     let mut vec = [0u8; STEP];
     let mut resident = 0;
-    for at in (0..map_len).step_by(STEP * page) {
-        let bytes = (map_len - at).min(STEP * page);
-        // SAFETY: `map` starts at a page boundary (`start` is page-aligned,
-        // so memmap2 adds no offset) and spans `map_len` bytes for the
-        // duration of the call, of which `at..at + bytes` is a part that
-        // starts at a page boundary; `vec` has a byte for each of its
-        // pages (at most `STEP`).
+    for at in (from..to).step_by(STEP) {
+        let n = (to - at).min(STEP);
+        if (at + n) * page > map.len() {
+            return None;
+        }
+        // SAFETY: `map` starts at a page boundary (`map_pages` maps from
+        // one, so memmap2 adds no offset) and lives for the call; pages
+        // `at..at + n` lie within it (checked above); `vec` has a byte for
+        // each of them (`n` is at most `STEP`).
         let rc = unsafe {
             libc::mincore(
-                map.as_ptr().add(at) as *mut libc::c_void,
-                bytes,
+                map.as_ptr().add(at * page) as *mut libc::c_void,
+                n * page,
                 vec.as_mut_ptr(),
             )
         };
         if rc != 0 {
             return None;
         }
-        let asked = &vec[..bytes.div_ceil(page)];
-        let here = asked.iter().filter(|&&b| b & 1 != 0).count();
-        resident += here as u64;
-        if stop && here < asked.len() {
+        let here = vec[..n].iter().filter(|&&b| b & 1 != 0).count();
+        resident += here;
+        if stop && here < n {
             break;
         }
     }
@@ -1016,27 +1036,54 @@ impl Drop for ReadRing {
 
 #[cfg(test)]
 mod tests {
-    use super::{all_cached, cachestat_pages, resident_pages, sampled_cached, MINCORE_SAMPLE};
+    use super::{
+        all_cached, cachestat_pages, map_pages, resident_in, sampled_cached, Residency,
+        MINCORE_SAMPLE,
+    };
     use std::io::Write;
     use std::os::unix::fs::FileExt;
 
-    /// `mincore` (the fallback) and `cachestat` agree with a model of which
-    /// pages were read back after the file was dropped from the page cache,
-    /// over aligned, unaligned, long and past-the-end ranges; the fallback's
-    /// answer looks at a long range's ends only.
+    /// Pages of the range the page cache holds, every one asked.
+    fn resident(f: &std::fs::File, off: u64, len: u64) -> usize {
+        let (map, pages) = map_pages(f, off, len).unwrap();
+        resident_in(&map, 0, pages, false).unwrap()
+    }
+
+    /// `mincore` and `cachestat` agree with a model of which pages were
+    /// read back after the file was dropped from the page cache, over
+    /// aligned, unaligned, long and past-the-end ranges; `all_cached` is
+    /// exact by `cachestat` and looks at a long range's ends by `mincore`.
     #[test]
     fn mincore_counts_what_cachestat_counts() {
         let page = rustix::param::page_size() as u64;
-        let dir = tempfile::tempdir().unwrap();
+        // Beside the test binary, under Cargo's target directory, not in
+        // TMPDIR (often a tmpfs, whose pages cannot be dropped).
+        let exe = std::env::current_exe().unwrap();
+        let dir = tempfile::tempdir_in(exe.parent().unwrap()).unwrap();
         let path = dir.path().join("f");
         let mut f = std::fs::File::create(&path).unwrap();
-        f.write_all(&vec![7u8; (256 * page) as usize]).unwrap();
+        // Bytes that do not compress: a compressing file system reads
+        // neighbours of a compressed page along with it.
+        let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+        let bytes: Vec<u8> = (0..256 * page)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        f.write_all(&bytes).unwrap();
         f.sync_all().unwrap();
         let f = std::fs::File::open(&path).unwrap();
+        let how = crate::fs::residency(&f);
         rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
         // A file system that keeps every page (tmpfs) drops none: then the
         // model is "all resident".
-        let evicts = resident_pages(&f, 0, 256 * page, false) == Some(0);
+        let evicts = resident(&f, 0, 256 * page) == 0;
+        if !evicts {
+            eprintln!("{}: pages not dropped, all resident", dir.path().display());
+        }
         // No readahead: only the pages read come back.
         rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::Random).unwrap();
         let read: Vec<u64> = (8..24).chain([40]).chain(48..120).chain(176..240).collect();
@@ -1075,17 +1122,11 @@ mod tests {
             let want = model(first, end);
             let pages = end - first;
             assert_eq!(
-                resident_pages(&f, off, len, false),
-                Some(want),
+                resident(&f, off, len) as u64,
+                want,
                 "mincore at {off}+{len}"
             );
-            let stopped = resident_pages(&f, off, len, true).unwrap();
-            assert_eq!(
-                stopped == pages,
-                want == pages,
-                "mincore stopping at {off}+{len}"
-            );
-            let s = MINCORE_SAMPLE;
+            let s = MINCORE_SAMPLE as u64;
             let ends = if pages <= 2 * s {
                 want == pages
             } else {
@@ -1096,18 +1137,25 @@ mod tests {
                 Some(ends),
                 "sampled {off}+{len}"
             );
+            assert_eq!(
+                all_cached(&f, off, len, Residency::Mincore),
+                ends,
+                "{off}+{len}"
+            );
             // Exact where the kernel counts, by the ends where it does not.
             let exact = match cachestat_pages(&f, off, len) {
-                Ok(n) => {
+                Ok(n) if how == Residency::Cachestat => {
                     assert_eq!(n, want, "cachestat at {off}+{len}");
                     want == pages
                 }
+                Ok(_) => ends,
                 Err(e) => {
-                    assert_eq!(e.raw_os_error(), Some(libc::ENOSYS), "{e}");
+                    let code = e.raw_os_error();
+                    assert!(matches!(code, Some(libc::ENOSYS | libc::EPERM)), "{e}");
                     ends
                 }
             };
-            assert_eq!(all_cached(&f, off, len), Some(exact), "{off}+{len}");
+            assert_eq!(all_cached(&f, off, len, how), exact, "{off}+{len}");
         }
         // The model has a range whose ends alone are cached.
         assert!(!evicts || (!full(48, 240) && full(48, 112) && full(176, 240)));

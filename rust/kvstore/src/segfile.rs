@@ -13,6 +13,7 @@
 
 use crate::format;
 use crate::fs;
+use crate::os::Residency;
 use std::cell::RefCell;
 use std::fs::File;
 use std::io::{self, IoSliceMut};
@@ -55,6 +56,8 @@ thread_local! {
 /// An open segment file.
 pub(crate) struct SegmentFile {
     file: File,
+    /// How to ask the page cache about it (`fs::residency`).
+    residency: Residency,
     direct: Option<Direct>,
     /// The version its header names; `None` when the header does not decode
     /// (its records still read: each is checked on its own).
@@ -92,6 +95,7 @@ impl SegmentFile {
             None
         };
         Ok(SegmentFile {
+            residency: fs::residency(&file),
             file,
             direct,
             version,
@@ -164,7 +168,7 @@ impl SegmentFile {
 
     /// Whether the page cache holds all of bytes `offset..offset + len`.
     pub(crate) fn cached(&self, offset: u64, len: u64) -> bool {
-        fs::cached(&self.file, offset, len)
+        fs::cached(&self.file, offset, len, self.residency)
     }
 
     /// [`SegmentFile::read`] through the page cache, whatever it holds.

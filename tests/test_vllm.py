@@ -726,10 +726,11 @@ def sections(text: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def connector_scripts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """STORE_ERRORS and RESUMED (in its own directory), run by RUN_SCRIPTS."""
+    """STORE_ERRORS, RESUMED (in its own directory) and EXTRA_GONE, run by RUN_SCRIPTS."""
     scripts = [
         ("store_errors", STORE_ERRORS, []),
         ("resumed", RESUMED, [str(tmp_path_factory.mktemp("resumed"))]),
+        ("extra_gone", EXTRA_GONE, []),
     ]
     p = subprocess.run(
         [PY, "-c", RUN_SCRIPTS, json.dumps(scripts)],
@@ -808,8 +809,62 @@ def test_store_errors_never_reach_vllm(connector_scripts):
     assert r["stats"]["load_error_blocks"] == 3
     assert r["stats"]["save_errors"] == 1  # s failed; t, after a failed block, skipped
     assert r["stats"]["save_tokens"] == 0
-    assert r["finished"] == ["s"]  # its blocks are freed although the save failed
+    # Both are reported, so vLLM frees their blocks: s although its save failed, t
+    # although its save was skipped (reported only s, t's blocks were never freed).
+    assert r["finished"] == ["s", "t"]
     assert r["after_recompute"]["save_errors"] == 1  # t tried once the block was recomputed
+
+
+EXTRA_GONE = r"""
+import json
+from types import SimpleNamespace
+from kvstore.layout import Layout
+from kvstore.vllm import connector as c
+
+lay = Layout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", block_size=8)
+tokens = list(range(100, 140))
+req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, all_token_ids=tokens,
+                      cache_salt=None, lora_request=None, mm_features=[], prompt_embeds=None)
+
+class Seen:  # a store that finds 4 blocks under whatever extra it is asked with
+    layout = lay
+    def __init__(self):
+        self.extras = []
+    def lookup(self, tokens, extra=None, count=True):
+        self.extras.append(extra)
+        return 32
+
+calls = []
+def extra_once(request):  # the LoRA adapter's files replaced after the lookup
+    calls.append(1)
+    if len(calls) > 1:
+        raise OSError("adapter gone")
+    return b"adapter-a"
+
+c.request_extra = extra_once
+store = Seen()
+sched = c._SchedulerHalf(store, True, True, True)
+promised = sched.matched(req, 0)
+sched.allocated(req, [0, 1, 2, 3, 4], promised)
+load = sched._reqs["r"].load
+out = {"promised": promised, "looked_up_with": [e.decode() for e in store.extras],
+       "load": [load.start, len(load.tokens), load.block_ids, load.extra.decode()],
+       "extras_kept": len(sched._extras)}
+sched.finished("r")
+out["tracked_after"] = len(sched._reqs) + len(sched._extras) + len(sched._hits)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_promised_load_keeps_the_extra_of_its_lookup(connector_scripts):
+    """The tokens vLLM was promised are loaded under the extra they were looked up
+    with, even if the extra cannot be computed again by the time the blocks are
+    allocated (a LoRA adapter's files replaced in between): before, the load was
+    not planned and vLLM attended to blocks nobody wrote."""
+    r = script_result(connector_scripts, "extra_gone")
+    assert r["promised"] == 32 and r["looked_up_with"] == ["adapter-a"]
+    assert r["load"] == [0, 32, [0, 1, 2, 3], "adapter-a"]
+    assert r["extras_kept"] == 0 and r["tracked_after"] == 0
 
 
 RESUMED = r"""

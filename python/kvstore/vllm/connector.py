@@ -387,6 +387,10 @@ class _SchedulerHalf:
         self._reqs: dict[str, _Tracked] = {}
         # req_id -> (vLLM's local hit, the store's hit), from the last lookup
         self._hits: dict[str, tuple[int, int]] = {}
+        # req_id -> its extra, as the last lookup keyed it: a load promised there is
+        # keyed the same way, even if the extra cannot be computed again (a LoRA
+        # adapter's files replaced in between).
+        self._extras: dict[str, bytes | None] = {}
         self._recomputed: set[int] = set()  # see KVStoreConnectorMetadata.recomputed
         self._lookup_errors = 0
 
@@ -399,7 +403,7 @@ class _SchedulerHalf:
         upto = (len(tokens) - 1) // b * b
         try:
             # Looked up even when vLLM's own hit covers it: what is stored needs no save.
-            extra = request_extra(request)
+            extra = self._extras[request.request_id] = request_extra(request)
             stored = self._store.lookup(tokens[:upto], extra=extra, count=False)
         except Exception as e:  # a store that cannot answer is a miss; vLLM goes on
             self._lookup_errors += 1
@@ -426,11 +430,12 @@ class _SchedulerHalf:
         t = self._reqs.get(rid)
         if t is None:
             try:
-                extra = request_extra(request)
-            except Exception as e:
+                extra = self._extras[rid] if rid in self._extras else request_extra(request)
+            except Exception as e:  # its lookup failed too: no load was promised
                 log.warning("kvstore connector: %s not tracked: %s", rid, e)
                 return
             t = self._reqs[rid] = _Tracked(request, extra)
+        self._extras.pop(rid, None)
         t.block_ids = list(block_ids)
         # The blocks the store holds need no save; a load lands [local, local + external).
         t.saved_upto = max(t.saved_upto, stored)
@@ -512,6 +517,7 @@ class _SchedulerHalf:
     def finished(self, req_id: str) -> bool:
         """Whether the request's blocks stay allocated until the worker has saved them."""
         self._hits.pop(req_id, None)
+        self._extras.pop(req_id, None)
         t = self._reqs.pop(req_id, None)
         return t is not None and t.any_save
 
@@ -660,11 +666,14 @@ class _WorkerHalf:
 
     def save(self, saves: list[_Transfer]) -> None:
         for tr in saves:
+            # Reported by `finished` even when skipped below: the scheduler half keeps
+            # the blocks of every request it handed a save until then.
+            with self._lock:
+                self._saving.add(tr.req_id)
             if not self._failed.isdisjoint(tr.context) or not self._failed.isdisjoint(tr.block_ids):
                 continue  # saved once recomputed (the scheduler plans it again)
             with self._lock:
                 self._pending[tr.req_id] = self._pending.get(tr.req_id, 0) + 1
-                self._saving.add(tr.req_id)
             self._jobs.put(tr)  # waits when the queue is full
 
     def _save_loop(self) -> None:

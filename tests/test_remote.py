@@ -356,6 +356,35 @@ def test_frozen_node_costs_one_timeout(fresh_cluster, tmp_path):
         assert r["hits"] > 0, r
 
 
+def test_a_cluster_that_lost_a_master_costs_no_more_than_the_timeout(tmp_path_factory, tmp_path):
+    """With full coverage required (Redis's default) and no reads while down, a
+    cluster that lost a master refuses every command on its live nodes too
+    (CLUSTERDOWN). Each lookup stays within the timeout: the client's one retry
+    waits a fraction of it, where the redis crate's default wait, 1.28 s or more
+    whatever the timeout, made each lookup take 1.3 s."""
+    down = ["--cluster-require-full-coverage", "yes", "--cluster-allow-reads-when-down", "no"]
+    c = _start(tmp_path_factory, 3, True, down)
+    try:
+        timeout = 0.5
+        chains = upload_chains(c, tmp_path / "a", 50000, remote={"timeout": timeout})
+        with open_host(tmp_path / "b", c, remote={"timeout": timeout}) as b:
+            c.kill(c.ports[0])
+            # The others mark the cluster failed once the node timeout (2 s) passes.
+            deadline = time.monotonic() + 30
+            while b"cluster_state:fail" not in cmd(c.ports[1], "CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, "the cluster did not go down"
+                time.sleep(0.2)
+            t0 = time.monotonic()
+            for t in chains:
+                b.lookup(t)
+            total = time.monotonic() - t0
+            r = remote_stats(b)
+        assert r["errors_cluster_down"] > 0, r
+        assert total < 4 * timeout + 1, (total, r)
+    finally:
+        c.stop()
+
+
 def test_cluster_down_after_open_is_misses(fresh_cluster, tmp_path):
     c = fresh_cluster
     tokens = seq(3000, 8 * B)

@@ -68,7 +68,8 @@ def cmd(port: int, *args: Any, password: str | None = None, timeout: float = 5) 
 class Cluster:
     """Nodes on `ports` (plain TCP, which these helpers use); with `tls` (the server
     options of `support.redis_tls.Certs`) each also serves TLS on a port of
-    `tls_ports`, and a cluster's bus runs over TLS."""
+    `tls_ports`, and a cluster's bus runs over TLS. A cluster is created with
+    `replicas` replicas per master."""
 
     def __init__(
         self,
@@ -77,9 +78,10 @@ class Cluster:
         cluster: bool,
         extra: list[str],
         tls: list[str] | None = None,
+        replicas: int = 0,
     ):
         self.root, self.ports, self.cluster, self.extra = root, ports, cluster, extra
-        self.tls = tls
+        self.tls, self.replicas = tls, replicas
         self.tls_ports = free_ports(len(ports)) if tls else []
         self.procs: dict[int, subprocess.Popen] = {}
 
@@ -127,22 +129,39 @@ class Cluster:
             self.start_node(p)
         if self.cluster:
             subprocess.run(
-                [CLI, "--cluster", "create", *self.nodes, "--cluster-replicas", "0",
-                 "--cluster-yes"],
+                [CLI, "--cluster", "create", *self.nodes, "--cluster-replicas",
+                 str(self.replicas), "--cluster-yes"],
                 check=True, capture_output=True, timeout=60,
             )  # fmt: skip
             self.wait_ok()
 
     def wait_ok(self, timeout: float = 20) -> None:
+        self.wait_ok_on(self.ports, timeout)
+
+    def wait_ok_on(self, ports: list[int], timeout: float = 20) -> None:
+        """Waits until each node of `ports` sees the cluster ok."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if all(b"cluster_state:ok" in cmd(p, "CLUSTER", "INFO") for p in self.ports):
+                if all(b"cluster_state:ok" in cmd(p, "CLUSTER", "INFO") for p in ports):
                     return
             except (OSError, RespError):
                 pass
             time.sleep(0.1)
         raise RuntimeError("cluster not ok")
+
+    def wait_synced(self, timeout: float = 30) -> None:
+        """Waits until every replica has synced with its master (a replica that
+        never has refuses to take over when its master dies)."""
+        want = len(self.ports) * self.replicas // (self.replicas + 1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            infos = [cmd(p, "INFO", "replication") for p in self.ports]
+            linked = [b"master_link_status:up" in x for x in infos if b"role:slave" in x]
+            if len(linked) == want and all(linked):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("replicas not synced")
 
     def kill(self, port: int, sig: int = signal.SIGKILL) -> None:
         self.procs[port].send_signal(sig)

@@ -233,7 +233,11 @@ impl Client {
     /// lets through (a fresh connection each, within the timeout), so that
     /// slots moved away from a failed node are no longer blamed on it: the
     /// crate follows a redirect of a single command silently, without telling
-    /// this map. Keeps the old map if no node answers.
+    /// this map. Keeps the old map if no node answers. Where the map changed
+    /// (a replica promoted in the failed master's place), the cluster
+    /// connection is made again: the crate learns a new map only from a
+    /// redirect, and a dead master sends none, so it kept sending that
+    /// master's slots to its address for the life of the handle.
     pub(crate) fn refresh_slots(
         &mut self,
         opts: &RemoteOptions,
@@ -257,6 +261,11 @@ impl Client {
             }
             if let Ok(slots) = cluster_slots(&mut conn) {
                 if !slots.is_empty() {
+                    if slots != self.slots && matches!(self.conn, Conn::Cluster(_)) {
+                        if let Ok(c) = cluster_connection(opts, &self.tls) {
+                            self.conn = Conn::Cluster(Box::new(c));
+                        }
+                    }
                     self.slots = slots;
                     return;
                 }

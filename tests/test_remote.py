@@ -362,6 +362,31 @@ def test_frozen_node_costs_one_timeout(fresh_cluster, tmp_path):
         assert r["hits"] > 0, r
 
 
+def test_a_frozen_node_costs_a_write_through_put_one_timeout(fresh_cluster, tmp_path):
+    """Puts that upload as they go (write "through") with a node frozen: each group's
+    pipeline (EXISTS, then SET, 16 commands each) gives up at the first timeout, and
+    the breaker skips the node after that. The redis crate's cluster pipeline read a
+    reply for every command after a timeout: 16 timeouts for one group."""
+    c = fresh_cluster
+    timeout = 0.5
+    chains = [seq(90000 + 1000 * k, 16 * B) for k in range(12)]
+    remote = {"timeout": timeout, "write": "through"}
+    with open_host(tmp_path / "a", c, remote=remote) as a:
+        a.put(seq(80000, 4 * B), kv_for(LAYOUT, seq(80000, 4 * B)))  # connections made
+        c.kill(c.ports[2], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            for t in chains:
+                a.put(t, kv_for(LAYOUT, t))
+            total = time.monotonic() - t0
+            r = remote_stats(a)
+        finally:
+            c.kill(c.ports[2], signal.SIGCONT)
+    assert r["errors_timeout"] >= 1, r
+    assert r["blocks_uploaded"] > 4, r  # the other nodes took theirs
+    assert total < 4 * timeout + 1, (total, r)
+
+
 def test_a_failover_is_followed(tmp_path_factory, tmp_path):
     """A master is killed and its replica takes its slots: a handle opened before
     serves them again once the breaker lets a call through, from the new master.

@@ -12,6 +12,7 @@ use redis::cluster::{ClusterClientBuilder, ClusterConnection};
 use redis::{
     Cmd, ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisError, TlsCertificates, Value,
 };
+use std::collections::HashMap;
 use std::time::Instant;
 
 pub(crate) use super::fault::Fault;
@@ -36,6 +37,11 @@ pub(crate) struct Client {
     tls: Tls,
     /// The server's bulk limit (`proto-max-bulk-len`) in bytes.
     max_value: u64,
+    /// How to reach a node (user and password), for `direct`.
+    opts: RemoteOptions,
+    /// A cluster's pipelines go to the node of their slot over these, one per
+    /// node of `slots` (see `run`).
+    direct: HashMap<String, redis::Connection>,
 }
 
 /// Redis's default `proto-max-bulk-len`, assumed when `CONFIG GET` is refused.
@@ -178,6 +184,8 @@ impl Client {
                     timeout: opts.timeout,
                     tls: tls.clone(),
                     max_value,
+                    opts: opts.clone(),
+                    direct: HashMap::new(),
                 }
             } else {
                 Client {
@@ -190,6 +198,8 @@ impl Client {
                     timeout: opts.timeout,
                     tls: tls.clone(),
                     max_value,
+                    opts: opts.clone(),
+                    direct: HashMap::new(),
                 }
             };
             let probe: RedisResult<Vec<i64>> =
@@ -226,6 +236,8 @@ impl Client {
             timeout: self.timeout,
             tls: self.tls.clone(),
             max_value: self.max_value,
+            opts: self.opts.clone(),
+            direct: HashMap::new(),
         })
     }
 
@@ -266,6 +278,7 @@ impl Client {
                             self.conn = Conn::Cluster(Box::new(c));
                         }
                     }
+                    self.direct.retain(|n, _| slots.iter().any(|r| &r.2 == n));
                     self.slots = slots;
                     return;
                 }
@@ -295,6 +308,29 @@ impl Client {
     /// (The commands move into the pipeline: a `SET`'s value is not copied
     /// once more.)
     fn run<T: redis::FromRedisValue>(&mut self, cmds: Vec<Cmd>) -> RedisResult<Vec<T>> {
+        // A cluster's pipeline goes to the node of its slot (this map's) over
+        // a connection of this client's, dropped at a timeout: the crate's
+        // cluster pipeline reads a reply for every command after a timeout,
+        // so a frozen node cost a timeout per command (16 EXISTS, 8 s at a
+        // timeout of 0.5 s). A redirect (a reshard) goes through the
+        // crate's connection, which follows it.
+        let node = cmds
+            .first()
+            .and_then(first_key)
+            .map(|k| self.node_of(&k).to_string());
+        let cmds = match node {
+            Some(node) if matches!(self.conn, Conn::Cluster(_)) && !self.slots.is_empty() => {
+                let mut p = redis::pipe();
+                for cmd in cmds {
+                    p.add_command(cmd);
+                }
+                match self.run_on(&node, &p) {
+                    Err(e) if redirected(&e) => p.cmd_iter().cloned().collect(),
+                    r => return r,
+                }
+            }
+            _ => cmds,
+        };
         match &mut self.conn {
             Conn::Cluster(c) => {
                 let mut p = redis::cluster::cluster_pipe();
@@ -354,6 +390,63 @@ impl Client {
                 res
             }
         }
+    }
+
+    /// Runs pipeline `p` on `node` over this client's connection to it (made
+    /// on first use, within the timeout). A timeout or a broken connection
+    /// ends it and drops the connection: a late reply would answer the next
+    /// pipeline.
+    fn run_on<T: redis::FromRedisValue>(
+        &mut self,
+        node: &str,
+        p: &redis::Pipeline,
+    ) -> RedisResult<Vec<T>> {
+        if !self.direct.contains_key(node) {
+            let info = info_for(&self.opts, &self.tls, node).map_err(|e| {
+                RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    e.to_string(),
+                ))
+            })?;
+            let c = self
+                .tls
+                .client(info)?
+                .get_connection_with_timeout(self.timeout)?;
+            c.set_read_timeout(Some(self.timeout))?;
+            c.set_write_timeout(Some(self.timeout))?;
+            self.direct.insert(node.to_string(), c);
+        }
+        let c = self.direct.get_mut(node).expect("connection");
+        // The replies are read one at a time, up to the first failure of the
+        // connection: `Pipeline::query` goes on reading every reply after a
+        // timeout. A server's error (a redirect, a refusal) leaves the
+        // connection in step: the other replies are read, the first error
+        // returned.
+        let mut replies = || -> RedisResult<Vec<T>> {
+            c.send_packed_command(&p.get_packed_pipeline())?;
+            let mut values = Vec::with_capacity(p.len());
+            let mut refused = None;
+            for _ in 0..p.len() {
+                match c.recv_response()? {
+                    Value::ServerError(e) => refused = refused.or(Some(e)),
+                    v => values.push(v),
+                }
+            }
+            if let Some(e) = refused {
+                return Err(e.into());
+            }
+            values
+                .into_iter()
+                .map(|v| T::from_redis_value(v).map_err(RedisError::from))
+                .collect()
+        };
+        let res = replies();
+        if let Err(e) = &res {
+            if matches!(Fault::of(e), Fault::Timeout | Fault::Connection) {
+                self.direct.remove(node);
+            }
+        }
+        res
     }
 
     /// Runs one command.
@@ -547,6 +640,14 @@ fn cluster_connection(opts: &RemoteOptions, tls: &Tls) -> RedisResult<ClusterCon
         b = b.certs(c.clone());
     }
     b.build()?.get_connection()
+}
+
+/// The key of a one-key command (its first argument).
+fn first_key(cmd: &Cmd) -> Option<String> {
+    match cmd.args_iter().nth(1)? {
+        redis::Arg::Simple(k) => String::from_utf8(k.to_vec()).ok(),
+        _ => None,
+    }
 }
 
 /// The longest wait before a cluster retry: a tenth of the timeout, at

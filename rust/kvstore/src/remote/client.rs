@@ -309,17 +309,17 @@ impl Client {
     /// once more.)
     fn run<T: redis::FromRedisValue>(&mut self, cmds: Vec<Cmd>) -> RedisResult<Vec<T>> {
         // A cluster's pipeline goes to the node of its slot (this map's) over
-        // a connection of this client's, dropped at a timeout: the crate's
-        // cluster pipeline reads a reply for every command after a timeout,
-        // so a frozen node cost a timeout per command (16 EXISTS, 8 s at a
-        // timeout of 0.5 s). A redirect (a reshard) goes through the
-        // crate's connection, which follows it.
-        let node = cmds
-            .first()
-            .and_then(first_key)
+        // a connection of this client's (`pipeline`): the crate's cluster
+        // pipeline reads a reply for every command after a timeout. A
+        // redirect (a reshard) goes through the crate's connection, which
+        // follows it.
+        let by_slot = matches!(self.conn, Conn::Cluster(_)) && !self.slots.is_empty();
+        let node = by_slot
+            .then(|| cmds.first().and_then(first_key))
+            .flatten()
             .map(|k| self.node_of(&k).to_string());
         let cmds = match node {
-            Some(node) if matches!(self.conn, Conn::Cluster(_)) && !self.slots.is_empty() => {
+            Some(node) => {
                 let mut p = redis::pipe();
                 for cmd in cmds {
                     p.add_command(cmd);
@@ -329,7 +329,7 @@ impl Client {
                     r => return r,
                 }
             }
-            _ => cmds,
+            None => cmds,
         };
         match &mut self.conn {
             Conn::Cluster(c) => {
@@ -367,25 +367,15 @@ impl Client {
             }
             Conn::Single { info, conn } => {
                 if conn.is_none() {
-                    let c = self
-                        .tls
-                        .client(info.clone())?
-                        .get_connection_with_timeout(self.timeout)?;
-                    c.set_read_timeout(Some(self.timeout))?;
-                    c.set_write_timeout(Some(self.timeout))?;
-                    *conn = Some(c);
+                    *conn = Some(connect(&self.tls, info.clone(), self.timeout)?);
                 }
-                let c = conn.as_mut().expect("connection");
                 let mut p = redis::pipe();
                 for cmd in cmds {
                     p.add_command(cmd);
                 }
-                let res = p.query(c);
-                if let Err(e) = &res {
-                    if matches!(Fault::of(e), Fault::Timeout | Fault::Connection) {
-                        // A late reply would answer the next request: start afresh.
-                        *conn = None;
-                    }
+                let res = pipeline(conn.as_mut().expect("connection"), &p);
+                if res.as_ref().is_err_and(out_of_step) {
+                    *conn = None;
                 }
                 res
             }
@@ -393,9 +383,7 @@ impl Client {
     }
 
     /// Runs pipeline `p` on `node` over this client's connection to it (made
-    /// on first use, within the timeout). A timeout or a broken connection
-    /// ends it and drops the connection: a late reply would answer the next
-    /// pipeline.
+    /// on first use), dropped where it fails out of step.
     fn run_on<T: redis::FromRedisValue>(
         &mut self,
         node: &str,
@@ -408,43 +396,12 @@ impl Client {
                     e.to_string(),
                 ))
             })?;
-            let c = self
-                .tls
-                .client(info)?
-                .get_connection_with_timeout(self.timeout)?;
-            c.set_read_timeout(Some(self.timeout))?;
-            c.set_write_timeout(Some(self.timeout))?;
+            let c = connect(&self.tls, info, self.timeout)?;
             self.direct.insert(node.to_string(), c);
         }
-        let c = self.direct.get_mut(node).expect("connection");
-        // The replies are read one at a time, up to the first failure of the
-        // connection: `Pipeline::query` goes on reading every reply after a
-        // timeout. A server's error (a redirect, a refusal) leaves the
-        // connection in step: the other replies are read, the first error
-        // returned.
-        let mut replies = || -> RedisResult<Vec<T>> {
-            c.send_packed_command(&p.get_packed_pipeline())?;
-            let mut values = Vec::with_capacity(p.len());
-            let mut refused = None;
-            for _ in 0..p.len() {
-                match c.recv_response()? {
-                    Value::ServerError(e) => refused = refused.or(Some(e)),
-                    v => values.push(v),
-                }
-            }
-            if let Some(e) = refused {
-                return Err(e.into());
-            }
-            values
-                .into_iter()
-                .map(|v| T::from_redis_value(v).map_err(RedisError::from))
-                .collect()
-        };
-        let res = replies();
-        if let Err(e) = &res {
-            if matches!(Fault::of(e), Fault::Timeout | Fault::Connection) {
-                self.direct.remove(node);
-            }
+        let res = pipeline(self.direct.get_mut(node).expect("connection"), p);
+        if res.as_ref().is_err_and(out_of_step) {
+            self.direct.remove(node);
         }
         res
     }
@@ -640,6 +597,52 @@ fn cluster_connection(opts: &RemoteOptions, tls: &Tls) -> RedisResult<ClusterCon
         b = b.certs(c.clone());
     }
     b.build()?.get_connection()
+}
+
+/// A plain connection to `info`'s node, made within `timeout`, whose reads
+/// and writes give up after it.
+fn connect(
+    tls: &Tls,
+    info: ConnectionInfo,
+    timeout: std::time::Duration,
+) -> RedisResult<redis::Connection> {
+    let c = tls.client(info)?.get_connection_with_timeout(timeout)?;
+    c.set_read_timeout(Some(timeout))?;
+    c.set_write_timeout(Some(timeout))?;
+    Ok(c)
+}
+
+/// Runs pipeline `p` on `c`, its replies read one at a time up to the first
+/// failure of the connection: `Pipeline::query` goes on reading every reply
+/// after a timeout, a timeout each (16 EXISTS, 8 s at a timeout of 0.5 s).
+/// A server's error (a redirect, a refusal) leaves the connection in step:
+/// the other replies are read, the first error returned.
+fn pipeline<T: redis::FromRedisValue>(
+    c: &mut redis::Connection,
+    p: &redis::Pipeline,
+) -> RedisResult<Vec<T>> {
+    c.send_packed_command(&p.get_packed_pipeline())?;
+    let mut values = Vec::with_capacity(p.len());
+    let mut refused = None;
+    for _ in 0..p.len() {
+        match c.recv_response()? {
+            Value::ServerError(e) => refused = refused.or(Some(e)),
+            v => values.push(v),
+        }
+    }
+    if let Some(e) = refused {
+        return Err(e.into());
+    }
+    values
+        .into_iter()
+        .map(|v| T::from_redis_value(v).map_err(RedisError::from))
+        .collect()
+}
+
+/// Whether a failed request left its connection out of step (a late reply
+/// would answer the next request): then it is made afresh.
+fn out_of_step(e: &RedisError) -> bool {
+    matches!(Fault::of(e), Fault::Timeout | Fault::Connection)
 }
 
 /// The key of a one-key command (its first argument).

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import vllm_run
+from support import vllm_driver, vllm_run
 
 # Checked before anything can skip this file: CI (KVSTORE_REQUIRE_VLLM=1) fails
 # instead of skipping.
@@ -646,15 +646,21 @@ def test_two_processes_then_sigkill_then_fresh(world, reference):
     at_once = {"dir": str(world["root"] / "barrier"), "all": list(AT_ONCE)}
     # x's process then serves the kill phases (a vLLM start-up fewer than a process of
     # their own): killed once "kill-warm" is reported, inside "kill".
-    x_phases = CONCURRENT_X + [phase("x-busy", P.busy, barrier=at_once)] + KILL
     stored_x = {"layout": layout, "model": world["fingerprint"], "tokens": P.x[0]}
+    # Saves are asynchronous and a batch put commits up to 20 ms after it returns, so
+    # "kill" starts once kill-warm's saves are committed: on 2 busy cores they may lag
+    # the reported phase by more than the 0.5 s the kill waits (seen once in CI).
+    stored_kw = {**stored_x, "tokens": P.kill[0]}
+    kill = [KILL[0], {**KILL[1], "stored": stored_kw}]
+    x_phases = CONCURRENT_X + [phase("x-busy", P.busy, barrier=at_once)] + kill
     y_phases = [{**CONCURRENT_Y[0], "stored": stored_x, "barrier": at_once}]
     x = vllm_run.VLLM(PY, spec(world, path, x_phases), world["logs"] / "X.log")
     y = vllm_run.VLLM(PY, spec(world, path, y_phases), world["logs"] / "Y.log")
     while (got := x.next_phase()) is not None and got["name"] != "kill-warm":
         pass
     assert got is not None, f"x ended before its kill phases; see {x.log}"
-    # kill-warm done: the engine is up and saving.
+    # kill-warm done and stored (x waits for that too): the engine is up and saving.
+    vllm_driver.wait_stored(str(path), stored_kw)
     time.sleep(0.5)  # into the long phase: prefills, decodes and saves in flight
     x.kill()
     names = [r["name"] for r in x.results]

@@ -246,7 +246,11 @@ def test_every_wrong_value_is_a_counted_miss(clean, tmp_path):
             got = b.get(tokens)
             assert_kv_equal(got, kv_for(LAYOUT, tokens[: 3 * B]), what)
             r = remote_stats(b)
-            assert r["invalid"] >= 1 and r["hits"] == 3, (what, r)
+            assert r["hits"] == 3, (what, r)
+            if what == "empty":  # reads as missing (GETRANGE)
+                assert r["invalid"] == 0 and r["misses"] >= 1, (what, r)
+            else:
+                assert r["invalid"] >= 1, (what, r)
     clean.call(key, "SET", key, good)
     with open_host(tmp_path / "c", clean) as c:
         assert c.lookup(tokens) == 8 * B
@@ -263,15 +267,17 @@ def test_invalid_value_is_replaced_by_the_next_upload(clean, tmp_path):
         a.flush()
         key = block_key(clean, a, tokens, 3)
     good = clean.call(key, "GET", key)
-    clean.call(key, "SET", key, b"\x00garbage" * 50)
-    with open_host(tmp_path / "b", clean) as b:
-        assert b.lookup(tokens) == 3 * B
-        assert remote_stats(b)["invalid"] == 1
-        b.put(tokens, kv_for(LAYOUT, tokens))  # recomputed here
-        b.flush()
-        r = remote_stats(b)
-        assert r["blocks_uploaded"] >= 1 and r["write_failures"] == 0, r
-    assert clean.call(key, "GET", key) == good
+    # An empty value reads as missing, yet EXISTS holds for it: set without asking too.
+    for n, garbage in enumerate([b"\x00garbage" * 50, b""]):
+        clean.call(key, "SET", key, garbage)
+        with open_host(tmp_path / f"b{n}", clean) as b:
+            assert b.lookup(tokens) == 3 * B
+            assert remote_stats(b)["invalid"] == int(garbage != b"")
+            b.put(tokens, kv_for(LAYOUT, tokens))  # recomputed here
+            b.flush()
+            r = remote_stats(b)
+            assert r["blocks_uploaded"] >= 1 and r["write_failures"] == 0, r
+        assert clean.call(key, "GET", key) == good
     with open_host(tmp_path / "c", clean) as c:
         assert c.lookup(tokens) == 8 * B
         assert_kv_equal(c.get(tokens), kv_for(LAYOUT, tokens))
@@ -296,6 +302,53 @@ def test_invalid_value_is_replaced_by_the_next_upload(clean, tmp_path):
         toks, kv = f.load_session("chat")
         assert list(toks) == short
         assert_kv_equal(kv, kv_for(LAYOUT, short))
+
+
+def test_a_session_saved_again_travels_as_saved_last(clean, tmp_path):
+    """A session is a name bound to the tokens saved last: saved again, longer or
+    shorter, another host loads the new tokens, not the first upload's."""
+    tokens = seq(39000, 6 * B)
+    with open_host(tmp_path / "a", clean) as a:
+        for n in (2 * B, 5 * B, 3 * B):
+            a.save_session("chat", tokens[:n], kv_for(LAYOUT, tokens[:n]))
+            a.flush()
+            with open_host(tmp_path / f"b{n}", clean) as b:
+                got, kv = b.load_session("chat")
+                assert list(got) == tokens[:n]
+                assert_kv_equal(kv, kv_for(LAYOUT, tokens[:n]))
+
+
+def test_a_read_takes_no_more_than_the_longest_valid_value(clean, tmp_path):
+    """A value far longer than any block's or session's under a real key: a reader
+    takes at most the longest valid value and one byte more of it (no more memory
+    or network than a good read), counts it invalid, and a put repairs the key."""
+    tokens = seq(29000, 8 * B)
+    short = tokens[: 2 * B]
+    with open_host(tmp_path / "a", clean) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        a.save_session("chat", short, kv_for(LAYOUT, short))
+        a.flush()
+        key = block_key(clean, a, tokens, 3)
+    (skey,) = clean.keys("kvstore:*:session:*")
+    good = clean.call(key, "GET", key)
+    clean.call(key, "SET", key, good + b"\0" * (32 << 20))
+    with open_host(tmp_path / "b", clean) as b:
+        assert b.lookup(tokens) == 3 * B
+        r = remote_stats(b)
+        assert r["invalid"] == 1 and r["hits"] == 3, r
+        # The group's 8 values, none longer than its record and MAC plus one byte.
+        longest = 80 + 4 * B + LAYOUT.block_bytes + 32 + 1
+        assert r["bytes_read"] <= 8 * longest, r
+        b.put(tokens, kv_for(LAYOUT, tokens))
+        b.flush()
+    assert clean.call(key, "GET", key) == good
+    session_max = 64 << 20  # SESSION_VALUE_MAX
+    clean.call(skey, "SET", skey, b"\1" * (session_max + (16 << 20)))
+    with open_host(tmp_path / "c", clean) as c:
+        with pytest.raises(kvstore.SessionNotFound):
+            c.load_session("chat")
+        r = remote_stats(c)
+        assert r["invalid"] == 1 and r["bytes_read"] == session_max + 1, r
 
 
 def test_node_kill_and_restart(fresh_cluster, tmp_path):

@@ -405,38 +405,26 @@ impl Client {
         }
         res
     }
-
-    /// Runs one command.
-    fn one(&mut self, cmd: &Cmd) -> RedisResult<Value> {
-        match &mut self.conn {
-            Conn::Cluster(c) => cmd.query(&mut **c),
-            Conn::Single { .. } => {
-                let mut v: Vec<Value> = self.run(vec![cmd.clone()])?;
-                Ok(v.pop().unwrap_or(Value::Nil))
-            }
-        }
-    }
 }
 
 /// The operations the remote tier uses; every failure is a [`Fault`].
 impl Client {
-    /// Values of `keys` (one slot), `None` where absent.
-    pub(crate) fn mget(&mut self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, Fault> {
-        let v = self
-            .one(redis::cmd("MGET").arg(keys))
-            .map_err(|e| Fault::of(&e))?;
-        let Value::Array(items) = v else {
-            return Err(Fault::Other);
-        };
-        if items.len() != keys.len() {
-            return Err(Fault::Other);
-        }
-        Ok(items
-            .into_iter()
-            .map(|i| match i {
-                Value::BulkString(b) => Some(b),
-                _ => None,
-            })
+    /// Values of `keys` (one slot), `None` where absent or empty, each read
+    /// up to `max + 1` bytes (`GETRANGE`): a longer value, which no valid
+    /// one is, arrives cut, so a reply never holds more. `MGET` would take
+    /// whatever a writer in the namespace put there.
+    pub(crate) fn get_upto(
+        &mut self,
+        keys: &[String],
+        max: usize,
+    ) -> Result<Vec<Option<Vec<u8>>>, Fault> {
+        let cmds: Vec<Cmd> = keys
+            .iter()
+            .map(|k| redis::cmd("GETRANGE").arg(k).arg(0).arg(max).clone())
+            .collect();
+        let v: Vec<Vec<u8>> = self.run(cmds).map_err(|e| Fault::of(&e))?;
+        Ok(v.into_iter()
+            .map(|b| (!b.is_empty()).then_some(b))
             .collect())
     }
 
@@ -488,18 +476,6 @@ impl Client {
             .collect();
         let _: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
         Ok(())
-    }
-
-    /// The value of one key.
-    pub(crate) fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>, Fault> {
-        match self
-            .one(redis::cmd("GET").arg(key))
-            .map_err(|e| Fault::of(&e))?
-        {
-            Value::BulkString(b) => Ok(Some(b)),
-            Value::Nil => Ok(None),
-            _ => Err(Fault::Other),
-        }
     }
 
     /// Every node of the slot map (or the one node), on a fresh connection:

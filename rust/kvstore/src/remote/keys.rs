@@ -3,7 +3,7 @@
 //! A block's key is `<prefix>:<tenant tag hex>:{<group>}:<block id hex>`,
 //! where `group` is the first 16 hex digits of the id of the chain's block at
 //! index `i - i % GROUP` ([`GROUP`] consecutive blocks share one hash tag, so
-//! one slot and one `MGET`; different chains spread over the cluster). A
+//! one slot and one pipeline; different chains spread over the cluster). A
 //! session's key is `<prefix>:<tenant tag hex>:session:<blake3(name) hex>`.
 //!
 //! A value is a payload (a block's record exactly as in a segment, or a
@@ -18,6 +18,9 @@ use crate::id::{hex, BlockId};
 pub(crate) const GROUP: usize = 16;
 /// Bytes of the MAC after each value's payload.
 pub(crate) const MAC_LEN: usize = 32;
+/// The longest session value sent or read (about 16M token ids): a read
+/// takes no more than this from the server, whatever a key holds.
+pub(crate) const SESSION_VALUE_MAX: usize = 64 << 20;
 const SESSION_MAGIC: &[u8; 4] = b"KVSS";
 
 /// Names keys for one tenant under one prefix and seals values.

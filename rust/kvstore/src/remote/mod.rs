@@ -243,8 +243,9 @@ fn add(c: &AtomicU64, n: usize) {
 /// Ids this handle believes the server holds (uploaded or read), bounded.
 const KNOWN_MAX: usize = 1 << 20;
 
-/// Keys whose value on the server this handle found invalid, bounded: their
-/// next upload overwrites the value instead of taking it for present.
+/// Keys whose value on the server this handle found invalid or missing,
+/// bounded: their next upload overwrites the value instead of taking it for
+/// present (`EXISTS` holds for an empty value, which reads as missing).
 const INVALID_MAX: usize = 4096;
 
 /// What the uploader thread and the callers share.
@@ -347,12 +348,13 @@ impl Remote {
         }
     }
 
-    /// The values under `keys` (one hash-tag group); any failure reads as
-    /// all absent (and is counted).
-    pub(crate) fn fetch(&self, keys: &[String]) -> Vec<Option<Vec<u8>>> {
+    /// The values under `keys` (one hash-tag group), each read up to `max`
+    /// bytes (the longest valid value) plus one: a longer one arrives cut
+    /// and fails its check. Any failure reads as all absent (and is counted).
+    pub(crate) fn fetch(&self, keys: &[String], max: usize) -> Vec<Option<Vec<u8>>> {
         let s = &self.shared;
         let mut c = self.reader.lock().expect("remote reader");
-        let res = s.call(&mut c, &keys[0], |c| c.mget(keys));
+        let res = s.call(&mut c, &keys[0], |c| c.get_upto(keys, max));
         let vals = res.unwrap_or_else(|| vec![None; keys.len()]);
         let got: usize = vals.iter().flatten().map(Vec::len).sum();
         add(&s.counters.bytes_read, got);
@@ -368,10 +370,15 @@ impl Remote {
         vals
     }
 
-    /// The value under one key (absent on any failure, counted).
-    pub(crate) fn get(&self, key: &str) -> Option<Vec<u8>> {
+    /// The value under one key, read up to `max` bytes plus one as by
+    /// [`Remote::fetch`] (absent on any failure, counted).
+    pub(crate) fn get(&self, key: &str, max: usize) -> Option<Vec<u8>> {
         let mut c = self.reader.lock().expect("remote reader");
-        let v = self.shared.call(&mut c, key, |c| c.get(key)).flatten();
+        let keys = [key.to_string()];
+        let v = self
+            .shared
+            .call(&mut c, key, |c| c.get_upto(&keys, max))
+            .and_then(|mut v| v.pop().flatten());
         add(
             &self.shared.counters.bytes_read,
             v.as_ref().map_or(0, Vec::len),
@@ -383,8 +390,15 @@ impl Remote {
     /// verification: not there for this handle, and overwritten by its next
     /// upload of that key. Counted.
     pub(crate) fn found_invalid(&self, key: &str, id: Option<&BlockId>) {
-        self.shared.mark(id.into_iter(), false);
         add(&self.shared.counters.invalid, 1);
+        self.found_missing(key, id);
+    }
+
+    /// The value under `key` (of block `id`, or a session) was missing or
+    /// empty: not there for this handle, and set by its next upload of that
+    /// key without asking the server first.
+    pub(crate) fn found_missing(&self, key: &str, id: Option<&BlockId>) {
+        self.shared.mark(id.into_iter(), false);
         let mut bad = self.shared.invalid.lock().expect("invalid lock");
         if bad.len() >= INVALID_MAX {
             bad.clear();
@@ -522,8 +536,9 @@ impl Shared {
     }
 
     /// Uploads the values of one hash-tag group (one slot) that the server
-    /// lacks, or that this handle found invalid there (overwritten without
-    /// asking): `keys[k]` for block `ids[k]` (`None`: a session), whose value
+    /// lacks, or that this handle found invalid or missing there, and every
+    /// session (these overwritten without asking): `keys[k]` for block
+    /// `ids[k]` (`None`: a session), whose value
     /// `value(k)` makes only for those sent (`None`: unreadable, not sent).
     /// Counts and remembers what happened; a failure is counted, never raised.
     fn send<'v>(
@@ -535,9 +550,13 @@ impl Shared {
     ) -> PushReport {
         let mut rep = PushReport::default();
         let blocks = |ks: &mut dyn Iterator<Item = usize>| ks.filter(|&k| ids[k].is_some()).count();
+        // A session's value changes with each save: always set.
         let forced: Vec<bool> = {
             let bad = self.invalid.lock().expect("invalid lock");
-            keys.iter().map(|k| bad.contains(*k)).collect()
+            keys.iter()
+                .zip(ids)
+                .map(|(k, id)| id.is_none() || bad.contains(*k))
+                .collect()
         };
         // Which the server has (`None`: the call failed, counted).
         let asked: Vec<&str> = (0..keys.len())

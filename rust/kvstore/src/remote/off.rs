@@ -30,7 +30,11 @@ impl Client {
     pub(crate) fn max_value(&self) -> u64 {
         match self.0 {}
     }
-    pub(crate) fn mget(&mut self, _: &[String]) -> Result<Vec<Option<Vec<u8>>>, Fault> {
+    pub(crate) fn get_upto(
+        &mut self,
+        _: &[String],
+        _: usize,
+    ) -> Result<Vec<Option<Vec<u8>>>, Fault> {
         match self.0 {}
     }
     pub(crate) fn exists(&mut self, _: &[&str]) -> Result<Vec<bool>, Fault> {
@@ -44,9 +48,6 @@ impl Client {
         match self.0 {}
     }
     pub(crate) fn expire(&mut self, _: &[String], _: Duration) -> Result<(), Fault> {
-        match self.0 {}
-    }
-    pub(crate) fn get(&mut self, _: &str) -> Result<Option<Vec<u8>>, Fault> {
         match self.0 {}
     }
     pub(crate) fn nodes(&self, _: &RemoteOptions) -> Vec<NodeReport> {

@@ -10,7 +10,7 @@ use crate::index::Location;
 use crate::layout::Layout;
 use crate::progress::Progress;
 use crate::record::{self, Mismatch};
-use crate::remote::keys::{decode_session, encode_session, GROUP};
+use crate::remote::keys::{decode_session, encode_session, GROUP, MAC_LEN, SESSION_VALUE_MAX};
 use crate::remote::{Item, PushReport, Remote};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -39,6 +39,12 @@ enum Place {
 
 /// How long `flush` waits for uploads to drain.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The longest valid value of a block on the server: its record, raw (a
+/// compressed payload is stored only when smaller), and the MAC.
+fn block_value_max(layout: &Layout) -> usize {
+    record::meta_len(layout) + layout.block_bytes() + MAC_LEN
+}
 
 /// Checks `payload` (a record read from the server) against block `id`, its
 /// `tokens` and the layout, and lands its KV in `out`. Any failure: `false`.
@@ -129,7 +135,7 @@ impl Inner {
     }
 
     /// Continues a prefix of `from` local blocks into the server: fetches
-    /// the next blocks in chain order (one `MGET` per hash-tag group), stops
+    /// the next blocks in chain order (one pipeline per hash-tag group), stops
     /// at the first miss or bad value, lands them in `out` (`[L, 2,
     /// out_tokens, H, D]` whose first block is block `out_first`, which is
     /// at most `from`) if given, and promotes them into the local tiers.
@@ -149,7 +155,7 @@ impl Inner {
         while at < ids.len() {
             let end = (at - at % GROUP + GROUP).min(ids.len());
             let keys: Vec<String> = (at..end).map(|j| r.keys.block(ids, j)).collect();
-            let vals = r.fetch(&keys);
+            let vals = r.fetch(&keys, block_value_max(&self.layout));
             // Without `out`, the group lands in a scratch buffer of its own.
             let mut scratch = Vec::new();
             let landed = out.is_some();
@@ -185,9 +191,10 @@ impl Inner {
             let missed = usize::from(good < end - at) - invalid;
             r.count(good, missed);
             r.mark(&ids[at..at + good], true);
-            if good < end - at {
-                // Not there (evicted, lost with a node): upload it again next time.
-                r.mark(&ids[at + good..=at + good], false);
+            if good < end - at && invalid == 0 {
+                // Not there (evicted, lost with a node, or an empty value):
+                // upload it again next time.
+                r.found_missing(&keys[good], Some(&ids[at + good]));
             }
             if good > 0 {
                 let promoted = self.promote(
@@ -235,6 +242,9 @@ impl Inner {
         let Some(r) = self.remote() else { return };
         let key = r.keys.session(name);
         let value = r.keys.seal(&key, encode_session(name, tokens));
+        if value.len() > SESSION_VALUE_MAX {
+            return; // no host would read it back: it stays local
+        }
         r.upload(vec![Item {
             key,
             value,
@@ -246,7 +256,7 @@ impl Inner {
     pub(super) fn remote_session(&self, name: &str) -> Option<Vec<u32>> {
         let r = self.remote()?;
         let key = r.keys.session(name);
-        let v = r.get(&key)?;
+        let v = r.get(&key, SESSION_VALUE_MAX)?;
         let tokens = r.keys.open(&key, &v).and_then(|p| decode_session(name, p));
         if tokens.is_none() {
             r.found_invalid(&key, None);

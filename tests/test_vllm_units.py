@@ -112,6 +112,17 @@ def test_fingerprint_binds_vllm_settings():
     )
 
 
+def test_speculative_decoding_with_a_draft_cache_is_refused():
+    from kvstore.errors import InvalidInput
+
+    keys.check_speculative(None)
+    for method in ("ngram", "suffix", "medusa", "mlp_speculator"):
+        keys.check_speculative(SimpleNamespace(method=method))
+    for method in ("eagle", "eagle3", "mtp", "draft_model", "dflash", "custom_class", None):
+        with pytest.raises(InvalidInput, match="draft"):
+            keys.check_speculative(SimpleNamespace(method=method))
+
+
 def test_extra_config_is_checked():
     from kvstore.errors import InvalidInput
 

@@ -27,7 +27,13 @@ from ..layout import Layout, dtype_name
 from ..remote import Remote
 from ..store import Store
 from ..store import open as open_store
-from .keys import keyed_by_tokens, parse_extra, request_extra, vllm_fingerprint
+from .keys import (
+    check_speculative,
+    keyed_by_tokens,
+    parse_extra,
+    request_extra,
+    vllm_fingerprint,
+)
 from .paged import PagedKV, paged_block_map
 
 if TYPE_CHECKING:
@@ -72,6 +78,7 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[La
         raise InvalidInput(
             "KVStoreConnector: tensor/pipeline parallelism is not supported (one worker only)"
         )
+    check_speculative(vllm_config.speculative_config)
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
         kinds = [type(g.kv_cache_spec).__name__ for g in groups]

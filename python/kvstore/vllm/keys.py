@@ -93,6 +93,29 @@ def request_extra(request: Any) -> bytes | None:
     return key_extra(getattr(request, "cache_salt", None), adapter)
 
 
+# Speculative methods that keep no KV of a model of their own: a store's blocks are
+# the target model's alone either way.
+_NO_DRAFT_KV = frozenset({"ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator"})
+
+
+def check_speculative(speculative_config: Any) -> None:
+    """Refuses speculative decoding that keeps a draft model's KV in vLLM's cache
+    (EAGLE, MTP, a draft model, ...): its layers would be stored with the target's,
+    and a draft layer's KV at a token depends on the token after it (EAGLE feeds the
+    next token with the target's hidden state), so a block's last position depends on
+    the next block's first token: stored KV would not be a function of its prefix.
+    Methods without a draft cache (n-gram, suffix, Medusa, MLP speculators) pass."""
+    if speculative_config is None:
+        return
+    method = getattr(speculative_config, "method", None)
+    if method not in _NO_DRAFT_KV:
+        raise InvalidInput(
+            f"KVStoreConnector: speculative decoding with method {method!r} keeps a draft "
+            "model's KV, which depends on the token after each block; supported: "
+            f"{sorted(_NO_DRAFT_KV)} or none"
+        )
+
+
 def keyed_by_tokens(request: Any) -> bool:
     """Whether a request's KV is a function of its token ids (and extra) alone. Not so
     for multimodal requests (every image's placeholder ids are the same) nor for

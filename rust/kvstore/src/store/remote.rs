@@ -228,8 +228,12 @@ impl Inner {
     ) -> Result<()> {
         let b = self.layout.block_size as usize;
         let mut w = self.writer.lock().expect("writer lock");
-        if w.poisoned.is_some() || self.closing.load(Ordering::SeqCst) {
-            return Ok(());
+        // Kept nowhere, then: a lookup must not claim these blocks.
+        if let Some(p) = &w.poisoned {
+            return Err(Error::Poisoned(p.clone()));
+        }
+        if self.closing.load(Ordering::SeqCst) {
+            return Err(Error::StoreClosed("the store handle is closed".into()));
         }
         let block = |i: usize| (&ids[i], &tokens[i * b..(i + 1) * b]);
         let runs = |i: usize| self.layout.block_runs(kv, kv_tokens, i - kv_first);

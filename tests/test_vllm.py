@@ -732,11 +732,13 @@ def sections(text: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def connector_scripts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """STORE_ERRORS, RESUMED (in its own directory) and EXTRA_GONE, run by RUN_SCRIPTS."""
+    """STORE_ERRORS, RESUMED (in its own directory), EXTRA_GONE and RECOMPUTE_LATE, run
+    by RUN_SCRIPTS."""
     scripts = [
         ("store_errors", STORE_ERRORS, []),
         ("resumed", RESUMED, [str(tmp_path_factory.mktemp("resumed"))]),
         ("extra_gone", EXTRA_GONE, []),
+        ("recompute_late", RECOMPUTE_LATE, []),
     ]
     p = subprocess.run(
         [PY, "-c", RUN_SCRIPTS, json.dumps(scripts)],
@@ -871,6 +873,122 @@ def test_a_promised_load_keeps_the_extra_of_its_lookup(connector_scripts):
     assert r["promised"] == 32 and r["looked_up_with"] == ["adapter-a"]
     assert r["load"] == [0, 32, [0, 1, 2, 3], "adapter-a"]
     assert r["extras_kept"] == 0 and r["tracked_after"] == 0
+
+
+RECOMPUTE_LATE = r"""
+import json
+from types import SimpleNamespace
+from kvstore.layout import Layout
+from kvstore.vllm import connector as c
+from kvstore.vllm.keys import request_extra
+
+c.request_extra = request_extra  # EXTRA_GONE, in the same process, replaces it
+lay = Layout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", block_size=8)
+P = list(range(100, 164))  # a shared prefix of 8 blocks
+
+def request(rid, tokens):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, all_token_ids=tokens,
+                           cache_salt=None, lora_request=None, mm_features=[],
+                           prompt_embeds=None)
+
+class Store:  # holds the prefix's first 4 blocks
+    layout = lay
+    path = "fake"
+    def lookup(self, tokens, extra=None, count=True):
+        return min(32, len(tokens) // 8 * 8)
+    def add_counters(self, figures):
+        pass
+
+class Paged:  # vLLM's caches: a load lands 2 blocks, then finds the 3rd damaged
+    strided = True
+    def __init__(self):
+        self.step, self.saved = 0, []
+    def load(self, store, tokens, start, extra, blocks):
+        return start + 16
+    def save(self, store, tokens, start, extra, blocks):
+        self.saved += [(self.step, b) for b in blocks]
+
+def output(new=(), cached=(), sched=None):
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=n)
+                            for r, ids, n in new],
+        num_scheduled_tokens=dict(sched or {}),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached], new_block_ids=[None] * len(cached),
+            resumed_req_ids=set(), num_computed_tokens=[n for _, n in cached]))
+
+def step(sched, w, paged, so):
+    # One vLLM step: the metadata, start_load_kv, the forward, wait_for_save, and the
+    # load errors vLLM hands back to the scheduler half (update_connector_output).
+    paged.step += 1
+    meta = sched.build(so)
+    w.load(meta.loads, meta.recomputed)
+    w.save(meta.saves)
+    w.drain(set(so.num_scheduled_tokens))
+    errors = w.take_load_errors()
+    if errors:
+        sched.invalidated(errors)
+    return sorted(errors)
+
+def case(variant):
+    sched = c._SchedulerHalf(Store(), True, True, True)  # kv_load_failure_policy="recompute"
+    w = c._WorkerHalf(Store(), ["l0", "l1"], None, 4)
+    paged = w._paged = Paged()
+    a, e = request("a", P + [1]), request("e", P + list(range(200, 217)))
+    A, E = list(range(9)), list(range(8)) + [9, 10, 11]
+    # Step 1: a loads the prefix's 4 stored blocks, computes 4..8; e, scheduled after a,
+    # hits a's 8 blocks in vLLM's prefix cache (cached at a's allocation) and computes
+    # its tail 9..11. a's load fails at block 2: vLLM truncates a to 16 computed tokens
+    # (it recomputes 2..7), keeps e at 64 ("shared, recomputed by a") and, under
+    # "recompute", keeps blocks 0..7 in its prefix cache.
+    sched.allocated(a, A, sched.matched(a, 0))
+    sched.allocated(e, E, sched.matched(e, 64))
+    errors = step(sched, w, paged, output(new=[("a", A, 32), ("e", E, 64)],
+                                          sched={"a": 33, "e": 17}))
+    if variant == "chunked":
+        # Step 2, long_prefill_token_threshold=16: a recomputes 2 and 3 only; e redoes
+        # 16 tokens of its tail; c, new, hits blocks 0..7 and computes its tail.
+        cc = request("c", P + list(range(300, 317)))
+        C = list(range(8)) + [12, 13, 14]
+        sched.allocated(cc, C, sched.matched(cc, 64))
+        step(sched, w, paged, output(new=[("c", C, 64)], cached=[("a", 16), ("e", 64)],
+                                     sched={"a": 16, "e": 16, "c": 16}))
+        # Step 3: a recomputes 4..7 (and the last token).
+        step(sched, w, paged, output(cached=[("a", 32), ("e", 80), ("c", 80)],
+                                     sched={"a": 33, "e": 1, "c": 1}))
+        good = {2: 2, 3: 2, 4: 3, 5: 3, 6: 3, 7: 3}  # block -> step that rewrote it
+    else:
+        # a is aborted before its recompute: nobody rewrites 2..7; e goes on over them.
+        sched.finished("a")
+        step(sched, w, paged, output(cached=[("e", 64)], sched={"e": 17}))
+        good = {}
+    w.close()
+    # A block saved before the step that rewrote it (or never rewritten, or computed
+    # over such a block: e's and c's tails) is wrong KV under a valid key.
+    wrong = sorted({(s, b) for s, b in paged.saved if s < good.get(b, 99)})
+    return {"errors": errors, "wrong": wrong, "saved": sorted({b for _, b in paged.saved})}
+
+print("RESULT " + json.dumps({"chunked": case("chunked"), "aborted": case("aborted")}))
+"""
+
+
+def test_a_failed_block_is_saved_only_once_recomputed(connector_scripts):
+    """Under kv_load_failure_policy "recompute" vLLM keeps a failed load's blocks (and
+    those computed after them) in its prefix cache, and lets the requests that share
+    them go on as if they were computed: only the first request holding them
+    recomputes them, maybe over several steps (chunked prefill), maybe never (aborted).
+    Nothing read from those blocks is saved before that request has rewritten them:
+    before, the worker forgot the failed blocks the step after vLLM was told, and the
+    sharers' saves stored the blocks and what was computed over them."""
+    r = script_result(connector_scripts, "recompute_late")
+    chunked, aborted = r["chunked"], r["aborted"]
+    assert chunked["errors"] == aborted["errors"] == [2, 3]
+    assert chunked["wrong"] == [] and aborted["wrong"] == []
+    # The store heals: the blocks are saved once rewritten; tails computed over
+    # garbage (e's 9, 10; c's 12, 13) never are.
+    assert chunked["saved"] == [2, 3, 4, 5, 6, 7]
+    assert aborted["saved"] == []
 
 
 RESUMED = r"""

@@ -168,7 +168,9 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[_Transfer] = field(default_factory=list)
     saves: list[_Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
-    # Blocks whose failed load vLLM has since recomputed: saves using them are good again.
+    # Stale blocks (see _SchedulerHalf._stale) this step writes again, a request computing
+    # them over good blocks or a load landing them: saves using them are good again (a
+    # step's saves read vLLM's cache after its forward pass).
     recomputed: set[int] = field(default_factory=set)
 
 
@@ -182,6 +184,9 @@ class _Tracked:
     handed: tuple[int, int] | None = None
     any_save: bool = False
     load: _Transfer | None = None
+    # The token from which the request computed only over good blocks (None: its last
+    # step read a stale one, see _SchedulerHalf._stale).
+    clean_from: int | None = 0
 
 
 # -- stats --------------------------------------------------------------------------------------
@@ -296,7 +301,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._scheduler().build(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        # Blocks whose load failed were recomputed: saved again (the store heals).
+        # Blocks whose load failed: stale until recomputed, then saved again (the store heals).
         if connector_output.invalid_block_ids:
             self._scheduler().invalidated(connector_output.invalid_block_ids)
 
@@ -398,6 +403,13 @@ class _SchedulerHalf:
         # keyed the same way, even if the extra cannot be computed again (a LoRA
         # adapter's files replaced in between).
         self._extras: dict[str, bytes | None] = {}
+        # vLLM's blocks whose KV is not their tokens': a failed load's, and every block
+        # computed over one. vLLM keeps them in its prefix cache under "recompute" and
+        # lets the requests sharing them go on, but only the first request holding them
+        # recomputes them, maybe over several steps (chunked prefill), maybe never (it
+        # is aborted or preempted). A block stays here until a step writes it again
+        # (see _rewritten); no save is planned that reads one.
+        self._stale: set[int] = set()
         self._recomputed: set[int] = set()  # see KVStoreConnectorMetadata.recomputed
         self._lookup_errors = 0
 
@@ -459,27 +471,72 @@ class _SchedulerHalf:
             )
 
     def invalidated(self, block_ids: set[int]) -> None:
-        """vLLM recomputes the blocks `block_ids` (their load failed): each request
-        holding one saves again from its first such block, once recomputed."""
+        """The loads of `block_ids` failed: they, and every block after one in a request
+        holding it (computed over it since), are stale; each such request saves again
+        from its first stale block, once recomputed."""
         b = self._block
-        self._recomputed |= block_ids
+        self._stale |= block_ids
         for t in self._reqs.values():
-            bad = [i for i, blk in enumerate(t.block_ids) if blk in block_ids]
-            if bad:
-                t.saved_upto = min(t.saved_upto, bad[0] * b)
+            if block_ids.isdisjoint(t.block_ids):
+                continue
+            bad = next(i for i, blk in enumerate(t.block_ids) if blk in block_ids)
+            t.saved_upto = min(t.saved_upto, bad * b)
+            t.clean_from = None
+            self._stale.update(t.block_ids[bad:])
+
+    def _rewritten(self, steps: dict[str, tuple[int, int]], loads: list[_Transfer]) -> None:
+        """Follows this step's writes (`steps`: req_id -> its computed tokens before the
+        step and after) of stale blocks: a load lands its blocks; a request that reads
+        only good blocks (vLLM's attention reads a block a request of the same step
+        writes, once written) computes good ones; one that reads a stale block computes
+        stale ones. Blocks no longer stale go to the worker as `recomputed`."""
+        b = self._block
+        before = self._stale
+        stale = before.difference(*(tr.block_ids for tr in loads))
+        spans: dict[str, tuple[int, int, int]] = {}  # first block written, end, full end
+        for rid, (c0, done) in steps.items():
+            n = len(self._reqs[rid].block_ids)
+            spans[rid] = (c0 // b, min(-(-done // b), n), min(done // b, n))
+        # A block written this step is good for the others once its writer is found clean.
+        unknown = stale.union(*(self._reqs[r].block_ids[lo:hi] for r, (lo, hi, _) in spans.items()))
+        todo = dict(spans)
+        progress = True
+        while progress:
+            progress = False
+            for rid, (lo, _, full) in list(todo.items()):
+                t = self._reqs[rid]
+                c0 = steps[rid][0]
+                ids = t.block_ids
+                # A stale block it began in an earlier step is good only if begun clean.
+                begun = c0 % b != 0 and lo < len(ids) and ids[lo] in stale
+                if begun and (t.clean_from is None or t.clean_from > lo * b):
+                    continue
+                if not unknown.isdisjoint(ids[:lo]):
+                    continue
+                del todo[rid]
+                progress = True
+                if t.clean_from is None or t.clean_from > c0:
+                    t.clean_from = c0
+                stale.difference_update(ids[lo:full])
+                unknown.difference_update(ids[lo:full])
+        for rid, (lo, hi, _) in todo.items():  # it read a stale block: it wrote stale ones
+            t = self._reqs[rid]
+            t.clean_from = None
+            stale.update(t.block_ids[lo:hi])
+        self._recomputed |= before - stale
+        self._stale = stale
 
     def build(self, so: SchedulerOutput) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(
-            preempted=set(so.preempted_req_ids or ()), recomputed=self._recomputed
-        )
-        self._recomputed = set()
+        meta = KVStoreConnectorMetadata(preempted=set(so.preempted_req_ids or ()))
         b = self._block
         done: dict[str, int] = {}
+        before: dict[str, int] = {}  # req_id -> its computed tokens before this step
         for new in so.scheduled_new_reqs:
             t = self._reqs.get(new.req_id)
             if t is None:
                 continue
             t.block_ids = list(new.block_ids[0])
+            before[new.req_id] = new.num_computed_tokens
             done[new.req_id] = new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -491,15 +548,24 @@ class _SchedulerHalf:
                 t.block_ids = list(ids[0]) if ids is not None else []
             elif ids is not None:
                 t.block_ids.extend(ids[0])
+            before[rid] = cached.num_computed_tokens[i]
             done[rid] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
-        for rid, computed in done.items():
+        for rid in done:
             t = self._reqs[rid]
             if t.load is not None:
                 meta.loads.append(t.load)
                 t.load = None
+        if self._stale:
+            self._rewritten({r: (before[r], done[r]) for r in done}, meta.loads)
+        meta.recomputed, self._recomputed = self._recomputed, set()
+        for rid, computed in done.items():
+            t = self._reqs[rid]
             tokens = t.request.all_token_ids
             full = min(computed, len(tokens)) // b * b
             full = min(full, len(t.block_ids) * b)
+            if self._stale and not self._stale.isdisjoint(t.block_ids[: full // b]):
+                # Saves nothing from its first stale block on: planned again once recomputed.
+                full = next(i for i, blk in enumerate(t.block_ids) if blk in self._stale) * b
             if self._saves and full > t.saved_upto:
                 meta.saves.append(
                     _Transfer(
@@ -542,8 +608,10 @@ class _WorkerHalf:
         lay = self._layout
         self._chunk = max(_STAGING_BYTES // lay.block_bytes, 1) * lay.block_size
         self._buffers: dict[str, torch.Tensor] = {}
-        # Blocks whose load failed, until vLLM has recomputed them: what was computed
-        # against them (by any request sharing them) is not saved meanwhile.
+        # Blocks whose load failed, until the scheduler half sees them written again
+        # (`recomputed`): what was computed against them (by any request sharing them)
+        # is not saved meanwhile. Once vLLM has told the scheduler half, it plans no
+        # such save (_SchedulerHalf._stale); this covers the steps before.
         self._failed: set[int] = set()
         self._paged: PagedKV | None = None  # vLLM's caches, once registered
         self._dtype = getattr(torch, self._layout.dtype)

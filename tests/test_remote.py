@@ -88,6 +88,16 @@ def block_key(c: Cluster, store, tokens, i: int) -> bytes:
     return key
 
 
+def uploaded(c: Cluster, path, tokens, i: int) -> tuple[bytes, bytes]:
+    """The key of block `i` of `tokens` and its value, put and uploaded by a host at
+    `path`."""
+    with open_host(path, c) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        a.flush()
+        key = block_key(c, a, tokens, i)
+    return key, c.call(key, "GET", key)
+
+
 def open_error(path, secret: str, **remote) -> str:
     """The RemoteError message of opening a store at `path` with `Remote(**remote)`,
     checked to hold `secret` in neither its message nor its repr."""
@@ -262,12 +272,8 @@ def test_invalid_value_is_replaced_by_the_next_upload(clean, tmp_path):
     block, and that put overwrites the garbage (the server "having" the key is not
     taken for having the block); a later reader hits."""
     tokens = seq(19000, 8 * B)
-    with open_host(tmp_path / "a", clean) as a:
-        a.put(tokens, kv_for(LAYOUT, tokens))
-        a.flush()
-        key = block_key(clean, a, tokens, 3)
-    good = clean.call(key, "GET", key)
-    # An empty value reads as missing, yet EXISTS holds for it: set without asking too.
+    key, good = uploaded(clean, tmp_path / "a", tokens, 3)
+    # An empty value reads as missing, and STRLEN counts it missing: set over too.
     for n, garbage in enumerate([b"\x00garbage" * 50, b""]):
         clean.call(key, "SET", key, garbage)
         with open_host(tmp_path / f"b{n}", clean) as b:
@@ -304,18 +310,70 @@ def test_invalid_value_is_replaced_by_the_next_upload(clean, tmp_path):
         assert_kv_equal(kv, kv_for(LAYOUT, short))
 
 
-def test_a_session_saved_again_travels_as_saved_last(clean, tmp_path):
-    """A session is a name bound to the tokens saved last: saved again, longer or
-    shorter, another host loads the new tokens, not the first upload's."""
+def test_a_session_loads_as_saved_last_on_any_host(clean, tmp_path):
+    """A session is a name bound to the tokens saved last, on any host: saved again
+    (longer or shorter), another host loads the new tokens; an agent that moved to
+    another host and back loads what it saved there, not its first host's older
+    copy; a handle whose own save is still queued loads its own; a deleted session
+    is gone from the server."""
     tokens = seq(39000, 6 * B)
+
+    def load(host):
+        got, kv = host.load_session("chat")
+        assert_kv_equal(kv, kv_for(LAYOUT, list(got)))
+        return list(got)
+
     with open_host(tmp_path / "a", clean) as a:
         for n in (2 * B, 5 * B, 3 * B):
             a.save_session("chat", tokens[:n], kv_for(LAYOUT, tokens[:n]))
             a.flush()
             with open_host(tmp_path / f"b{n}", clean) as b:
-                got, kv = b.load_session("chat")
-                assert list(got) == tokens[:n]
-                assert_kv_equal(kv, kv_for(LAYOUT, tokens[:n]))
+                assert load(b) == tokens[:n]
+        with open_host(tmp_path / "b", clean) as b:  # the agent moves to b
+            assert load(b) == tokens[: 3 * B]
+            b.save_session("chat", tokens, kv_for(LAYOUT, tokens))
+            b.flush()
+        assert load(a) == tokens  # and back to a
+    with open_host(tmp_path / "a", clean) as a:
+        assert load(a) == tokens  # a reopened: its store holds b's copy now
+    with open_host(tmp_path / "c", clean) as c:
+        assert load(c) == tokens
+        c.save_session("chat", tokens[:B], kv_for(LAYOUT, tokens[:B]))
+        assert load(c) == tokens[:B]  # its own, whether or not the upload is done
+        c.flush()
+        assert c.delete_session("chat")
+        c.flush()
+    (skey,) = clean.keys("kvstore:*:session:*")
+    assert clean.call(skey, "GET", skey) == b""
+    with open_host(tmp_path / "d", clean) as d, pytest.raises(kvstore.SessionNotFound):
+        d.load_session("chat")
+
+
+def test_a_key_of_another_type_is_an_invalid_value_and_is_repaired(clean, tmp_path):
+    """A list under a block's key (a foreign writer's): the blocks before it are
+    served, it is counted invalid, and the next put sets the block over it."""
+    tokens = seq(49000, 8 * B)
+    key, good = uploaded(clean, tmp_path / "a", tokens, 3)
+    clean.call(key, "DEL", key)
+    clean.call(key, "RPUSH", key, b"x")
+    with open_host(tmp_path / "b", clean) as b:
+        assert b.lookup(tokens) == 3 * B
+        assert_kv_equal(b.get(tokens), kv_for(LAYOUT, tokens[: 3 * B]))
+        r = remote_stats(b)
+        assert r["hits"] == 3 and r["invalid"] >= 1 and r["errors_other"] == 0, r
+        b.put(tokens, kv_for(LAYOUT, tokens))
+        b.flush()
+        assert remote_stats(b)["write_failures"] == 0
+    assert clean.call(key, "GET", key) == good
+    # Another host that never read it uploads over it too (STRLEN, not EXISTS).
+    clean.call(key, "DEL", key)
+    clean.call(key, "RPUSH", key, b"x")
+    with open_host(tmp_path / "c", clean) as c:
+        c.put(tokens, kv_for(LAYOUT, tokens))
+        c.flush()
+        r = remote_stats(c)
+        assert r["write_failures"] == 0 and r["blocks_uploaded"] >= 1, r
+    assert clean.call(key, "GET", key) == good
 
 
 def test_a_read_takes_no_more_than_the_longest_valid_value(clean, tmp_path):

@@ -343,8 +343,9 @@ class Store:
         return self._raw.save_session(name, toks, flat, t)
 
     def load_session(self, name: str, *, like: Any = None) -> tuple[Any, Any]:
-        """`(tokens, kv)`: the session's token ids (all of them, as saved) and the KV of
-        their longest stored prefix. Raises SessionNotFound (a KeyError) if unknown."""
+        """`(tokens, kv)`: the session's token ids (all of them, as saved last, on any
+        host with a remote tier) and the KV of their longest stored prefix. Raises
+        SessionNotFound (a KeyError) if unknown."""
         toks = self._raw.session_tokens(name)
         kv = self.get(toks, like=like)
         if like is not None and is_torch(like) or like is None and self._array == "torch":
@@ -366,7 +367,9 @@ class Store:
         return dict(self._raw.sessions())
 
     def delete_session(self, name: str) -> bool:
-        """Forgets a session (its blocks stay until gc); False if it did not exist."""
+        """Forgets a session (its blocks stay until gc); False if it did not exist here.
+        With a remote tier the server's copy is emptied too (other hosts' local copies
+        stay)."""
         return self._raw.delete_session(name)
 
     # -- lifecycle and maintenance -----------------------------------------------------------

@@ -412,7 +412,8 @@ impl Client {
     /// Values of `keys` (one slot), `None` where absent or empty, each read
     /// up to `max + 1` bytes (`GETRANGE`): a longer value, which no valid
     /// one is, arrives cut, so a reply never holds more. `MGET` would take
-    /// whatever a writer in the namespace put there.
+    /// whatever a writer in the namespace put there. A key of another type
+    /// reads as an empty value, which no check passes.
     pub(crate) fn get_upto(
         &mut self,
         keys: &[String],
@@ -422,20 +423,33 @@ impl Client {
             .iter()
             .map(|k| redis::cmd("GETRANGE").arg(k).arg(0).arg(max).clone())
             .collect();
-        let v: Vec<Vec<u8>> = self.run(cmds).map_err(|e| Fault::of(&e))?;
-        Ok(v.into_iter()
-            .map(|b| (!b.is_empty()).then_some(b))
-            .collect())
+        let v: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
+        v.into_iter()
+            .map(|v| match v {
+                Value::BulkString(b) if b.is_empty() => Ok(None),
+                Value::BulkString(b) => Ok(Some(b)),
+                Value::ServerError(_) => Ok(Some(Vec::new())),
+                _ => Err(Fault::Other),
+            })
+            .collect()
     }
 
-    /// Whether each of `keys` (one slot) exists.
-    pub(crate) fn exists(&mut self, keys: &[&str]) -> Result<Vec<bool>, Fault> {
+    /// Whether each of `keys` (one slot) holds a non-empty string (`STRLEN`):
+    /// an empty value, or a key of another type, is not a block's and is
+    /// set over.
+    pub(crate) fn present(&mut self, keys: &[&str]) -> Result<Vec<bool>, Fault> {
         let cmds: Vec<Cmd> = keys
             .iter()
-            .map(|k| redis::cmd("EXISTS").arg(*k).clone())
+            .map(|k| redis::cmd("STRLEN").arg(*k).clone())
             .collect();
-        let n: Vec<i64> = self.run(cmds).map_err(|e| Fault::of(&e))?;
-        Ok(n.into_iter().map(|n| n > 0).collect())
+        let v: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
+        v.into_iter()
+            .map(|v| match v {
+                Value::Int(n) => Ok(n > 0),
+                Value::ServerError(_) => Ok(false),
+                _ => Err(Fault::Other),
+            })
+            .collect()
     }
 
     /// Sets each `(key, value)` (one slot), with a time to live if given.
@@ -592,7 +606,10 @@ fn connect(
 /// failure of the connection: `Pipeline::query` goes on reading every reply
 /// after a timeout, a timeout each (16 EXISTS, 8 s at a timeout of 0.5 s).
 /// A server's error (a redirect, a refusal) leaves the connection in step:
-/// the other replies are read, the first error returned.
+/// the other replies are read, the first error returned; but `WRONGTYPE` (a
+/// key of another type, which only a foreign writer leaves under a block's
+/// key) stays in its place as that command's reply, so the rest of the
+/// group is still read.
 fn pipeline<T: redis::FromRedisValue>(
     c: &mut redis::Connection,
     p: &redis::Pipeline,
@@ -602,7 +619,7 @@ fn pipeline<T: redis::FromRedisValue>(
     let mut refused = None;
     for _ in 0..p.len() {
         match c.recv_response()? {
-            Value::ServerError(e) => refused = refused.or(Some(e)),
+            Value::ServerError(e) if e.code() != "WRONGTYPE" => refused = refused.or(Some(e)),
             v => values.push(v),
         }
     }

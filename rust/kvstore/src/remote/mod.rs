@@ -11,6 +11,7 @@
 //! After open, every remote failure is a miss (or a dropped write) and a
 //! counter; nothing here fails a local put or get.
 
+mod behind;
 mod breaker;
 #[cfg(feature = "remote")]
 mod client;
@@ -23,6 +24,7 @@ mod queue;
 
 use crate::error::{Error, Result};
 use crate::id::BlockId;
+use behind::Behind;
 use breaker::Breaker;
 use client::{Client, Fault};
 use keys::Keys;
@@ -243,9 +245,8 @@ fn add(c: &AtomicU64, n: usize) {
 /// Ids this handle believes the server holds (uploaded or read), bounded.
 const KNOWN_MAX: usize = 1 << 20;
 
-/// Keys whose value on the server this handle found invalid or missing,
-/// bounded: their next upload overwrites the value instead of taking it for
-/// present (`EXISTS` holds for an empty value, which reads as missing).
+/// Keys whose value on the server this handle found invalid, bounded: their
+/// next upload overwrites the value instead of taking it for present.
 const INVALID_MAX: usize = 4096;
 
 /// What the uploader thread and the callers share.
@@ -257,6 +258,7 @@ struct Shared {
     writer: Mutex<Client>,
     known: Mutex<HashSet<BlockId>>,
     invalid: Mutex<HashSet<String>>,
+    behind: Behind,
 }
 
 /// An open remote tier (one per store handle).
@@ -299,6 +301,7 @@ impl Remote {
             writer: Mutex::new(writer),
             known: Mutex::new(HashSet::new()),
             invalid: Mutex::new(HashSet::new()),
+            behind: Behind::default(),
         });
         let uploader = (opts.write == WriteMode::Behind).then(|| {
             let s = shared.clone();
@@ -325,6 +328,12 @@ impl Remote {
         self.shared.known.lock().expect("known lock").contains(id)
     }
 
+    /// Whether the server's copy of session `key` may be older than the one
+    /// this handle saved (see `behind`).
+    pub(crate) fn session_behind(&self, key: &str) -> bool {
+        self.shared.behind.is_behind(key)
+    }
+
     /// Remembers (or forgets) that the server holds these blocks.
     pub(crate) fn mark(&self, ids: &[BlockId], held: bool) {
         self.shared.mark(ids.iter(), held);
@@ -338,6 +347,9 @@ impl Remote {
         }
         let ids: Vec<BlockId> = batch.iter().filter_map(|i| i.id).collect();
         self.shared.mark(ids.iter(), true);
+        for i in batch.iter().filter(|i| i.id.is_none()) {
+            self.shared.behind.queued(&i.key);
+        }
         if self.shared.opts.write == WriteMode::Through {
             self.shared.write(&batch);
             return;
@@ -345,6 +357,9 @@ impl Remote {
         if let Err(batch) = self.shared.queue.push(batch) {
             add(&self.shared.counters.writes_dropped, batch.len());
             self.shared.mark(ids.iter(), false);
+            for i in batch.iter().filter(|i| i.id.is_none()) {
+                self.shared.behind.done(&i.key, false);
+            }
         }
     }
 
@@ -390,15 +405,8 @@ impl Remote {
     /// verification: not there for this handle, and overwritten by its next
     /// upload of that key. Counted.
     pub(crate) fn found_invalid(&self, key: &str, id: Option<&BlockId>) {
-        add(&self.shared.counters.invalid, 1);
-        self.found_missing(key, id);
-    }
-
-    /// The value under `key` (of block `id`, or a session) was missing or
-    /// empty: not there for this handle, and set by its next upload of that
-    /// key without asking the server first.
-    pub(crate) fn found_missing(&self, key: &str, id: Option<&BlockId>) {
         self.shared.mark(id.into_iter(), false);
+        add(&self.shared.counters.invalid, 1);
         let mut bad = self.shared.invalid.lock().expect("invalid lock");
         if bad.len() >= INVALID_MAX {
             bad.clear();
@@ -536,9 +544,9 @@ impl Shared {
     }
 
     /// Uploads the values of one hash-tag group (one slot) that the server
-    /// lacks, or that this handle found invalid or missing there, and every
-    /// session (these overwritten without asking): `keys[k]` for block
-    /// `ids[k]` (`None`: a session), whose value
+    /// lacks (no non-empty string under the key), or that this handle found
+    /// invalid there, and every session (these overwritten without asking):
+    /// `keys[k]` for block `ids[k]` (`None`: a session), whose value
     /// `value(k)` makes only for those sent (`None`: unreadable, not sent).
     /// Counts and remembers what happened; a failure is counted, never raised.
     fn send<'v>(
@@ -566,7 +574,7 @@ impl Shared {
         let there = if asked.is_empty() {
             Some(Vec::new())
         } else {
-            self.call(c, asked[0], |c| c.exists(&asked))
+            self.call(c, asked[0], |c| c.present(&asked))
         };
         let Some(there) = there else {
             rep.failed = keys.len() as u64;
@@ -639,9 +647,13 @@ impl Shared {
         let mut c = self.writer.lock().expect("remote writer");
         let keys: Vec<&str> = batch.iter().map(|i| i.key.as_str()).collect();
         let ids: Vec<Option<BlockId>> = batch.iter().map(|i| i.id).collect();
-        self.send(&mut c, &keys, &ids, |k| {
+        let rep = self.send(&mut c, &keys, &ids, |k| {
             Some(Cow::Borrowed(&batch[k].value[..]))
         });
+        // A session's upload is a batch of its own: sent, or not at all.
+        for i in batch.iter().filter(|i| i.id.is_none()) {
+            self.behind.done(&i.key, rep.failed == 0);
+        }
     }
 }
 

@@ -37,7 +37,7 @@ impl Client {
     ) -> Result<Vec<Option<Vec<u8>>>, Fault> {
         match self.0 {}
     }
-    pub(crate) fn exists(&mut self, _: &[&str]) -> Result<Vec<bool>, Fault> {
+    pub(crate) fn present(&mut self, _: &[&str]) -> Result<Vec<bool>, Fault> {
         match self.0 {}
     }
     pub(crate) fn set_all(

@@ -191,10 +191,10 @@ impl Inner {
             let missed = usize::from(good < end - at) - invalid;
             r.count(good, missed);
             r.mark(&ids[at..at + good], true);
-            if good < end - at && invalid == 0 {
+            if good < end - at {
                 // Not there (evicted, lost with a node, or an empty value):
                 // upload it again next time.
-                r.found_missing(&keys[good], Some(&ids[at + good]));
+                r.mark(&ids[at + good..=at + good], false);
             }
             if good > 0 {
                 let promoted = self.promote(
@@ -241,14 +241,17 @@ impl Inner {
         Ok(())
     }
 
-    /// A session saved here goes to the server too.
-    pub(super) fn remote_save_session(&self, name: &str, tokens: &[u32]) {
+    /// A session saved here (`Some` tokens) or deleted here (`None`) goes to
+    /// the server too. A deleted session, or one too large for any host to
+    /// read back, leaves an empty value there (read as missing), so no host
+    /// loads an older copy from the server.
+    pub(super) fn remote_save_session(&self, name: &str, tokens: Option<&[u32]>) {
         let Some(r) = self.remote() else { return };
         let key = r.keys.session(name);
-        let value = r.keys.seal(&key, encode_session(name, tokens));
-        if value.len() > SESSION_VALUE_MAX {
-            return; // no host would read it back: it stays local
-        }
+        let value = tokens
+            .map(|t| r.keys.seal(&key, encode_session(name, t)))
+            .filter(|v| v.len() <= SESSION_VALUE_MAX)
+            .unwrap_or_default();
         r.upload(vec![Item {
             key,
             value,
@@ -256,10 +259,15 @@ impl Inner {
         }]);
     }
 
-    /// A session not saved here, from the server (checked).
+    /// Session `name` from the server (checked): `None` where the server has
+    /// none, or a copy older than this handle's own (still being uploaded,
+    /// or its upload failed).
     pub(super) fn remote_session(&self, name: &str) -> Option<Vec<u32>> {
         let r = self.remote()?;
         let key = r.keys.session(name);
+        if r.session_behind(&key) {
+            return None;
+        }
         let v = r.get(&key, SESSION_VALUE_MAX)?;
         let tokens = r.keys.open(&key, &v).and_then(|p| decode_session(name, p));
         if tokens.is_none() {

@@ -27,23 +27,28 @@ impl Inner {
         let mut txn = self.index.write()?;
         self.index.put_session(&mut txn, &self.tag, name, tokens)?;
         self.index.commit(txn, self.durable())?;
-        self.remote_save_session(name, tokens);
+        self.remote_save_session(name, Some(tokens));
         Ok(n)
     }
 
+    /// The tokens of session `name`. With a remote tier, the server's copy
+    /// comes first: every host's save sets it, so it is the last one saved
+    /// anywhere (an agent that moved to another host and back finds what it
+    /// saved there), unless this handle's own save has not reached it; it is
+    /// kept here too. Without one, or where the server has none, this store's.
     pub(super) fn session_tokens(&self, name: &str) -> Result<Vec<u32>> {
-        let txn = self.index.read()?;
-        if let Some(t) = self.index.get_session(&txn, &self.tag, name)? {
-            return Ok(t);
+        let local = {
+            let txn = self.index.read()?;
+            self.index.get_session(&txn, &self.tag, name)?
+        };
+        let Some(t) = self.remote_session(name) else {
+            return local.ok_or_else(|| Error::SessionNotFound(name.to_string()));
+        };
+        if local.as_ref() != Some(&t) {
+            let mut txn = self.index.write()?;
+            self.index.put_session(&mut txn, &self.tag, name, &t)?;
+            self.index.commit(txn, self.durable())?;
         }
-        drop(txn);
-        // Saved on another host: from the remote tier, kept here too.
-        let t = self
-            .remote_session(name)
-            .ok_or_else(|| Error::SessionNotFound(name.to_string()))?;
-        let mut txn = self.index.write()?;
-        self.index.put_session(&mut txn, &self.tag, name, &t)?;
-        self.index.commit(txn, self.durable())?;
         Ok(t)
     }
 
@@ -56,6 +61,7 @@ impl Inner {
         let mut txn = self.index.write()?;
         let found = self.index.delete_session(&mut txn, &self.tag, name)?;
         self.index.commit(txn, self.durable())?;
+        self.remote_save_session(name, None);
         Ok(found)
     }
 }

@@ -918,14 +918,17 @@ def output(new=(), cached=(), sched=None):
             req_ids=[r for r, _ in cached], new_block_ids=[None] * len(cached),
             resumed_req_ids=set(), num_computed_tokens=[n for _, n in cached]))
 
-def step(sched, w, paged, so):
+def step(sched, w, paged, so, aborted=()):
     # One vLLM step: the metadata, start_load_kv, the forward, wait_for_save, and the
-    # load errors vLLM hands back to the scheduler half (update_connector_output).
+    # load errors vLLM hands back to the scheduler half (update_connector_output),
+    # after the requests `aborted` meanwhile are finished.
     paged.step += 1
     meta = sched.build(so)
     w.load(meta.loads, meta.recomputed)
     w.save(meta.saves)
     w.drain(set(so.num_scheduled_tokens))
+    for rid in aborted:
+        sched.finished(rid)
     errors = w.take_load_errors()
     if errors:
         sched.invalidated(errors)
@@ -943,6 +946,20 @@ def case(variant):
     # (it recomputes 2..7), keeps e at 64 ("shared, recomputed by a") and, under
     # "recompute", keeps blocks 0..7 in its prefix cache.
     sched.allocated(a, A, sched.matched(a, 0))
+    if variant == "gone":
+        # a is aborted while its step runs: vLLM reports the failed load once a is
+        # gone. Later blocks 2, 3 leave vLLM's prefix cache and are computed again
+        # into 20, 21, while a's 4..7 (computed over the garbage) stay: c hits 0, 1,
+        # 20, 21, 4..7 and computes its tail 30, 31.
+        errors = step(sched, w, paged, output(new=[("a", A, 32)], sched={"a": 33}),
+                      aborted=["a"])
+        cc = request("c", P + list(range(300, 317)))
+        C = [0, 1, 20, 21, 4, 5, 6, 7, 30, 31, 32]
+        sched.allocated(cc, C, sched.matched(cc, 64))
+        step(sched, w, paged, output(new=[("c", C, 64)], sched={"c": 17}))
+        w.close()
+        wrong = sorted({(s, b) for s, b in paged.saved if b in (4, 5, 6, 7, 30, 31)})
+        return {"errors": errors, "wrong": wrong, "saved": sorted({b for _, b in paged.saved})}
     sched.allocated(e, E, sched.matched(e, 64))
     errors = step(sched, w, paged, output(new=[("a", A, 32), ("e", E, 64)],
                                           sched={"a": 33, "e": 17}))
@@ -969,7 +986,7 @@ def case(variant):
     wrong = sorted({(s, b) for s, b in paged.saved if s < good.get(b, 99)})
     return {"errors": errors, "wrong": wrong, "saved": sorted({b for _, b in paged.saved})}
 
-print("RESULT " + json.dumps({"chunked": case("chunked"), "aborted": case("aborted")}))
+print("RESULT " + json.dumps({v: case(v) for v in ("chunked", "aborted", "gone")}))
 """
 
 
@@ -989,6 +1006,10 @@ def test_a_failed_block_is_saved_only_once_recomputed(connector_scripts):
     # garbage (e's 9, 10; c's 12, 13) never are.
     assert chunked["saved"] == [2, 3, 4, 5, 6, 7]
     assert aborted["saved"] == []
+    # Aborted before its failed load was reported: what it computed over the failed
+    # blocks is stale all the same, and c's save, which reads it, is not planned.
+    gone = r["gone"]
+    assert gone["errors"] == [2, 3] and gone["wrong"] == [] and gone["saved"] == []
 
 
 RESUMED = r"""

@@ -410,6 +410,11 @@ class _SchedulerHalf:
         # is aborted or preempted). A block stays here until a step writes it again
         # (see _rewritten); no save is planned that reads one.
         self._stale: set[int] = set()
+        # The block lists of requests finished or preempted in the last two steps
+        # (older, newer): a failed load of theirs may be reported after they are gone
+        # (an abort between a step's scheduling and its output), and what they computed
+        # over it is stale all the same.
+        self._gone: list[list[list[int]]] = [[], []]
         self._recomputed: set[int] = set()  # see KVStoreConnectorMetadata.recomputed
         self._lookup_errors = 0
 
@@ -483,6 +488,10 @@ class _SchedulerHalf:
             t.saved_upto = min(t.saved_upto, bad * b)
             t.clean_from = None
             self._stale.update(t.block_ids[bad:])
+        for ids in self._gone[0] + self._gone[1]:
+            if not block_ids.isdisjoint(ids):
+                bad = next(i for i, blk in enumerate(ids) if blk in block_ids)
+                self._stale.update(ids[bad:])
 
     def _rewritten(self, steps: dict[str, tuple[int, int]], loads: list[_Transfer]) -> None:
         """Follows this step's writes (`steps`: req_id -> its computed tokens before the
@@ -529,6 +538,12 @@ class _SchedulerHalf:
     def build(self, so: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(preempted=set(so.preempted_req_ids or ()))
         b = self._block
+        self._gone = [self._gone[1], []]
+        for rid in meta.preempted:
+            t = self._reqs.get(rid)
+            if t is not None and t.block_ids:  # freed now; resumed, it gets new ones
+                self._gone[1].append(t.block_ids)
+                t.block_ids = []
         done: dict[str, int] = {}
         before: dict[str, int] = {}  # req_id -> its computed tokens before this step
         for new in so.scheduled_new_reqs:
@@ -592,6 +607,8 @@ class _SchedulerHalf:
         self._hits.pop(req_id, None)
         self._extras.pop(req_id, None)
         t = self._reqs.pop(req_id, None)
+        if t is not None and t.block_ids:
+            self._gone[1].append(t.block_ids)
         return t is not None and t.any_save
 
 

@@ -591,6 +591,21 @@ def test_views_and_pools_after_close(tmp_path):
 @pytest.mark.parametrize(
     "call",
     [
+        lambda s: s.load_session(3),
+        lambda s: s.session_tokens(None),
+        lambda s: s.delete_session(b"n"),
+        lambda s: s.add_counters([("vllm.x", 1)]),
+        lambda s: s.add_counters({"vllm.x": "many"}),
+    ],
+    ids=["load_session", "session_tokens", "delete_session", "counters_list", "counters_str"],
+)
+def test_session_names_and_counters_of_the_wrong_type(s, call):
+    _rejects(s, lambda: call(s))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
         lambda s: s.pin(TOKENS),
         lambda s: s.unpin(TOKENS),
         lambda s: s.hot_blocks(TOKENS),

@@ -243,6 +243,117 @@ def test_sliding_window_layers_are_refused(tmp_path: Path, model: Any) -> None:
         hf.save(store, ids, cache)
 
 
+def test_caches_that_hold_no_plain_prefix_are_refused(tmp_path: Path, model: Any) -> None:
+    """A legacy tuple of a sliding-window cache (its keys are the window's, the last
+    tokens'), and any layer other than DynamicLayer / StaticLayer (an indexed layer
+    adds keys of its own), are refused: before, the tuple stored the last tokens' KV
+    under the first tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.cache_utils import DynamicIndexedLayer
+
+    config = Qwen2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, use_sliding_window=True, sliding_window=40,
+        max_window_layers=0, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    sliding = Qwen2ForCausalLM(config).eval()
+    ids = prompt(100) % 1000
+    legacy = tuple(prefill(sliding, ids))
+    assert len(legacy[0]) == 3 and legacy[0][0].shape[-2] < 100  # (keys, values, window)
+    cache = prefill(model, prompt(40))
+    cache.layers[2] = DynamicIndexedLayer()
+    with hf.open(tmp_path / "s", sliding, fingerprint="t", durability="none") as store:
+        with pytest.raises(kvstore.InvalidInput, match="layer 0 of the tuple is a sliding"):
+            hf.save(store, ids, legacy)
+        assert store.stats()["blocks"] == 0
+    with (
+        hf.open(tmp_path / "m", model, fingerprint="t", durability="none") as store,
+        pytest.raises(kvstore.InvalidInput, match="layer 2 is a DynamicIndexedLayer"),
+    ):
+        hf.save(store, prompt(40), cache)
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_scaled_by_the_sequence_length_is_refused(
+    tmp_path: Path, model: Any, rope_type: str
+) -> None:
+    """Dynamic NTK and LongRoPE rescale every position once the sequence passes the
+    trained length, so a prefix's KV depends on what follows it: such a model is
+    refused by layout_of, hf.open and generate."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 10000.0}
+    if rope_type == "longrope":
+        params.update(short_factor=[1.0] * 16, long_factor=[4.0] * 16,
+                      original_max_position_embeddings=32)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=32,
+        rope_parameters=params,
+    )  # fmt: skip
+    scaled = LlamaForCausalLM(config).eval()
+    match = f"rope_type '{rope_type}'"
+    with pytest.raises(kvstore.InvalidInput, match=match):
+        hf.layout_of(config)
+    with pytest.raises(kvstore.InvalidInput, match=match):
+        hf.open(tmp_path / "s", scaled, fingerprint="t")
+    with (
+        hf.open(tmp_path / "m", model, fingerprint="t", durability="none") as store,
+        pytest.raises(kvstore.InvalidInput, match=match),
+    ):
+        hf.generate(scaled, store, prompt(40) % 1000, max_new_tokens=2)
+
+
+def test_generate_refuses_padding_positions_and_caches_before_generating(
+    tmp_path: Path, model: Any
+) -> None:
+    """A padded mask or given positions would store KV of other positions under the
+    plain tokens; a model whose cache has sliding layers cannot be saved: each is
+    refused before anything is generated."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    ids = prompt(40)
+    padded = torch.ones_like(ids)
+    padded[0, :4] = 0
+
+    class Counting:  # the model, counting generate calls
+        def __init__(self, m: Any) -> None:
+            self.m, self.calls = m, 0
+
+        def __getattr__(self, k: str) -> Any:
+            return getattr(self.m, k)
+
+        def generate(self, *a: Any, **kw: Any) -> Any:
+            self.calls += 1
+            return self.m.generate(*a, **kw)
+
+    config = Qwen2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, use_sliding_window=True, sliding_window=8,
+        max_window_layers=0, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    sliding = Counting(Qwen2ForCausalLM(config).eval())
+    m = Counting(model)
+    with hf.open(tmp_path / "s", model, fingerprint="t", durability="none") as store:
+        for kw, match in (
+            ({"attention_mask": padded}, "all ones"),
+            ({"position_ids": torch.arange(40)[None]}, "position_ids"),
+            ({"cache_position": torch.arange(40)}, "cache_position"),
+            ({"cache": None}, "cache"),
+            ({"past_key_values": None}, "past_key_values"),
+        ):
+            with pytest.raises(kvstore.InvalidInput, match=match):
+                hf.generate(m, store, ids, max_new_tokens=2, **kw)
+        with pytest.raises(kvstore.InvalidInput, match="save=False"):
+            hf.generate(sliding, store, ids % 1000, max_new_tokens=2)
+        assert m.calls == 0 and sliding.calls == 0
+        out = hf.generate(sliding, store, ids % 1000, max_new_tokens=2, save=False)
+        assert out.shape == (1, 42) and sliding.calls == 1
+        # An all-ones mask is what generate passes anyway.
+        out = hf.generate(m, store, ids, max_new_tokens=2, attention_mask=torch.ones_like(ids))
+        assert m.calls == 1 and store.stats()["blocks"] > 0
+
+
 def test_bad_input_raises_and_writes_nothing(tmp_path: Path, model: Any) -> None:
     ids = prompt(40)
     cache = prefill(model, ids)

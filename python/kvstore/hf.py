@@ -68,12 +68,36 @@ def _model_dtype(model_or_config: Any) -> Any:
     return "float32"  # what transformers instantiates a config without a dtype in
 
 
+# RoPE types whose rotation depends on the whole sequence's length (rescaled past
+# the trained length, or switching factors there): a prefix's KV then depends on the
+# tokens after it, so no prefix can be stored.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _check_rope(config: Any) -> None:
+    """InvalidInput if the config's RoPE makes a prefix's KV depend on later tokens."""
+    found = [getattr(config, a, None) for a in ("rope_parameters", "rope_scaling")]
+    params = [p for p in found if isinstance(p, dict)]
+    # Per layer type ({"full_attention": {...}, "sliding_attention": {...}}) or one dict.
+    params += [v for p in list(params) for v in p.values() if isinstance(v, dict)]
+    for p in params:
+        kind = p.get("rope_type", p.get("type"))
+        if kind in _LENGTH_DEPENDENT_ROPE:
+            raise InvalidInput(
+                f"model: rope_type {kind!r} rescales every position by the sequence's "
+                "length, so a prefix's KV depends on the tokens after it and cannot be "
+                "stored"
+            )
+
+
 def layout_of(model_or_config: Any, block_size: int = 16) -> Layout:
     """The KV layout of a transformers model (or its config): `num_hidden_layers`,
     `num_key_value_heads` (default: `num_attention_heads`), `head_dim` (default:
     `hidden_size // num_attention_heads`) and the dtype of the model's parameters
-    (for a config: its `dtype` / `torch_dtype`, else float32)."""
+    (for a config: its `dtype` / `torch_dtype`, else float32). InvalidInput for a
+    model whose prefix KV depends on later tokens (dynamic or LongRoPE scaling)."""
     config = _text_config(model_or_config)
+    _check_rope(config)
     try:
         num_layers = int(config.num_hidden_layers)
         num_heads = int(config.num_attention_heads)
@@ -201,11 +225,22 @@ def _token_ids(input_ids: Any, what: str = "input_ids") -> Any:
 
 def _layer_kv(past_key_values: Any) -> list[tuple[Any, Any, int]]:
     """(keys, values, valid tokens) per layer of a transformers Cache or a legacy tuple."""
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
     layers = getattr(past_key_values, "layers", None)
     if layers is None:
         if isinstance(past_key_values, (tuple, list)) and all(
             isinstance(x, (tuple, list)) and len(x) >= 2 for x in past_key_values
         ):
+            for i, (_, _, *rest) in enumerate(past_key_values):
+                # tuple(DynamicCache) gives (keys, values, sliding window) per layer: a
+                # window's keys are its last tokens', not the prefix's first.
+                if any(r is not None for r in rest):
+                    raise InvalidInput(
+                        f"past_key_values: layer {i} of the tuple is a sliding window "
+                        f"({rest[0]!r}); only full-attention layers keep the KV of every "
+                        "token of a prefix"
+                    )
             return [(k, v, int(k.shape[-2])) for k, v, *_ in past_key_values]
         raise InvalidInput(
             "past_key_values: expected a transformers Cache (e.g. DynamicCache) or a tuple "
@@ -213,11 +248,12 @@ def _layer_kv(past_key_values: Any) -> list[tuple[Any, Any, int]]:
         )
     out = []
     for i, layer in enumerate(layers):
-        kind = type(layer).__name__
-        if getattr(layer, "is_sliding", False) or "Quantized" in kind or "Linear" in kind:
+        # Only these two keep every token's KV and nothing else (a sliding, quantized,
+        # linear-attention or indexed layer drops, transforms or adds to it).
+        if type(layer) not in (DynamicLayer, StaticLayer):
             raise InvalidInput(
-                f"past_key_values: layer {i} is a {kind}; only full-attention layers "
-                "(DynamicLayer, StaticLayer) keep the KV of every token of a prefix"
+                f"past_key_values: layer {i} is a {type(layer).__name__}; only full-attention "
+                "layers (DynamicLayer, StaticLayer) keep the KV of every token of a prefix"
             )
         if not getattr(layer, "is_initialized", True) or getattr(layer, "keys", None) is None:
             out.append((None, None, 0))  # lazily initialized, nothing cached yet
@@ -486,12 +522,24 @@ def generate(
     blocks are stored (every beam shares them).
     """
     import torch
+    from transformers.generation import utils as generation
 
-    if "past_key_values" in generate_kwargs:
-        raise InvalidInput("past_key_values: hf.generate builds the cache from the store")
+    for k in ("past_key_values", "cache", "position_ids", "cache_position"):
+        if k in generate_kwargs:
+            raise InvalidInput(f"{k}: hf.generate builds the cache and positions from the store")
     ids = _token_ids(input_ids)
     if len(ids) == 0:
         raise InvalidInput("input_ids: expected at least one token, got none")
+    mask = generate_kwargs.pop("attention_mask", None)
+    if mask is not None and not bool(torch.as_tensor(mask).eq(1).all()):
+        # Padding shifts the positions: that KV is not the plain tokens' KV.
+        raise InvalidInput("attention_mask: expected all ones (batch size 1, no padding)")
+    _check_rope(_text_config(model))
+    if save and _full_attention_layers(model.config) is None:
+        raise InvalidInput(
+            "model: its cache has layers other than full attention (sliding window, "
+            "linear attention, ...), which keep no prefix to store; pass save=False"
+        )
     b = store.layout.block_size
     device = getattr(model, "device", None)
     cache, n = load(
@@ -500,8 +548,10 @@ def generate(
     row = ids[None].to(device) if device is not None else ids[None]
     # With a non-empty cache, generate slices input_ids to the uncached part only when
     # the attention mask spans the whole sequence.
-    generate_kwargs.setdefault("attention_mask", torch.ones_like(row))
-    out = model.generate(row, past_key_values=cache, **generate_kwargs)
+    mask = torch.ones_like(row)
+    # `cache` since transformers 5.x; `past_key_values` before (deprecated after).
+    name = "cache" if "cache" in getattr(generation, "ALL_CACHE_NAMES", ()) else "past_key_values"
+    out = model.generate(row, attention_mask=mask, **{name: cache}, **generate_kwargs)
     stored = 0
     if save:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences

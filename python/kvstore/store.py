@@ -49,6 +49,11 @@ RESULT_POOL_BYTES = 512 << 20
 _RESULTS = ResultPool(RESULT_POOL_BYTES)
 
 
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str):
+        raise InvalidInput(f"name: expected str, got {type(name).__name__}")
+
+
 def _check_callable(progress: Any) -> None:
     if progress is not None and not callable(progress):
         raise InvalidInput(f"progress: expected a callable or None, got {type(progress).__name__}")
@@ -332,8 +337,7 @@ class Store:
         (shared with any other session or put of the same prefix): `kv` may be shorter
         than `tokens`, e.g. a cache that has not yet seen the last generated token.
         Returns the tokens whose KV is stored."""
-        if not isinstance(name, str):
-            raise InvalidInput(f"name: expected str, got {type(name).__name__}")
+        _check_name(name)
         toks = tokens_array(tokens)
         b = self.layout.block_size
         # The engine stores the full blocks of min(len(tokens), T) tokens.
@@ -346,6 +350,7 @@ class Store:
         """`(tokens, kv)`: the session's token ids (all of them, as saved last, on any
         host with a remote tier) and the KV of their longest stored prefix. Raises
         SessionNotFound (a KeyError) if unknown."""
+        _check_name(name)
         toks = self._raw.session_tokens(name)
         kv = self.get(toks, like=like)
         if like is not None and is_torch(like) or like is None and self._array == "torch":
@@ -356,6 +361,7 @@ class Store:
 
     def session_tokens(self, name: str) -> np.ndarray:
         """The token ids bound to a session (int64). SessionNotFound if unknown."""
+        _check_name(name)
         return self._raw.session_tokens(name).astype(np.int64)
 
     def sessions(self) -> list[str]:
@@ -370,6 +376,7 @@ class Store:
         """Forgets a session (its blocks stay until gc); False if it did not exist here.
         With a remote tier the server's copy is emptied too (other hosts' local copies
         stay)."""
+        _check_name(name)
         return self._raw.delete_session(name)
 
     # -- lifecycle and maintenance -----------------------------------------------------------
@@ -396,7 +403,14 @@ class Store:
         errors): saved with its hit and miss totals at flush and close, shown store-wide
         in `stats()["counters"]` and by `kvstore stats`. Names: 1 to 64 characters of
         `a-z 0-9 _ . -`, e.g. "vllm.hit_tokens"."""
-        self._raw.add_counters([(k, int(v)) for k, v in counts.items()])
+        if not isinstance(counts, dict):
+            kind = type(counts).__name__
+            raise InvalidInput(f"counts: expected a dict of names to ints, got {kind}")
+        try:
+            pairs = [(k, int(v)) for k, v in counts.items()]
+        except (TypeError, ValueError) as e:
+            raise InvalidInput(f"counts: expected int values, got {e}") from None
+        self._raw.add_counters(pairs)
 
     def segments(self) -> list[SegmentReport]:
         """Per segment file: bytes on disk, committed, live and dead, live records."""

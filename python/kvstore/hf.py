@@ -267,6 +267,10 @@ def cache_to_kv(past_key_values: Any, tokens: int | None = None) -> torch.Tensor
     CPU tensor `[L, 2, T, H, D]`, the store's order (per layer K then V, token-major)."""
     import torch
 
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # An offloading cache moves layers to the CPU with non_blocking=True, and back
+        # on a stream of its own: wait for those copies before reading any of them.
+        torch.cuda.synchronize()
     layers = _layer_kv(past_key_values)
     if not layers or layers[0][0] is None:
         raise InvalidInput("past_key_values: expected a cache holding KV, got an empty one")

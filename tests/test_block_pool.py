@@ -106,6 +106,77 @@ def test_release_is_idempotent_and_a_released_table_is_dead(opened):
         s.reserve(20)
 
 
+def test_a_released_or_foreign_table_is_neither_saved_nor_gathered(opened):
+    """A released table's blocks may hold another sequence's KV by now, and another
+    pool's table names blocks of that pool: saving either would store wrong KV."""
+    pool = BlockPool(opened.layout, 2, device="cpu")
+    a = pool.new_sequence()
+    a.reserve(16)
+    a.length = 16
+    a.release()
+    b = pool.new_sequence()
+    b.reserve(16)  # a's blocks, now b's
+    foreign = BlockPool(opened.layout, 2, device="cpu").new_sequence()
+    foreign.reserve(16)
+    foreign.length = 16
+    for table, match in ((a, "released"), (foreign, "of this pool")):
+        with pytest.raises(kvstore.InvalidInput, match=match):
+            pool.save(opened, table, list(range(16)))
+        with pytest.raises(kvstore.InvalidInput, match=match):
+            pool.gather(table)
+    b.length = 40  # past its 2 blocks
+    with pytest.raises(kvstore.InvalidInput, match="within its blocks"):
+        pool.save(opened, b, list(range(40)))
+    assert opened.lookup(list(range(40))) == 0
+
+
+def test_a_loaded_block_is_read_only(opened):
+    """Loaded blocks are shared by every sequence of that prefix (and kept for later
+    loads): a write into one would change their KV. Positions past the loaded
+    prefix, in the sequence's own blocks, are writable."""
+    tokens = seq(300, 16)
+    kv = put(opened, tokens)
+    pool = BlockPool(opened.layout, 8, device="cpu")
+    a, b = pool.load(opened, tokens), pool.load(opened, tokens)
+    assert a.blocks == b.blocks
+    for start, count in ((3, 1), (0, 16), (15, 2)):
+        with pytest.raises(kvstore.InvalidInput, match="read-only"):
+            a.reserve(start + count)
+            a.slot_mapping(start, count)
+    slots = a.slot_mapping(16, 1)  # its own block
+    assert int(slots[0]) // 8 not in b.blocks
+    assert_kv_equal(pool.gather(b), kv)
+    a.release()
+    b.release()
+    with pool.load(opened, tokens) as c:
+        assert_kv_equal(pool.gather(c), kv)
+
+
+def test_an_fp8_pool_loads_raw_e4m3_without_a_hot_tier(tmp_path):
+    """From the segments, on the CPU (index_copy_ has no float8 kernel there): the
+    stored bytes, unit scales; a load that fails gives its blocks back."""
+    layout = small_layout("float8_e4m3fn", block_size=8)
+    tokens = seq(700, 32)
+    kv = torch.randn(layout.kv_shape(32)).to(torch.float8_e4m3fn)
+    with kvstore.open(tmp_path / "s", layout=layout, model="m@1", durability="none") as s:
+        s.put(tokens, kv)
+        pool = BlockPool(layout, 8, device="cpu")
+        with pool.load(s, tokens) as t:
+            assert t.length == 32 and pool.hot_loads == 0
+            assert torch.equal(pool.gather(t).view(torch.uint8), kv.view(torch.uint8))
+            assert pool.scales is not None
+            assert bool((pool.scales[:, :, t.blocks] == 1).all())
+        pool2 = BlockPool(layout, 8, device="cpu")
+
+        def broken(*a: Any, **k: Any) -> None:
+            raise RuntimeError("copy failed")
+
+        pool2._copy_in = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="copy failed"):
+            pool2.load(s, tokens)
+        assert pool2.num_free == 8
+
+
 def test_eviction_takes_least_recently_released_and_full_pool_raises(opened):
     first, second, third = seq(0, 16), seq(1000, 16), seq(2000, 16)
     for t in (first, second, third):

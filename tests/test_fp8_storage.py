@@ -234,6 +234,11 @@ def test_bf16_pool_loads_dequantized_from_an_fp8_store(tmp_path, hot):
             exact = pool.load(e, toks)
             assert not set(exact.blocks) & set(table.blocks)
             assert torch.equal(pool.gather(exact), kv)
+            # Nor is the dequantized sequence saved into an exact store as exact KV.
+            other = list(range(1000, 1000 + n))
+            with pytest.raises(kvstore.InvalidInput, match="not exact"):
+                pool.save(e, table, other)
+            assert e.lookup(other) == 0 and not exact.lossy and table.lossy
         # A pool of another dtype is refused rather than converted.
         with pytest.raises(kvstore.InvalidInput):
             BlockPool(kvstore.Layout(L, H, D, "float16", B), 8, device="cpu").load(s, toks)

@@ -26,6 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import kvstore  # noqa: E402
 from kvstore import ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -416,8 +417,15 @@ def test_write_kv_fp8_then_attention():
 
 def test_fp8_bad_arguments_raise_clear_errors():
     q, kc, vc, ks, vs, tables, lens = fp8_case([5], 2, 2, 64, torch.float32)
-    with pytest.raises(ValueError, match="key_scales and value_scales"):
+    with pytest.raises(kvstore.InvalidInput, match="key_scales and value_scales"):
         ops.paged_attention(q, kc, vc, tables, lens, 0.1)
+    # value_scales alone with a 16-bit cache: refused, not silently ignored.
+    kb, vb = kc.float().bfloat16(), vc.float().bfloat16()
+    with pytest.raises(kvstore.InvalidInput, match="key_scales and value_scales"):
+        ops.paged_attention(q, kb, vb, tables, lens, 0.1, value_scales=vs)
+    with pytest.raises(kvstore.InvalidInput, match="key_scales and value_scales"):
+        ops.write_kv(torch.randn(1, 2, 64), torch.randn(1, 2, 64), kb, vb,
+                     torch.tensor([0]), value_scales=vs)  # fmt: skip
     with pytest.raises(RuntimeError, match=r"key_scales: expected shape"):
         ops.paged_attention(q, kc, vc, tables, lens, 0.1, ks[:, :1], vs)
     with pytest.raises(RuntimeError, match="key_scales: expected a float32"):

@@ -67,6 +67,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import InvalidInput
+
 __all__ = [
     "FP8_MAX",
     "compile_check",
@@ -325,16 +327,20 @@ def paged_attention(
     Returns `[num_seqs, num_heads, D]` in query's dtype: for each sequence `s` and
     head `i`, softmax(scale * q·K[:len]) · V[:len], K and V gathered through
     `block_tables[s]` (token `t` is at block `block_tables[s, t // B]`, offset
-    `t % B`). A sequence of length 0 gives zeros.
+    `t % B`). A sequence of length 0 gives zeros. The CPU op checks every block id and
+    length against the cache; the CUDA op does not (a device-side check would cost a
+    sync): its tables must hold valid ids, as `BlockPool` tables do.
 
     fp8 caches (`torch.float8_e4m3fn`) need `key_scales` and `value_scales`
     (float32 `[num_blocks, H]`): `torch.ops.kvstore.paged_attention_fp8`.
     """
     _ensure_loaded()
-    if key_cache.dtype == torch.float8_e4m3fn or key_scales is not None:
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8 or key_scales is not None or value_scales is not None:
         if key_scales is None or value_scales is None:
-            raise ValueError(
-                "kvstore.paged_attention: fp8 caches need key_scales and value_scales "
+            raise InvalidInput(
+                "kvstore.paged_attention: fp8 caches need key_scales and value_scales, and only "
+                "they take them "
                 "(float32 [num_blocks, num_kv_heads])"
             )
         return torch.ops.kvstore.paged_attention_fp8(
@@ -355,17 +361,20 @@ def write_kv(
     value_scales: torch.Tensor | None = None,
 ) -> None:
     """Writes `key`/`value` `[num_tokens, H, D]` into the caches at `slot_mapping`
-    (int64, `block * B + offset`; negative: skipped), in place.
+    (int64, `block * B + offset`; negative: skipped), in place. The CPU op refuses a
+    slot past the cache; the CUDA op skips it.
 
     fp8 caches (`torch.float8_e4m3fn`, with `key_scales`/`value_scales` float32
     `[num_blocks, H]`, updated in place) quantize on the way in, `key`/`value` in any
     float dtype: `torch.ops.kvstore.write_kv_fp8`, scale policy in the module doc.
     """
     _ensure_loaded()
-    if key_cache.dtype == torch.float8_e4m3fn or key_scales is not None:
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8 or key_scales is not None or value_scales is not None:
         if key_scales is None or value_scales is None:
-            raise ValueError(
-                "kvstore.write_kv: fp8 caches need key_scales and value_scales "
+            raise InvalidInput(
+                "kvstore.write_kv: fp8 caches need key_scales and value_scales, and only "
+                "they take them "
                 "(float32 [num_blocks, num_kv_heads])"
             )
         torch.ops.kvstore.write_kv_fp8(

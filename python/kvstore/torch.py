@@ -24,7 +24,9 @@ content until the space is needed (least recently released first), so a later
 
 Blocks added by decoding (`seq.reserve`, then `ops.write_kv` at
 `seq.slot_mapping`) belong to their sequence only; `pool.save(store, seq,
-tokens)` puts them into the store.
+tokens)` puts them into the store. Loaded blocks are read-only: `slot_mapping`
+refuses positions in them. `save` and `gather` refuse a released table (its
+blocks may hold another sequence's KV by now) and another pool's.
 
 fp8 pools (`layout.dtype == "float8_e4m3fn"`) hold e4m3 KV and, beside it,
 `pool.scales`, float32 `[L, 2, num_blocks, H]`: one scale per (block, kv head), the
@@ -37,7 +39,8 @@ back. A store with `storage="fp8"` (see `kvstore.fp8`) keeps the scales: an fp8 
 loads its blocks' bytes and scales as they are, and saves them as they are
 (`Store.put_fp8`), never quantizing again. A pool of the store's own dtype (e.g.
 bfloat16) loads from such a store too: its blocks come dequantized (`Store.get`),
-keyed by the fp8 store's block ids, so they are never taken for exact KV.
+keyed by the fp8 store's block ids, so they are never taken for exact KV; such a
+sequence is `lossy`, and `save` refuses it into a store without fp8 storage.
 
 The store's block ids are salted, so tenants with different salts sharing one
 pool never reuse each other's blocks (as in the store itself); `namespace` (any
@@ -229,10 +232,15 @@ class BlockTable:
     `release()` or by using the object as a context manager.
     """
 
-    def __init__(self, pool: BlockPool, blocks: list[int], length: int) -> None:
+    def __init__(
+        self, pool: BlockPool, blocks: list[int], length: int, lossy: bool = False
+    ) -> None:
         self.pool = pool
         self.blocks = blocks
         self.length = length
+        # Loaded dequantized from an fp8 store: neither its blocks nor what is computed
+        # over them is exact KV (`save` refuses an exact store).
+        self.lossy = lossy
         self._released = False
         self._table: torch.Tensor | None = None
 
@@ -270,6 +278,13 @@ class BlockTable:
                 f"{self.capacity}; call reserve() first"
             )
         b = self.pool.layout.block_size
+        if self.pool._shared(self.blocks[start // b : -(-(start + count) // b)]):
+            # A block loaded from a store is keyed by its content and shared by every
+            # sequence of that prefix: writing it would change their KV too.
+            raise InvalidInput(
+                f"positions {start}..{start + count}: a loaded block (shared by its content) "
+                "is read-only; write past the loaded prefix"
+            )
         pos = torch.arange(start, start + count)
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
         return (blocks[pos // b] * b + pos % b).to(self.pool.device)
@@ -468,7 +483,7 @@ class BlockPool:
         except BaseException:
             self._release(blocks)
             raise
-        return BlockTable(self, blocks, len(blocks) * b)
+        return BlockTable(self, blocks, len(blocks) * b, lossy=self._dequantizes(store.layout))
 
     def _takes_fp8_of(self, layout: Layout) -> bool:
         """An fp8 pool loads from a store with fp8 storage of the same shape: its
@@ -501,12 +516,16 @@ class BlockPool:
             return []
         new = self._allocate(got - first)
         assert self.scales is not None
-        idx = torch.tensor(new, dtype=torch.int64, device=self.device)
-        # As bytes: index_copy_ has no float8 kernel on the CPU.
-        self.kv.view(torch.uint8).index_copy_(
-            2, idx, values[:, :, first:got].view(torch.uint8).to(self.device)
-        )
-        self.scales.index_copy_(2, idx, scales[:, :, first:got].to(self.device))
+        try:
+            idx = torch.tensor(new, dtype=torch.int64, device=self.device)
+            # As bytes: index_copy_ has no float8 kernel on the CPU.
+            self.kv.view(torch.uint8).index_copy_(
+                2, idx, values[:, :, first:got].view(torch.uint8).to(self.device)
+            )
+            self.scales.index_copy_(2, idx, scales[:, :, first:got].to(self.device))
+        except BaseException:
+            self._release(new)
+            raise
         self._publish(keys[first:], new)
         return new
 
@@ -539,27 +558,36 @@ class BlockPool:
             if got <= first:  # a block went missing (damaged, gc'd) since lookup
                 return []
             new = self._allocate(got - first)
-            src = host.view(L, 2, stop, B, H, D)[:, :, first:got]
-            dst_index = torch.tensor(new, dtype=torch.int64, device=self.device)
-            if self.device.type == "cuda":
-                staged = torch.empty(
-                    (L, 2, got - first, B, H, D), dtype=self.dtype, device=self.device
-                )
-                if src.is_contiguous():
-                    staged.copy_(src, non_blocking=True)
-                else:  # each (layer, K/V) plane of the range is contiguous: one DMA each
-                    for layer in range(L):
-                        for kv in range(2):
-                            staged[layer, kv].copy_(src[layer, kv], non_blocking=True)
-                self.kv.index_copy_(2, dst_index, staged)
-                # The next read into the pinned buffer must wait for these copies.
-                assert self._staging_done is not None
-                self._staging_done.record()
-            else:
-                self.kv.index_copy_(2, dst_index, src)
-            self._unit_scales(new)
+            try:
+                self._copy_in(host.view(L, 2, stop, B, H, D)[:, :, first:got], new)
+            except BaseException:
+                self._release(new)
+                raise
         self._publish(keys[first:], new)
         return new
+
+    def _copy_in(self, src: torch.Tensor, new: list[int]) -> None:
+        """Copies `src` `[L, 2, n, B, H, D]` (the host buffer) into blocks `new`, with
+        unit scales in an fp8 pool. Called with the staging lock held."""
+        dst_index = torch.tensor(new, dtype=torch.int64, device=self.device)
+        dst = self.kv
+        if self.scales is not None:  # as bytes: index_copy_ has no float8 kernel on the CPU
+            dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+        if self.device.type == "cuda":
+            staged = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            if src.is_contiguous():
+                staged.copy_(src, non_blocking=True)
+            else:  # each (layer, K/V) plane of the range is contiguous: one DMA each
+                for layer in range(src.shape[0]):
+                    for kv in range(2):
+                        staged[layer, kv].copy_(src[layer, kv], non_blocking=True)
+            dst.index_copy_(2, dst_index, staged)
+            # The next read into the pinned buffer must wait for these copies.
+            assert self._staging_done is not None
+            self._staging_done.record()
+        else:
+            dst.index_copy_(2, dst_index, src)
+        self._unit_scales(new)
 
     def _publish(self, keys: list[BlockKey], blocks: list[int]) -> None:
         """Makes freshly filled blocks findable by content key for later loads."""
@@ -629,10 +657,16 @@ class BlockPool:
         """Puts the KV of the full blocks of `seq` (token ids `tokens`, at least
         `seq.length` of them) into `store`; returns the tokens covered. An fp8 pool
         saves into a store with fp8 storage its blocks' bytes and scales as they are."""
+        self._check_seq(seq)
         toks = tokens_array(tokens)
         n = min(seq.length, len(toks)) // self.layout.block_size * self.layout.block_size
         if n == 0:
             return 0
+        if seq.lossy and store.layout.storage != "fp8":
+            raise InvalidInput(
+                "save: this sequence was loaded dequantized from an fp8 store, so its KV "
+                "is not exact; save it into a store with storage='fp8'"
+            )
         if self.scales is not None and store.layout.storage == "fp8":
             if not self._takes_fp8_of(store.layout):
                 raise InvalidInput(
@@ -657,7 +691,13 @@ class BlockPool:
     def gather(self, seq: BlockTable, tokens: int | None = None) -> torch.Tensor:
         """The KV of the first `tokens` (default: `seq.length`) tokens of `seq` as a
         contiguous `[L, 2, tokens, H, D]` tensor on the pool's device."""
+        self._check_seq(seq)
         n = seq.length if tokens is None else tokens
+        if not 0 <= n <= min(seq.length, seq.capacity):
+            raise InvalidInput(
+                f"tokens: expected 0 to {min(seq.length, seq.capacity)} (the sequence's "
+                f"length within its blocks), got {n}"
+            )
         b = self.layout.block_size
         nb = -(-n // b)
         idx = torch.tensor(seq.blocks[:nb], dtype=torch.int64, device=self.device)
@@ -669,6 +709,18 @@ class BlockPool:
         if seq.pool is not self:
             raise InvalidInput("seq: expected a BlockTable of this pool")
         seq.release()
+
+    def _check_seq(self, seq: BlockTable) -> None:
+        """A live BlockTable of this pool (a released one's blocks may hold another
+        sequence's KV by now)."""
+        if not isinstance(seq, BlockTable) or seq.pool is not self:
+            raise InvalidInput("seq: expected a BlockTable of this pool")
+        seq._check_live()
+
+    def _shared(self, blocks: list[int]) -> bool:
+        """Whether any of `blocks` is keyed by its content (loaded, shared)."""
+        with self._lock:
+            return any(blk in self._key_of for blk in blocks)
 
     def new_sequence(self) -> BlockTable:
         """An empty sequence (no blocks yet), e.g. to prefill without a store."""

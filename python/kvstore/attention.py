@@ -10,7 +10,7 @@ pool = BlockPool(layout, num_blocks=1024)
 seq = pool.load(store, prompt[:-1])         # KV of the longest stored prefix (1 token left to feed)
 cache = attention.PagedCache(pool, [seq])
 new = attention.greedy(model, cache, prompt[seq.length:], max_new_tokens=32)
-# or model.generate(prompt[None], past_key_values=cache, max_new_tokens=32, do_sample=False)
+# or model.generate(prompt[None], cache=cache, max_new_tokens=32, do_sample=False)
 ```
 
 `PagedCache` is a transformers `Cache` whose layers keep their KV in the pool:
@@ -20,7 +20,8 @@ as the sequences grow) and the registered attention function attends with
 hand its cache to the attention function, so the cache's `update` leaves a note
 for it (thread-local, matched by the identity of the key tensor it returns);
 the forward kwarg `kvstore_cache=<PagedCache>` names the cache explicitly
-instead. `model.generate(ids, past_key_values=cache)` works too.
+instead. `model.generate(ids, cache=cache)` works too (`past_key_values=` in older
+transformers).
 
 Several query tokens per sequence (a prompt's remainder) are attended as one
 decode query per position with causal lengths. One batch row per sequence; rows
@@ -38,7 +39,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import ops
+from . import hf, ops
 from .errors import InvalidInput
 from .torch import BlockPool, BlockTable
 
@@ -278,7 +279,7 @@ def greedy(
     out = []
     for _ in range(max_new_tokens):
         pos = cache.position_ids(ids.shape[1]).to(model.device)
-        logits = model(input_ids=ids, position_ids=pos, past_key_values=cache).logits
+        logits = model(input_ids=ids, position_ids=pos, **hf.cache_kwarg(cache)).logits
         ids = logits[:, -1].argmax(-1, keepdim=True)
         out.append(ids)
     return torch.cat(out, dim=1)

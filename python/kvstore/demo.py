@@ -162,10 +162,12 @@ def warm_up(model: Any) -> None:
     clock: a short prefill, then a step on its cache, as the timed calls do."""
     import torch
 
+    from . import hf
+
     ids = tokens(48, 9, model.config.vocab_size)
     with torch.inference_mode():
         cache = model(ids[:, :32], use_cache=True).past_key_values
-        model(ids[:, 32:], past_key_values=cache, use_cache=True)
+        model(ids[:, 32:], **hf.cache_kwarg(cache), use_cache=True)
     recompute(model, ids[:, :16], 2)
 
 
@@ -200,7 +202,7 @@ def _restored_first_token(
     t_load = time.perf_counter() - t0
     nxt = _cat(ids, user_turn(plan, -1, model.config.vocab_size))
     keep = 0 if all_logits else 1  # 0: all
-    logits = model(nxt[:, n:], past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
+    logits = model(nxt[:, n:], **hf.cache_kwarg(cache), use_cache=True, logits_to_keep=keep).logits
     int(logits[0, -1].argmax())
     return time.perf_counter() - t0, t_load, nxt, n, logits
 
@@ -434,7 +436,7 @@ def _run(console: Any, path: str, work: str, quick: bool, children: list[_Child]
         # The cache lacks the last generated token: compute it, so that the session
         # stores the KV of all its full blocks.
         with torch.inference_mode():
-            model(conv[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True)
+            model(conv[:, cache.get_seq_length() :], **hf.cache_kwarg(cache), use_cache=True)
         n = hf.save_session(store, SESSION, conv, cache)
         saved.append([int(t) for t in conv[0]])
         store.flush()
@@ -444,7 +446,7 @@ def _run(console: Any, path: str, work: str, quick: bool, children: list[_Child]
     ref = {"fingerprint": fingerprint, "kv_sha256": kv_digest(hf.cache_to_kv(cache)), "n": n}
     nxt = torch.cat([conv, user_turn(plan, -1, vocab)], dim=1)
     with torch.inference_mode():
-        ref["logits"] = model(nxt[:, n:], past_key_values=cache, use_cache=True).logits
+        ref["logits"] = model(nxt[:, n:], **hf.cache_kwarg(cache), use_cache=True).logits
     torch.save(ref, os.path.join(work, "ref.pt"))
     del cache, out  # the "restart": nothing of the agent's KV survives but the store
 

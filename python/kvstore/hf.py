@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 __all__ = [
+    "cache_kwarg",
     "cache_to_kv",
     "fingerprint",
     "generate",
@@ -505,6 +506,16 @@ def load_session(
     return tokens[None], cache, n
 
 
+def cache_kwarg(cache: Any) -> dict[str, Any]:
+    """The keyword a model's forward and `generate` take `cache` by: `cache` where
+    transformers has that name (it deprecates `past_key_values`, removed in 5.40),
+    else `past_key_values`."""
+    from transformers.generation import utils as generation
+
+    name = "cache" if "cache" in getattr(generation, "ALL_CACHE_NAMES", ()) else "past_key_values"
+    return {name: cache}
+
+
 def generate(
     model: Any,
     store: Store,
@@ -526,7 +537,6 @@ def generate(
     blocks are stored (every beam shares them).
     """
     import torch
-    from transformers.generation import utils as generation
 
     for k in ("past_key_values", "cache", "position_ids", "cache_position"):
         if k in generate_kwargs:
@@ -553,9 +563,7 @@ def generate(
     # With a non-empty cache, generate slices input_ids to the uncached part only when
     # the attention mask spans the whole sequence.
     mask = torch.ones_like(row)
-    # `cache` since transformers 5.x; `past_key_values` before (deprecated after).
-    name = "cache" if "cache" in getattr(generation, "ALL_CACHE_NAMES", ()) else "past_key_values"
-    out = model.generate(row, attention_mask=mask, **{name: cache}, **generate_kwargs)
+    out = model.generate(row, attention_mask=mask, **cache_kwarg(cache), **generate_kwargs)
     stored = 0
     if save:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences

@@ -140,8 +140,8 @@ def test_a_loaded_block_is_read_only(opened):
     a, b = pool.load(opened, tokens), pool.load(opened, tokens)
     assert a.blocks == b.blocks
     for start, count in ((3, 1), (0, 16), (15, 2)):
+        a.reserve(start + count)
         with pytest.raises(kvstore.InvalidInput, match="read-only"):
-            a.reserve(start + count)
             a.slot_mapping(start, count)
     slots = a.slot_mapping(16, 1)  # its own block
     assert int(slots[0]) // 8 not in b.blocks

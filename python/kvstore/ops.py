@@ -312,6 +312,24 @@ def _ensure_loaded() -> None:
         load()
 
 
+def _fp8_args(
+    op: str,
+    key_cache: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+) -> bool:
+    """Whether `op` runs its fp8 kernel: an fp8 cache, or scales given. Either way both
+    scales are needed (InvalidInput), and only fp8 caches take them."""
+    if key_cache.dtype != torch.float8_e4m3fn and key_scales is None and value_scales is None:
+        return False
+    if key_scales is None or value_scales is None:
+        raise InvalidInput(
+            f"kvstore.{op}: fp8 caches need key_scales and value_scales, and only they take "
+            "them (float32 [num_blocks, num_kv_heads])"
+        )
+    return True
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -335,14 +353,7 @@ def paged_attention(
     (float32 `[num_blocks, H]`): `torch.ops.kvstore.paged_attention_fp8`.
     """
     _ensure_loaded()
-    fp8 = key_cache.dtype == torch.float8_e4m3fn
-    if fp8 or key_scales is not None or value_scales is not None:
-        if key_scales is None or value_scales is None:
-            raise InvalidInput(
-                "kvstore.paged_attention: fp8 caches need key_scales and value_scales, and only "
-                "they take them "
-                "(float32 [num_blocks, num_kv_heads])"
-            )
+    if _fp8_args("paged_attention", key_cache, key_scales, value_scales):
         return torch.ops.kvstore.paged_attention_fp8(
             query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, scale
         )
@@ -369,14 +380,7 @@ def write_kv(
     float dtype: `torch.ops.kvstore.write_kv_fp8`, scale policy in the module doc.
     """
     _ensure_loaded()
-    fp8 = key_cache.dtype == torch.float8_e4m3fn
-    if fp8 or key_scales is not None or value_scales is not None:
-        if key_scales is None or value_scales is None:
-            raise InvalidInput(
-                "kvstore.write_kv: fp8 caches need key_scales and value_scales, and only "
-                "they take them "
-                "(float32 [num_blocks, num_kv_heads])"
-            )
+    if _fp8_args("write_kv", key_cache, key_scales, value_scales):
         torch.ops.kvstore.write_kv_fp8(
             key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping
         )

@@ -658,6 +658,7 @@ class BlockPool:
         `seq.length` of them) into `store`; returns the tokens covered. An fp8 pool
         saves into a store with fp8 storage its blocks' bytes and scales as they are."""
         self._check_seq(seq)
+        seq._check_live()
         toks = tokens_array(tokens)
         n = min(seq.length, len(toks)) // self.layout.block_size * self.layout.block_size
         if n == 0:
@@ -692,6 +693,7 @@ class BlockPool:
         """The KV of the first `tokens` (default: `seq.length`) tokens of `seq` as a
         contiguous `[L, 2, tokens, H, D]` tensor on the pool's device."""
         self._check_seq(seq)
+        seq._check_live()  # a released table's blocks may hold another sequence's KV
         n = seq.length if tokens is None else tokens
         if not 0 <= n <= min(seq.length, seq.capacity):
             raise InvalidInput(
@@ -706,16 +708,13 @@ class BlockPool:
 
     def release(self, seq: BlockTable) -> None:
         """Same as `seq.release()`."""
-        if seq.pool is not self:
-            raise InvalidInput("seq: expected a BlockTable of this pool")
+        self._check_seq(seq)
         seq.release()
 
     def _check_seq(self, seq: BlockTable) -> None:
-        """A live BlockTable of this pool (a released one's blocks may hold another
-        sequence's KV by now)."""
+        """InvalidInput unless `seq` is a BlockTable of this pool."""
         if not isinstance(seq, BlockTable) or seq.pool is not self:
             raise InvalidInput("seq: expected a BlockTable of this pool")
-        seq._check_live()
 
     def _shared(self, blocks: list[int]) -> bool:
         """Whether any of `blocks` is keyed by its content (loaded, shared)."""

@@ -388,6 +388,11 @@ def _count(store: Store, figures: dict[str, int]) -> None:
         log.debug("kvstore connector: counters not added: %s", e)
 
 
+def _first_in(ids: list[int], blocks: set[int]) -> int | None:
+    """The index of the first of `ids` in `blocks`, if any."""
+    return next((i for i, blk in enumerate(ids) if blk in blocks), None)
+
+
 class _SchedulerHalf:
     def __init__(self, store: Store, loads: bool, saves: bool, recompute: bool) -> None:
         self._store = store
@@ -482,15 +487,14 @@ class _SchedulerHalf:
         b = self._block
         self._stale |= block_ids
         for t in self._reqs.values():
-            if block_ids.isdisjoint(t.block_ids):
-                continue
-            bad = next(i for i, blk in enumerate(t.block_ids) if blk in block_ids)
-            t.saved_upto = min(t.saved_upto, bad * b)
-            t.clean_from = None
-            self._stale.update(t.block_ids[bad:])
+            bad = _first_in(t.block_ids, block_ids)
+            if bad is not None:
+                t.saved_upto = min(t.saved_upto, bad * b)
+                t.clean_from = None
+                self._stale.update(t.block_ids[bad:])
         for ids in self._gone[0] + self._gone[1]:
-            if not block_ids.isdisjoint(ids):
-                bad = next(i for i, blk in enumerate(ids) if blk in block_ids)
+            bad = _first_in(ids, block_ids)
+            if bad is not None:
                 self._stale.update(ids[bad:])
 
     def _rewritten(self, steps: dict[str, tuple[int, int]], loads: list[_Transfer]) -> None:
@@ -578,9 +582,10 @@ class _SchedulerHalf:
             tokens = t.request.all_token_ids
             full = min(computed, len(tokens)) // b * b
             full = min(full, len(t.block_ids) * b)
-            if self._stale and not self._stale.isdisjoint(t.block_ids[: full // b]):
+            stale = _first_in(t.block_ids[: full // b], self._stale) if self._stale else None
+            if stale is not None:
                 # Saves nothing from its first stale block on: planned again once recomputed.
-                full = next(i for i, blk in enumerate(t.block_ids) if blk in self._stale) * b
+                full = stale * b
             if self._saves and full > t.saved_upto:
                 meta.saves.append(
                     _Transfer(

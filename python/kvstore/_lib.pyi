@@ -124,6 +124,7 @@ class Stats(TypedDict):
     raw_live_bytes: int
     damaged_blocks: int
     pending_blocks: int
+    read_errors: int
     hit_blocks: int
     miss_blocks: int
     total_hit_blocks: int

@@ -954,6 +954,18 @@ impl Index {
         Ok(())
     }
 
+    /// Whether block `id` is pinned and not expired at `now_ms`.
+    pub fn is_pinned(&self, txn: &RoTxn<'_>, id: &BlockId, now_ms: u64) -> Result<bool> {
+        Ok(self
+            .pins
+            .get(txn, id)?
+            .and_then(|v| <[u8; 16]>::try_from(v).ok())
+            .is_some_and(|v| {
+                let expires = u64::from_le_bytes(v[8..].try_into().expect("8 bytes"));
+                expires == 0 || expires > now_ms
+            }))
+    }
+
     /// Blocks pinned and not expired at `now_ms`.
     pub fn live_pins(
         &self,

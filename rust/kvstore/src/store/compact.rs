@@ -2,7 +2,7 @@
 //! bytes into a new segment, repoints their entries, and deletes the old
 //! files once nothing points into them.
 
-use super::read::Cold;
+use super::read::{Cold, ReadFail};
 use super::writer::Writer;
 use super::{Inner, Progress};
 use crate::error::{Error, IoContext, Result};
@@ -94,7 +94,7 @@ impl Inner {
             done: 0,
             total,
         };
-        for seg in &victims {
+        let rewritten = victims.iter().try_for_each(|seg| -> Result<()> {
             let entries = &by_segment[seg];
             let dropped = self.rewrite(&mut copier, entries, progress)?;
             report.records_moved += (entries.len() - dropped.len()) as u64;
@@ -102,8 +102,12 @@ impl Inner {
             if self.retire(*seg, &dropped)? {
                 report.segments_rewritten += 1;
             }
-        }
+            Ok(())
+        });
+        // Sealed whether or not every victim was rewritten: what was moved
+        // is published, the rest stays where it was.
         self.seal_active(&mut copier.out)?;
+        rewritten?;
         self.remove_orphans()?;
         fs::sync_dir(&self.dir.segments_dir()).ctx(|| "fsync segments directory".to_string())?;
         let txn = self.index.read()?;
@@ -144,6 +148,18 @@ impl Inner {
                     let new = self.append(&mut copier.out, &rec)?;
                     copier.out.pending_bytes += new.record_len;
                     moved.push((*id, *loc, new));
+                }
+                Err(ReadFail::Unreadable(reason)) => {
+                    // Not damage: the record stays, and so does its
+                    // segment. What moved so far is published first.
+                    self.publish_moves(&mut copier.out, &mut moved)?;
+                    return Err(Error::Io {
+                        context: format!(
+                            "compaction reading the record at {} in segment {}",
+                            loc.offset, loc.segment
+                        ),
+                        source: std::io::Error::other(reason),
+                    });
                 }
                 Err(fail) => dropped.push((
                     *id,

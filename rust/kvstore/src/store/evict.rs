@@ -77,7 +77,14 @@ impl Inner {
         }
         self.in_batches(&evict, |txn, batch| {
             let (mut n, mut bytes) = (0, 0);
+            let now = now_ms();
             for (id, loc) in batch {
+                // Pinned since the pins were read: kept. `pin` pins only
+                // what its own transaction still finds indexed, so the two
+                // never cross.
+                if self.index.is_pinned(txn, id, now)? {
+                    continue;
+                }
                 if self.index.delete_block_if_at(txn, id, loc)? {
                     n += 1;
                     bytes += loc.record_len;

@@ -46,14 +46,22 @@ impl Inner {
             Some(arena) => self.pin_hot(arena, tokens, &ids, &locs, priority, expires)?,
             None => (locs.len(), None),
         };
+        // Only blocks this transaction still finds indexed: one evicted since
+        // it was found ends the pinned prefix (eviction checks the pins in
+        // its own transactions, so a pin committed first keeps its block).
         let mut txn = self.index.write()?;
+        let mut kept = 0;
         for id in &ids[..pinned] {
+            if self.index.get_block_rw(&txn, id)?.is_none() {
+                break;
+            }
             self.index.put_pin(&mut txn, id, priority, expires)?;
+            kept += 1;
         }
         self.index.commit(txn, self.durable())?;
         match refused {
             Some(e) => Err(e),
-            None => Ok(pinned * b),
+            None => Ok(kept * b),
         }
     }
 

@@ -116,7 +116,13 @@ impl Inner {
             .blocks_written
             .fetch_add(fresh.len() as u64, Ordering::Relaxed);
         if self.opts.durability != Durability::Batch || w.pending_bytes >= self.opts.batch_bytes {
-            self.commit_pending(w)?;
+            if let Err(e) = self.commit_pending(w) {
+                // This put fails and publishes nothing; the records of puts
+                // that returned before it stay pending for the next commit.
+                let mine: HashSet<&BlockId> = fresh.iter().map(|&i| &ids[i]).collect();
+                w.drop_pending(&mine);
+                return Err(e);
+            }
         }
         self.link_present(ids, &present)?;
         // Into the hot tier only once written (a failed put publishes nothing)
@@ -295,8 +301,14 @@ impl Inner {
             0
         };
         let need = record_len + header;
-        if self.disk_used(w)? + need > limit {
-            self.make_room(w, limit, need + format::SEGMENT_HEADER_LEN as u64, keep)?;
+        // Compaction copies a segment's live records (a segment, or one
+        // record where that is larger) before it frees the segment, and its
+        // copies may pad differently (up to a record more): kept free, so
+        // that making room stays within the bound too.
+        let reserve = self.opts.segment_limit().max(need) + need;
+        if self.disk_used(w)? + need + reserve > limit {
+            let need = need + reserve + format::SEGMENT_HEADER_LEN as u64;
+            self.make_room(w, limit, need, keep)?;
         }
         Ok(())
     }

@@ -45,6 +45,11 @@ pub(super) enum ReadFail {
     /// collision, or a misplaced record): a miss, and not damage, since the
     /// record is right for its own tokens.
     OtherTokens,
+    /// The read itself failed (out of file descriptors or memory, an I/O
+    /// error): a miss, and not damage, since nothing was seen of the
+    /// record's bytes. The entry stays: quarantining it would take a sound
+    /// block from every process for one process's passing trouble.
+    Unreadable(String),
 }
 
 /// Where a get's block was when the calling thread looked, with its one
@@ -94,12 +99,23 @@ fn check_padding(pad: &[u8]) -> Result<(), ReadFail> {
 
 impl ReadFail {
     /// Why the record is unusable for its block (the reason `verify` lists
-    /// and the index keeps); `None` when it is sound but for other tokens.
+    /// and the index keeps); `None` when it is sound but for other tokens,
+    /// or could not be read.
     pub(super) fn damage(self) -> Option<String> {
         match self {
             ReadFail::Gone => Some("segment file is missing".into()),
             ReadFail::Damaged(r) => Some(r),
-            ReadFail::OtherTokens => None,
+            ReadFail::OtherTokens | ReadFail::Unreadable(_) => None,
+        }
+    }
+
+    /// A failed read: a record cut short by the end of its file is damage
+    /// (torn or truncated), any other error says nothing of its bytes.
+    fn of_read(e: &std::io::Error) -> ReadFail {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            ReadFail::Damaged(format!("read failed: {e}"))
+        } else {
+            ReadFail::Unreadable(format!("read failed: {e}"))
         }
     }
 }
@@ -547,6 +563,10 @@ impl Inner {
                         .expect("reader cache")
                         .remove(&loc.segment);
                 }
+                Err(ReadFail::Unreadable(_)) => {
+                    self.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Fetched::Miss);
+                }
                 Err(fail) => {
                     // Damaged, or still pointing at a missing file after
                     // a fresh look (lost, not compacted): out of the
@@ -624,8 +644,19 @@ impl Inner {
         match self.reader(loc.segment) {
             Ok(f) => Ok(f),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(ReadFail::Gone),
-            Err(e) => Err(ReadFail::Damaged(format!(
-                "segment {} unreadable: {e}",
+            // What is at its path is no segment file: a symlink (never
+            // followed) or not a regular file.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::InvalidInput
+                    || e.raw_os_error() == Some(libc::ELOOP) =>
+            {
+                Err(ReadFail::Damaged(format!(
+                    "segment {} unreadable: {e}",
+                    loc.segment
+                )))
+            }
+            Err(e) => Err(ReadFail::Unreadable(format!(
+                "segment {} could not be opened: {e}",
                 loc.segment
             ))),
         }
@@ -638,7 +669,7 @@ impl Inner {
         let pad = self.placed(loc, &file)?;
         let mut head = vec![0u8; pad as usize + record::meta_len(&self.layout)];
         file.read_buffered(&mut head, &mut [], loc.offset)
-            .map_err(|e| ReadFail::Damaged(format!("read failed: {e}")))?;
+            .map_err(|e| ReadFail::of_read(&e))?;
         check_padding(&head[..pad as usize])?;
         Ok(head.split_off(pad as usize))
     }
@@ -672,7 +703,11 @@ impl Inner {
             let key = (loc.segment, loc.offset);
             known_cached = q.was_cached(key);
             let landed = q.with_record(key, |bytes, lead| {
-                let bytes = bytes.ok().filter(|b| b.len() >= lead + len)?;
+                // A request queued for another entry at this offset (only a
+                // forged index has two) may carry another head: read again.
+                let bytes = bytes
+                    .ok()
+                    .filter(|b| lead >= head_len && b.len() >= lead + len)?;
                 let (head, payload) = (&bytes[lead - head_len..lead], &bytes[lead..lead + len]);
                 let chunk = self.layout.chunk_bytes();
                 for (dst, src) in out.iter_mut().zip(payload.chunks(chunk)) {
@@ -697,9 +732,7 @@ impl Inner {
             scratch.resize(loc.stored_len as usize, 0);
             file.read(&mut head, &mut [&mut scratch[..]], loc.offset, direct)
         };
-        if let Err(e) = read {
-            return Err(ReadFail::Damaged(format!("read failed: {e}")));
-        }
+        read.map_err(|e| ReadFail::of_read(&e))?;
         self.check_record(&head, pad, loc, id, tokens, out, scratch)
     }
 

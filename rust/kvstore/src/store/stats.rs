@@ -30,6 +30,7 @@ pub(super) struct Counters {
     pub(super) bytes_written: AtomicU64,
     pub(super) bytes_read: AtomicU64,
     pub(super) damaged_found: AtomicU64,
+    pub(super) read_errors: AtomicU64,
     pub(super) hot_hit_blocks: AtomicU64,
     pub(super) disk_hit_blocks: AtomicU64,
     /// Clients' named counters (`Store::add_counters`) not yet added to the
@@ -61,6 +62,10 @@ pub struct Stats {
     pub damaged_blocks: u64,
     /// Blocks this handle wrote that are not yet committed.
     pub pending_blocks: u64,
+    /// Reads of records by this handle that failed with an I/O error (out
+    /// of file descriptors or memory, EIO): misses that left the block
+    /// where it is, unlike damage.
+    pub read_errors: u64,
     /// Blocks this handle found (lookup, get).
     pub hit_blocks: u64,
     /// Blocks this handle asked for and did not find.
@@ -157,6 +162,7 @@ impl Inner {
             raw_live_bytes: blocks * self.layout.block_bytes() as u64,
             damaged_blocks: self.index.all_damaged(&txn)?.len() as u64,
             pending_blocks: pending,
+            read_errors: c.read_errors.load(Ordering::Relaxed),
             hit_blocks: c.hit_blocks.load(Ordering::Relaxed),
             miss_blocks: c.miss_blocks.load(Ordering::Relaxed),
             total_hit_blocks: self.index.meta_u64(&txn, "hit_blocks")?,

@@ -4,12 +4,13 @@
 //! `index.rs`) and, on any mismatch, stops trusting them, repair or not:
 //! a wrong mark could make `lookup` count past a hole.
 
-use super::read::Cold;
+use super::read::{Cold, ReadFail};
 use super::{Inner, Progress};
 use crate::error::Result;
 use crate::format;
 use crate::fs;
-use crate::id;
+use crate::id::{self, BlockId};
+use crate::index::Location;
 use std::io::IoSliceMut;
 
 /// Findings about the closed marks listed at most (one is enough to stop
@@ -109,6 +110,19 @@ impl Inner {
         // Files not in the index are left alone here: one may be a live
         // writer's new segment about to be registered. Recovery and
         // compaction remove the orphans.
+        self.check_records(&blocks, progress, repair, &mut report)?;
+        Ok(report)
+    }
+
+    /// Re-reads each of `blocks` whole and checks it: damage is listed (and
+    /// quarantined with `repair`), a read that failed is a problem.
+    fn check_records(
+        &self,
+        blocks: &[(BlockId, Location)],
+        progress: Progress<'_>,
+        repair: bool,
+        report: &mut VerifyReport,
+    ) -> Result<()> {
         let total = blocks.len() as u64;
         let mut buf = vec![0u8; self.layout.block_bytes()];
         let mut scratch = Vec::new();
@@ -123,6 +137,17 @@ impl Inner {
                 Cold::plain(self.direct(false)),
             ) {
                 Ok(()) => {}
+                Err(ReadFail::Unreadable(reason)) => {
+                    // Said, and left in the index even with `repair`: an I/O
+                    // error shows nothing wrong with the record's bytes.
+                    report.problems.push(format!(
+                        "block {} (segment {:016x}, offset {}) could not be read, not \
+                         repaired: {reason}",
+                        id::hex(id),
+                        loc.segment,
+                        loc.offset
+                    ));
+                }
                 Err(fail) => {
                     let reason = fail.damage().expect("verify passes no tokens");
                     if repair {
@@ -141,6 +166,6 @@ impl Inner {
             report.bytes_checked += loc.record_len;
             progress(n as u64 + 1, total);
         }
-        Ok(report)
+        Ok(())
     }
 }

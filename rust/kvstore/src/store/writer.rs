@@ -117,7 +117,7 @@ impl Inner {
     /// is pending and sealing the full one). Returns where it landed; the
     /// caller decides when it is published.
     pub(super) fn append(&self, w: &mut Writer, record: &Encoded<'_>) -> Result<Location> {
-        if w.rolls(record, self.opts.segment_bytes) {
+        if w.rolls(record, self.opts.segment_limit()) {
             self.commit_pending(w)?;
             self.seal_active(w)?;
             w.active = Some(self.new_segment()?);
@@ -248,15 +248,17 @@ impl Inner {
             }
         }
         let (segment, committed_len) = (active.segment, active.len);
-        let res = self.publish_pending(w, segment, committed_len);
-        // Published or not, these records are done with: after a failed
-        // commit they are dead bytes, never published by a later commit
-        // (their put has already reported the failure).
+        // On failure (the index full, an LMDB error) the records stay
+        // pending: puts of a batch have returned already, and the next
+        // commit (a flush, a close, the next window) publishes them or
+        // reports why it cannot. A put whose own commit fails takes its
+        // records back (`store_blocks`).
+        self.publish_pending(w, segment, committed_len)?;
         w.pending.clear();
         w.pending_ids.clear();
         w.pending_bytes = 0;
         w.oldest_pending = None;
-        res
+        Ok(())
     }
 
     fn publish_pending(&self, w: &Writer, segment: u64, committed_len: u64) -> Result<()> {
@@ -290,9 +292,13 @@ impl Inner {
                 None => window,
             };
             w = self.wake.wait_timeout(w, wait).expect("writer lock").0;
-            if w.oldest_pending.is_some_and(|t| t.elapsed() >= window) {
-                // A failure poisons the writer; the next put reports it.
-                let _ = self.commit_pending(&mut w);
+            if w.oldest_pending.is_some_and(|t| t.elapsed() >= window)
+                && self.commit_pending(&mut w).is_err()
+            {
+                // The records stay pending (or the writer is poisoned): the
+                // next flush, close or full batch reports the failure. Tried
+                // again a window later, not at once.
+                w.oldest_pending = Some(Instant::now());
             }
         }
     }

@@ -449,3 +449,26 @@ def test_a_child_process_lists_the_same(tmp_path: Path, hot: Path) -> None:
     assert len(mine) == 1 and mine[0]["owned"]
     assert sys.executable  # the child ran with this interpreter
     kvstore.remove_arena(tmp_path / "a", hot_dir=hot)
+
+
+def test_opens_reach_orphans_past_the_first_arenas_listed(tmp_path: Path, hot: Path) -> None:
+    """An open inspects at most 64 arena files of its directory. It took the first
+    64 of the listing, whose order is stable: with 80 arenas there, orphans past
+    them stayed in memory however many stores opened. Each open now looks at
+    another window of them."""
+    stores = [tmp_path / f"s{i}" for i in range(80)]
+    for p in stores:
+        open_store(p, hot, durability="none").close()
+    by_arena = {arena_of(p, hot).name: p for p in stores}
+    # Orphans last in the directory's own order, where the first 64 never reached.
+    order = [e.name for e in os.scandir(hot)]
+    gone = [by_arena[name] for name in order[-10:]]
+    for p in gone:
+        shutil.rmtree(p)
+    live = [p for p in stores if p not in gone]
+    for i in range(20):
+        open_store(live[i % 5], hot).close()
+    left = [a["path"] for a in listed(hot).values() if a["orphan"]]
+    assert left == []
+    for p in live:
+        kvstore.remove_arena(p, hot_dir=hot)

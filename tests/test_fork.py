@@ -9,6 +9,8 @@ its exit code."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from conftest import assert_kv_equal, kv_for, run_child, seq, small_layout
 
@@ -131,3 +133,81 @@ def _check_after(path):
         assert s.lookup(seq(5000, 16)) == 0
         v = s.verify()
         assert v["damaged"] == [] and v["problems"] == [], v
+
+
+WRITER_WITH_AN_IDLE_CHILD = """
+import os, sys, time
+import numpy as np
+import kvstore
+
+layout = kvstore.Layout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16)
+s = kvstore.open(sys.argv[1], layout=layout, model="m", durability="none",
+                 hot_bytes=16 << 20, hot_dir=sys.argv[2])
+if os.fork() == 0:  # a worker forked early that never touches the store
+    time.sleep(120)
+    os._exit(0)
+kv = np.ones(layout.kv_shape(16), np.float16)
+print("writing", flush=True)
+i = 0
+while True:  # almost all of a put's time is its copy into the arena, under its lock
+    s.put(list(range(16 * i, 16 * i + 16)), kv)
+    i += 1
+"""
+
+
+def _holds_flock(pid: int, inode: int) -> bool:
+    """Whether process `pid` holds a flock on the file of `inode` (/proc/locks)."""
+    with open("/proc/locks") as f:
+        for line in f:
+            parts = line.split()
+            if "FLOCK" in parts and str(pid) in parts and parts[-3].endswith(f":{inode}"):
+                return True
+    return False
+
+
+def test_a_writer_killed_in_the_arena_leaves_no_lock_behind_a_forked_child(tmp_path):
+    """The writers' lock was taken through the arena file's description, which a child
+    forked earlier shares (its copy of the mapping keeps it open): a writer killed
+    inside an insert left the lock held for as long as the idle child lived, and every
+    open of the store with a hot tier failed after 20 s with StoreLocked. The writer is
+    stopped until it is caught holding the lock, then killed: the arena is free."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import child_argv
+
+    layout = kvstore.Layout(
+        num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16
+    )
+    path, hot = tmp_path / "s", tmp_path / "hot"
+    hot.mkdir()
+    p = subprocess.Popen(
+        child_argv(WRITER_WITH_AN_IDLE_CHILD, path, hot),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "writing\n"
+        (arena,) = hot.iterdir()
+        inode = arena.stat().st_ino
+        for _ in range(2000):
+            p.send_signal(signal.SIGSTOP)
+            time.sleep(0.002)  # stopped for sure
+            if _holds_flock(p.pid, inode):
+                break
+            p.send_signal(signal.SIGCONT)
+            time.sleep(0.001)
+        else:
+            pytest.fail("never caught the writer holding the arena's lock")
+        p.kill()  # the writer, inside an insert; not its idle child
+        p.wait()
+        t0 = time.monotonic()
+        with kvstore.open(
+            path, layout=layout, model="m", durability="none", hot_bytes=16 << 20, hot_dir=hot
+        ) as s:
+            s.pin(list(range(16)), priority=1)  # takes the writers' lock
+        assert time.monotonic() - t0 < 10, "waited for a lock held through the child"
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # the idle child too

@@ -19,8 +19,13 @@
 //!
 //! Writers (insert, evict, pin) serialise on `flock(LOCK_EX)` of the arena
 //! file plus a mutex for the threads of one process. The kernel drops a dead
-//! process's `flock`, so a crash at any instruction leaves nothing locked;
-//! a stopped process (SIGSTOP, a debugger, a frozen cgroup) keeps it, so a
+//! process's `flock`, so a crash at any instruction leaves nothing locked.
+//! The lock is taken through a description of the file opened for it alone,
+//! which forked children close as they start (`os::ParentOnly`): a child
+//! shares the mapping's description (its copy of the mapping keeps it open),
+//! and a lock taken through that outlived a writer killed while holding it
+//! for as long as the child lived. A stopped
+//! process (SIGSTOP, a debugger, a frozen cgroup) keeps it, so a
 //! writer gives up [`WRITE_WAIT`] after it started waiting (the mutex
 //! included): a pin or unpin then fails with `StoreLocked`, and a cache fill
 //! (a put's or a read's copy into the arena) is skipped (`Inserted::Busy`:
@@ -86,7 +91,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::id::BlockId;
 use crate::layout::Layout;
 use crate::lockwait::{flock_holders, try_flock, wait_for};
-use crate::os::{ofd_lock, OfdLock};
+use crate::os::{ofd_lock, OfdLock, ParentOnly};
 use crate::os::{Rows, SharedMap};
 use crate::pages::PageKind;
 use std::fs::File;
@@ -319,6 +324,9 @@ pub(crate) struct Arena {
     /// until when cache fills try the writers' `flock` once instead of
     /// waiting for it (a writer gave up waiting, and none has taken it since).
     writers: Mutex<Option<Instant>>,
+    /// The description the writers' lock is taken through (see "Protocol");
+    /// `None` where it could not be opened: one is opened per use then.
+    lock: Option<ParentOnly>,
     nslots: usize,
     ways: usize,
     slot_hdr: usize,
@@ -483,6 +491,32 @@ impl Arena {
         let geo = geometry(layout, hot_bytes)?;
         let deadline = Instant::now() + wait;
         let mut tries = 0;
+        loop {
+            let (file, created) = Self::open_locked(path, wait, deadline)?;
+            match Self::init_or_adopt(file, path, layout, tag, geo, owner) {
+                Ok(Some(arena)) => return Ok(arena),
+                // An unfinished file, removed: create one afresh.
+                Ok(None) if tries < 8 => tries += 1,
+                Ok(None) => {
+                    return Err(Error::StoreLocked(format!(
+                        "arena {}: found unfinished again and again while this process opened it",
+                        path.display()
+                    )))
+                }
+                Err(e) => {
+                    if created && !matches!(e, Error::CorruptStore { .. }) {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// The arena file at `path` (created if there is none; true if so),
+    /// with its lifetime lock shared and its arena lock held.
+    fn open_locked(path: &Path, wait: Duration, deadline: Instant) -> Result<(File, bool)> {
+        let mut tries = 0;
         let (file, created) = loop {
             let (file, created) = Self::open_file(path)?;
             // Refuse what is not ours before waiting on its lock: /dev/shm
@@ -525,13 +559,7 @@ impl Arena {
                 flock_holders(&file)
             )));
         }
-        let res = Self::init_or_adopt(file, path, layout, tag, geo, owner);
-        if let Err(e) = &res {
-            if created && !matches!(e, Error::CorruptStore { .. }) {
-                let _ = std::fs::remove_file(path);
-            }
-        }
-        res
+        Ok((file, created))
     }
 
     /// Refuses an arena file that is not a regular file of this user with
@@ -599,6 +627,9 @@ impl Arena {
         }
     }
 
+    /// Initialises the fresh file under the arena lock, or adopts the arena
+    /// it holds; `None` when it was unfinished and has been removed (open
+    /// again).
     fn init_or_adopt(
         file: File,
         path: &Path,
@@ -606,21 +637,26 @@ impl Arena {
         tag: &[u8; 32],
         geo: Geometry,
         owner: &Owner,
-    ) -> Result<Arena> {
+    ) -> Result<Option<Arena>> {
         // Decided here, under the lock, from the file itself (not from who
         // created it): the first process to hold the lock initialises it.
-        let mut len = file
+        let len = file
             .metadata()
             .ctx(|| format!("stat {}", path.display()))?
             .len() as usize;
         if len >= HEADER_LEN {
             let head = read_header(&file, path)?;
-            if head(H_MAGIC) == MAGIC && head(H_READY) != 1 {
-                // Its creator died before finishing it, and nobody can have
-                // used it (adopters refuse an arena that is not ready).
-                file.set_len(0)
-                    .ctx(|| format!("resetting {}", path.display()))?;
-                len = 0;
+            if head(H_READY) != 1 && [0, MAGIC].contains(&head(H_MAGIC)) {
+                // Its creator died before marking it ready (its pages are
+                // reserved before its header is written), or the ready word
+                // was damaged. Removed, not reset in place: a process that
+                // maps it keeps a whole mapping (truncating it under them
+                // faulted every reader) and its slots' versions.
+                if same_file(&file, path) {
+                    std::fs::remove_file(path)
+                        .ctx(|| format!("removing unfinished arena {}", path.display()))?;
+                }
+                return Ok(None);
             }
         }
         let fresh = len == 0;
@@ -671,11 +707,13 @@ impl Arena {
         write_owner_path(&map, owner);
         map.u64_at(H_LAST_USE)
             .store(crate::clock::now_ms(), Ordering::Relaxed);
+        let lock = ParentOnly::open(&file);
         let arena = Arena {
             map,
             file,
             path: path.to_path_buf(),
             writers: Mutex::new(None),
+            lock,
             nslots: geo.nslots,
             ways: geo.ways,
             slot_hdr: geo.slot_hdr,
@@ -693,7 +731,7 @@ impl Arena {
             .file
             .unlock()
             .ctx(|| format!("unlocking {}", path.display()))?;
-        Ok(arena)
+        Ok(Some(arena))
     }
 
     /// The geometry of an existing arena of `len` bytes, if its header is that
@@ -993,7 +1031,14 @@ impl Arena {
         let now = Instant::now();
         let skipping = fill && skip_until.is_some_and(|t| now < t);
         let deadline = if skipping { now } else { deadline };
-        let locked = wait_for(deadline, WRITE_POLL, || try_flock(&self.file))
+        let opened;
+        let lock = if let Some(lock) = self.lock.as_ref().and_then(ParentOnly::get) {
+            lock
+        } else {
+            opened = self.lock_description()?;
+            &opened
+        };
+        let locked = wait_for(deadline, WRITE_POLL, || try_flock(lock))
             .ctx(|| format!("locking arena {}", self.path.display()))?;
         if !locked {
             if !skipping {
@@ -1003,10 +1048,20 @@ impl Arena {
         }
         *skip_until = None;
         let out = f();
-        self.file
-            .unlock()
+        lock.unlock()
             .ctx(|| format!("unlocking arena {}", self.path.display()))?;
         Ok(Some(out))
+    }
+
+    /// A new open file description of the arena file for one use of the
+    /// writers' lock, where the arena has none of its own (see "Protocol").
+    fn lock_description(&self) -> Result<File> {
+        crate::os::reopen(&self.file).ctx(|| {
+            format!(
+                "opening a description for the writers' lock of arena {}",
+                self.path.display()
+            )
+        })
     }
 
     /// The `StoreLocked` of a pin or unpin that gave up on the writers' lock.

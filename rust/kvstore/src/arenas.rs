@@ -289,16 +289,28 @@ pub fn arena_dirs(hot_dir: Option<&Path>) -> Vec<PathBuf> {
     dirs
 }
 
-/// The arena files (`kvstore-*.arena`) in `dir`, at most `limit`.
+/// The arena files (`kvstore-*.arena`) in `dir`, at most `limit`: where
+/// there are more, a window of them that starts at a different place each
+/// call. A directory lists in a stable order, and a fixed first `limit`
+/// never reached the others (their orphans stayed in memory).
 fn arena_files(dir: &Path, limit: usize) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
-    entries
+    let all: Vec<PathBuf> = entries
         .flatten()
         .map(|e| e.path())
         .filter(|p| name_id(p).is_some())
+        .collect();
+    if all.len() <= limit {
+        return all;
+    }
+    let start = crate::clock::now_us() as usize % all.len();
+    all.iter()
+        .cycle()
+        .skip(start)
         .take(limit)
+        .cloned()
         .collect()
 }
 

@@ -436,6 +436,110 @@ pub(crate) fn start_writeback(file: &std::fs::File, offset: u64, len: u64) -> st
     }
 }
 
+/// A new open file description of `file`, through `/proc/self/fd`: it names
+/// `file` itself even if its path was removed or reused (checked: the same
+/// device and inode).
+pub(crate) fn reopen(file: &std::fs::File) -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let name = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let own = std::fs::File::open(&name)?;
+    let (a, b) = (own.metadata()?, file.metadata()?);
+    if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
+        return Err(std::io::Error::other(format!("{name} names another file")));
+    }
+    Ok(own)
+}
+
+/// Descriptors that a child forked from this process closes as it starts
+/// (`pthread_atfork`); -1 is a free slot.
+static FORK_CLOSED: [std::sync::atomic::AtomicI32; 256] =
+    [const { std::sync::atomic::AtomicI32::new(-1) }; 256];
+
+/// The handler `pthread_atfork` runs in a forked child, before `fork`
+/// returns there: the child is one thread, and `close` is async-signal-safe.
+extern "C" fn close_in_child() {
+    for slot in &FORK_CLOSED {
+        let fd = slot.swap(-1, std::sync::atomic::Ordering::Relaxed);
+        if fd >= 0 {
+            // SAFETY: `fd` was registered by a live `ParentOnly`, whose
+            // descriptor the child inherited and never uses (`get`).
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+/// A new open file description of `file`, which forked children do not
+/// keep: they close it as they start. A lock (`flock`) taken through it is
+/// then this process's alone, and dies with it, where one taken through a
+/// description a child shares outlives its taker for as long as the child
+/// lives (even an idle one, forked long before).
+pub(crate) struct ParentOnly {
+    file: std::mem::ManuallyDrop<std::fs::File>,
+    pid: u32,
+}
+
+impl ParentOnly {
+    /// Opens it through `/proc/self/fd`, which names `file` itself even if
+    /// its path was removed or reused; `None` where that cannot be done
+    /// (no `/proc`, or 256 of them open at once).
+    pub(crate) fn open(file: &std::fs::File) -> Option<ParentOnly> {
+        use std::os::fd::AsRawFd;
+        static HANDLER: std::sync::Once = std::sync::Once::new();
+        HANDLER.call_once(|| {
+            // SAFETY: registers a handler that only swaps atomics and closes
+            // descriptors; none for before the fork or in the parent.
+            unsafe { libc::pthread_atfork(None, None, Some(close_in_child)) };
+        });
+        let own = reopen(file).ok()?;
+        let fd = own.as_raw_fd();
+        FORK_CLOSED.iter().find(|slot| {
+            slot.compare_exchange(
+                -1,
+                fd,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+        })?;
+        Some(ParentOnly {
+            file: std::mem::ManuallyDrop::new(own),
+            pid: std::process::id(),
+        })
+    }
+
+    /// The description, in the process that opened it (a forked child has
+    /// closed its copy: `None` there).
+    pub(crate) fn get(&self) -> Option<&std::fs::File> {
+        (std::process::id() == self.pid).then_some(&*self.file)
+    }
+}
+
+impl Drop for ParentOnly {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        if std::process::id() != self.pid {
+            return; // closed as the child started; the number may be another file's now
+        }
+        let fd = self.file.as_raw_fd();
+        for slot in &FORK_CLOSED {
+            if slot
+                .compare_exchange(
+                    fd,
+                    -1,
+                    std::sync::atomic::Ordering::Relaxed,
+                    std::sync::atomic::Ordering::Relaxed,
+                )
+                .is_ok()
+            {
+                break;
+            }
+        }
+        // SAFETY: dropped once, here, in the process that opened it.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.file) };
+    }
+}
+
 /// What `ofd_lock` asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum OfdLock {

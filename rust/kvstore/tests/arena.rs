@@ -576,3 +576,56 @@ fn blocks_of_any_run_count_round_trip_through_the_arena() {
         );
     }
 }
+
+/// A creator killed after it reserved the arena's pages and before it wrote
+/// the header leaves a full-size file of zeros: it used to be refused ("bad
+/// magic") by every later open, for good. It is removed and created afresh.
+#[test]
+fn an_arena_its_creator_left_unfinished_is_replaced() {
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let t = seq(21, 64);
+    let len = {
+        let s = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+        s.put(&t, &kv_for(&t), 64, b"").unwrap();
+        std::fs::metadata(arena_file(hot.path())).unwrap().len()
+    };
+    let path = arena_file(hot.path());
+    std::fs::write(&path, vec![0u8; len as usize]).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let s = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+    assert_eq!(get(&s, &t), 64, "from the segments");
+    assert_eq!(get(&s, &t), 64, "from the new arena");
+    let st = s.stats().unwrap();
+    assert_eq!((st.hot_hit_blocks, st.disk_hit_blocks), (4, 4));
+}
+
+/// An arena whose ready word was damaged while a process maps it: the next
+/// opener used to truncate it in place, which faulted (SIGBUS) every process
+/// that touched its mapping, and restarted its slot versions under them. The
+/// file is replaced instead; the mapper keeps serving its own copy.
+#[test]
+fn a_damaged_ready_word_leaves_the_mapping_whole() {
+    let (dir, hot) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let t = seq(22, 64);
+    let a = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+    a.put(&t, &kv_for(&t), 64, b"").unwrap();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(arena_file(hot.path()))
+        .unwrap();
+    file.write_all_at(&[0u8; 8], 96).unwrap(); // the ready word
+    let b = Store::open(dir.path(), opts(hot.path(), 4 << 20)).unwrap();
+    assert_eq!(get(&a, &t), 64);
+    assert_eq!(get(&b, &t), 64);
+    let (sa, sb) = (a.stats().unwrap(), b.stats().unwrap());
+    assert_eq!(
+        (sa.hot_hit_blocks, sa.disk_hit_blocks),
+        (4, 0),
+        "a kept its arena"
+    );
+    assert_eq!(
+        (sb.hot_hit_blocks, sb.disk_hit_blocks),
+        (0, 4),
+        "b started a new one"
+    );
+}

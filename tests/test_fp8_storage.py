@@ -78,6 +78,20 @@ def test_round_trip_within_stated_error(tmp_path, dtype):
         assert torch.equal(part, got[:, :, 2 * B :])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_values_near_the_largest_finite_come_back_finite(tmp_path, dtype):
+    """e4m3 rounds up too: float16's 64000 and 65504 came back as 65536, which float16
+    holds as inf. Clamped to the dtype's range, they stay within the stated error."""
+    big = torch.finfo(getattr(torch, dtype)).max
+    kv = kv_of(B, dtype)
+    kv[0, 0, 0, 0, :4] = torch.tensor([big, -big, 0.977 * big, -0.977 * big]).to(kv.dtype)
+    with kvstore.open(tmp_path / "s", layout=layout(dtype), model=MODEL, array="torch") as s:
+        s.put(list(range(B)), kv)
+        got = s.get(list(range(B)))
+    assert bool(torch.isfinite(got).all())
+    assert_within_fp8_error(got, kv, B, dtype)
+
+
 def test_stored_bytes_are_half_of_bf16(tmp_path):
     n = 4 * B
     with kvstore.open(tmp_path / "s", layout=layout(), model=MODEL) as s:

@@ -206,3 +206,78 @@ def test_a_paged_cache_refuses_another_attention(model, prompt, store_with_promp
         pytest.raises(RuntimeError, match='needs attn_implementation="kvstore"'),
     ):
         model(prompt[None, :1], past_key_values=cache)
+
+
+def test_rows_of_different_lengths_need_their_positions(model, store_with_prompt):
+    """Without position_ids transformers gives every row the first row's positions: a
+    shorter row's K was rotated at the wrong position and saved (logits off by 7.5).
+    Missing or wrong positions raise, count no token, and a right forward after that
+    decodes as eager attention does."""
+    base = torch.randint(1, 1000, (45,), generator=torch.Generator().manual_seed(1))
+    prompts = [base[:41], base[:33]]  # one token each left to feed
+    want = [eager_greedy(model, p)[0][:2] for p in prompts]
+    pool = BlockPool(store_with_prompt.layout, num_blocks=32, device="cpu")
+    seqs = [pool.load(store_with_prompt, p[:-1]) for p in prompts]
+    assert [s.length for s in seqs] == [40, 32]
+    cache = attention.PagedCache(pool, seqs)
+    model.set_attn_implementation(attention.register())
+    ids = torch.stack([p[-1:] for p in prompts])
+    wrong = torch.tensor([[40], [40]])
+    with torch.inference_mode():
+        for kw in ({}, {"position_ids": wrong}):
+            with pytest.raises(kvstore.InvalidInput, match="position_ids"):
+                model(ids, past_key_values=cache, **kw)
+            assert [s.length for s in seqs] == [40, 32] and cache.get_seq_length() == 40
+        got = attention.greedy(model, cache, ids, 2)
+    assert got.tolist() == want
+    assert [s.length for s in seqs] == [42, 34]
+    for s in seqs:
+        s.release()
+
+
+def test_a_forward_that_fails_part_way_counts_no_tokens(model, tmp_path):
+    """A forward that stops after layer 0 wrote (here: another attention runs) left the
+    sequence's length advanced, and save stored layer 1's blocks as they were: a
+    released sequence's KV under these tokens. The length now counts what every layer
+    holds, and the next forward writes the tokens again."""
+    a, b = (
+        torch.randint(1, 1000, (16,), generator=torch.Generator().manual_seed(s)) for s in (5, 6)
+    )
+    layout = layout_of(model)
+    pool = BlockPool(layout, num_blocks=2, device="cpu")
+    model.set_attn_implementation(attention.register())
+    with torch.inference_mode():
+        sa = pool.new_sequence()
+        model(a[None], past_key_values=attention.PagedCache(pool, [sa]))
+        sa.release()
+        sb = pool.new_sequence()
+        cache = attention.PagedCache(pool, [sb])
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(RuntimeError, match="needs attn_implementation"):
+            model(b[None], past_key_values=cache)
+        assert sb.length == 0 and cache.get_seq_length() == 0
+        with kvstore.open(tmp_path / "s", layout=layout, model="tiny-llama@0") as store:
+            assert pool.save(store, sb, b) == 0
+            model.set_attn_implementation(attention.register())
+            model(b[None], past_key_values=cache)
+            assert sb.length == 16
+            assert pool.save(store, sb, b) == 16
+            model.set_attn_implementation("eager")
+            want = cache_kv(model(b[None], use_cache=True).past_key_values)
+            got = store.get(b, like=want)
+    torch.testing.assert_close(got, want, atol=LOGIT_TOL, rtol=LOGIT_TOL)
+    sb.release()
+
+
+def test_kv_in_another_dtype_than_the_pool_raises(model):
+    """The cache cast the model's K/V to the pool's dtype: float32 values past float16's
+    range were stored as inf. Now as store.put: another dtype raises."""
+    layout = kvstore.Layout(2, 2, 32, "float16", 8)
+    pool = BlockPool(layout, num_blocks=2, device="cpu")
+    seq = pool.new_sequence()
+    cache = attention.PagedCache(pool, [seq])
+    k = torch.full((1, 2, 1, 32), 70000.0)
+    with pytest.raises(kvstore.InvalidInput, match="pool's dtype"):
+        cache.write(0, k, k)
+    assert seq.length == 0
+    seq.release()

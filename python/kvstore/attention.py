@@ -25,9 +25,13 @@ transformers).
 
 Several query tokens per sequence (a prompt's remainder) are attended as one
 decode query per position with causal lengths. One batch row per sequence; rows
-may have different lengths (give explicit `position_ids`, as `greedy` does), but
-padding masks, sliding windows, soft-capping and attention sinks are not
-supported and raise.
+may have different lengths (give explicit `position_ids`, as `greedy` does:
+without them transformers gives every row the first row's positions, which
+raises), but padding masks, sliding windows, soft-capping and attention sinks
+are not supported and raise. The model's K/V must be in the pool's dtype (an
+fp8 pool quantizes them). A sequence's `length` counts the tokens every layer
+holds: a forward that fails part way leaves it as it was, and the next forward
+writes those positions again.
 """
 
 from __future__ import annotations
@@ -77,8 +81,7 @@ class _PagedLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        lens = self._cache.lengths(self._layer)
-        return lens[0] if lens else 0
+        return self._cache.done()[0]
 
     def get_max_length(self) -> int:
         return -1
@@ -112,16 +115,48 @@ class PagedCache(Cache):
         self._slots: torch.Tensor | None = None
         self._attn_key: tuple[Any, ...] | None = None
         self._attn: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pos_checked: tuple[Any, ...] | None = None
         super().__init__(layers=[_PagedLayer(self, layer) for layer in range(num_layers)])
 
     def lengths(self, layer: int = 0) -> list[int]:
         """Tokens of each sequence whose KV `layer` holds."""
         return list(self._lens[layer])
 
-    def position_ids(self, query_length: int, layer: int = 0) -> torch.Tensor:
+    def done(self) -> list[int]:
+        """Tokens of each sequence whose KV every layer holds (its `length`)."""
+        return [min(col) for col in zip(*self._lens, strict=True)]
+
+    def position_ids(self, query_length: int) -> torch.Tensor:
         """`[batch, query_length]` positions of the next tokens of each sequence."""
-        starts = torch.tensor(self._lens[layer], dtype=torch.long)
+        starts = torch.tensor(self.done(), dtype=torch.long)
         return starts[:, None] + torch.arange(query_length)[None, :]
+
+    def check_positions(self, layer: int, query_length: int, position_ids: Any) -> None:
+        """Raises unless `position_ids` (the model's, or None) are the positions of the
+        last `query_length` tokens written to `layer`: rows of different lengths need
+        their own, which transformers does not derive from a cache."""
+        ends = tuple(self._lens[layer])
+        key = (id(position_ids), ends, query_length)
+        if key == self._pos_checked:
+            return  # the same forward's tensor, checked at an earlier layer
+        want = torch.tensor(ends)[:, None] - query_length + torch.arange(query_length)[None, :]
+        if position_ids is None:
+            raise InvalidInput(
+                f"position_ids: rows of different lengths {list(ends)} need their own "
+                "positions; pass cache.position_ids(n) to the model (kvstore.attention.greedy "
+                "does)"
+            )
+        got = position_ids.detach().to("cpu")
+        if got.dim() != 2 or got.shape[1] != query_length or got.shape[0] not in (1, len(ends)):
+            ok = False
+        else:
+            ok = torch.equal(got.expand(len(ends), query_length).long(), want)
+        if not ok:
+            raise InvalidInput(
+                f"position_ids: expected {want.tolist()} (each row's next positions, "
+                f"cache.position_ids), got {got.tolist()}"
+            )
+        self._pos_checked = key
 
     def write(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
@@ -139,6 +174,18 @@ class PagedCache(Cache):
         b, h, q, d = key_states.shape
         if b != len(self.seqs):
             raise InvalidInput(f"key_states: expected batch {len(self.seqs)} (sequences), got {b}")
+        pool = self.pool
+        if not _is_fp8(pool) and {key_states.dtype, value_states.dtype} != {pool.dtype}:
+            # A cast would round (bfloat16) or overflow to inf (float16), and be stored.
+            raise InvalidInput(
+                f"key_states: expected {pool.dtype} (the pool's dtype), got "
+                f"{key_states.dtype}; run the model in the pool's dtype"
+            )
+        done = self.done()
+        if self._lens[layer] != done:
+            # Ahead of the other layers at the start of its forward: a forward failed
+            # after this layer wrote. Its tokens count for nothing and are written again.
+            self._lens[layer] = done
         starts = tuple(self._lens[layer])
         key = (starts, q)
         if self._slots_key != key:
@@ -149,11 +196,9 @@ class PagedCache(Cache):
             )
             self._slots_key = key
         assert self._slots is not None
-        pool = self.pool
-        # An fp8 pool quantizes the model's K/V (write_kv with its scales); others convert.
-        dtype = key_states.dtype if _is_fp8(pool) else pool.dtype
-        k = key_states.transpose(1, 2).reshape(b * q, h, d).to(dtype)
-        v = value_states.transpose(1, 2).reshape(b * q, h, d).to(dtype)
+        # An fp8 pool quantizes the model's K/V (write_kv with its scales).
+        k = key_states.transpose(1, 2).reshape(b * q, h, d)
+        v = value_states.transpose(1, 2).reshape(b * q, h, d)
         ops.write_kv(
             k,
             v,
@@ -163,8 +208,10 @@ class PagedCache(Cache):
             **_scales(pool, layer),
         )
         self._lens[layer] = [s + q for s in starts]
-        for seq, n in zip(self.seqs, self._lens[layer], strict=True):
-            seq.length = max(seq.length, n)
+        # Only once every layer holds them: `save` must not store the KV of a layer the
+        # forward did not reach (the block's previous sequence's).
+        for seq, n in zip(self.seqs, self.done(), strict=True):
+            seq.length = n
         _handoff.pending = (key_states, self, layer)
         return key_states, value_states
 
@@ -242,6 +289,9 @@ def paged_attention_forward(
             "give each sequence its own length"
         )
     b, nh, q, d = query.shape
+    pos = kwargs.get("position_ids")
+    if pos is not None or len(set(cache.lengths(layer))) > 1:
+        cache.check_positions(layer, q, pos)
     tables, lens = cache.attention_inputs(layer, q)
     pool = cache.pool
     # fp8 pools: the query stays in the model's dtype (the op dequantizes K/V).
@@ -275,6 +325,11 @@ def greedy(
     then `max_new_tokens - 1` greedy tokens through `model` on `cache`; returns the
     `[batch, max_new_tokens]` greedy tokens."""
     ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+    if ids.shape[1] == 0 or max_new_tokens < 1:
+        raise InvalidInput(
+            "greedy: expected at least one token to feed and max_new_tokens >= 1, got "
+            f"{ids.shape[1]} and {max_new_tokens} (load one token less than the prompt)"
+        )
     ids = ids.to(model.device)
     out = []
     for _ in range(max_new_tokens):

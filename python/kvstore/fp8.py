@@ -112,4 +112,7 @@ def dequantize(buf: Any, layout: Layout, tokens: int, out: Any) -> None:
     x = values.float() * scales[:, :, :, None, :, None]
     shape = layout.kv_shape(tokens)
     dst = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
-    dst[:, :, :tokens].copy_(x.reshape(shape))
+    # e4m3 rounds up as well as down: a value just under the dtype's largest
+    # finite one can come back past it, which the dtype holds as inf.
+    big = torch.finfo(dst.dtype).max
+    dst[:, :, :tokens].copy_(x.reshape(shape).clamp_(-big, big))

@@ -266,6 +266,11 @@ def test_bad_session_name(s):
     _raises(
         s, kvstore.InvalidInput, lambda: s.save_session("x" * 401, GOOD_TOKENS, _good_kv()), "401"
     )
+    # A lone surrogate: no UTF-8 for it (it raised UnicodeEncodeError, untyped).
+    _raises(
+        s, kvstore.InvalidInput, lambda: s.save_session("\ud800", GOOD_TOKENS, _good_kv()), "UTF-8"
+    )
+    _raises(s, kvstore.InvalidInput, lambda: s.load_session("\ud800"), "UTF-8")
 
 
 def test_bad_out(s):

@@ -32,7 +32,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"expected a size such as 512M or 2G, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not n < 2**64:
+        raise argparse.ArgumentTypeError(f"expected a size below 2**64 bytes, got {text!r}")
+    return int(n)
 
 
 def parse_duration(text: str) -> float:
@@ -59,7 +62,7 @@ def _console() -> Any:
     return Console()
 
 
-def _open(path: str, salt: str | None = None) -> Store:
+def _open(path: str, salt: str | bytes | None = None) -> Store:
     # "sync": compact and gc commit only what is on disk before deleting old segments.
     return open_store(path, salt=salt, create=False, durability="sync")
 
@@ -179,28 +182,33 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _salt(args: argparse.Namespace) -> str | None:
+def _salt(args: argparse.Namespace) -> str | bytes | None:
     """The tenant salt: `--salt` (shows in `ps`), or read from the environment
     variable `--salt-env` names or the file `--salt-file` (one trailing newline
-    dropped): the salt is the MAC secret of the remote tier."""
-    given = [(n, v) for n in ("salt", "salt_env", "salt_file") if (v := getattr(args, n))]
+    dropped), as bytes: any bytes, as the API takes (a str salt is its UTF-8). The
+    salt is the MAC secret of the remote tier. An empty salt is a tenant of its own,
+    not "no salt"."""
+    names = ("salt", "salt_env", "salt_file")
+    given = [(n, v) for n in names if (v := getattr(args, n)) is not None]
     if len(given) > 1:
         raise InvalidInput("give one of --salt, --salt-env, --salt-file")
     if not given:
         return None
     name, value = given[0]
     if name == "salt_env":
-        if value not in os.environ:
+        key = os.fsencode(value)
+        if key not in os.environb:
             raise InvalidInput(f"--salt-env: the environment variable {value!r} is not set")
-        return os.environ[value]
+        return os.environb[key]
     if name == "salt_file":
         try:
-            with open(value, encoding="utf-8") as f:
-                text = f.read()
+            with open(value, "rb") as f:
+                data = f.read()
         except OSError as e:
             raise InvalidInput(f"--salt-file {value}: {e.strerror}") from None
-        return text[:-1] if text.endswith("\n") else text
-    return str(value)
+        return data[:-1] if data.endswith(b"\n") else data
+    # What the command line gave: its bytes, undecodable ones included.
+    return os.fsencode(value)
 
 
 def _salt_flags(sp: argparse.ArgumentParser, what: str) -> None:
@@ -675,6 +683,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except KVStoreError as e:
+        print(f"kvstore: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`kvstore ls --json | head`): nothing left to tell it,
+        # and the interpreter's last flush of stdout must not raise it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:
         print(f"kvstore: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

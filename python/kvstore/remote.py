@@ -93,9 +93,13 @@ class Remote:
             raise InvalidInput(f"remote write: expected 'behind' or 'through', got {self.write!r}")
         for name, value in (("ttl", self.ttl), ("timeout", self.timeout)):
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value < 2**63 / 1000  # milliseconds, as an unsigned 64-bit count
             ):
-                raise InvalidInput(f"remote {name}: expected positive seconds, got {value!r}")
+                raise InvalidInput(
+                    f"remote {name}: expected positive seconds (below 2**63 ms), got {value!r}"
+                )
         return {
             "nodes": nodes,
             "username": self.username,

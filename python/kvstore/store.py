@@ -52,6 +52,12 @@ _RESULTS = ResultPool(RESULT_POOL_BYTES)
 def _check_name(name: Any) -> None:
     if not isinstance(name, str):
         raise InvalidInput(f"name: expected str, got {type(name).__name__}")
+    try:
+        name.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidInput(
+            f"name: expected text UTF-8 can encode, got {name!r} ({e.reason})"
+        ) from None
 
 
 def _check_callable(progress: Any) -> None:
@@ -535,7 +541,10 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     if model is not None and (not isinstance(model, str) or not model):
         raise InvalidInput(f"model: expected a non-empty fingerprint string, got {model!r}")
     if isinstance(salt, str):
-        salt = salt.encode()
+        try:
+            salt = salt.encode()
+        except UnicodeEncodeError as e:
+            raise InvalidInput(f"salt: a str salt must encode as UTF-8 ({e.reason})") from None
     if salt is not None and not isinstance(salt, (bytes, bytearray)):
         raise InvalidInput(f"salt: expected bytes, str or None, got {type(salt).__name__}")
     if compression not in (None, "zstd", "exponent"):

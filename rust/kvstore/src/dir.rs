@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! <store>/MANIFEST         format version, fingerprint, layout, store id
-//! <store>/LOCK             held while a process creates, recovers or rebuilds
+//! <store>/LOCK             held while a process creates, recovers or rebuilds;
+//!                          shared by every open handle (`OpenMark`)
 //! <store>/COMPACT.lock     held by the one compaction or gc running
 //! <store>/index/           the LMDB environment
 //! <store>/segments/<16 hex digits>.kvseg
@@ -25,6 +26,17 @@ const MANIFEST_MAX: u64 = 64 << 10;
 
 /// How long an opener waits for another process creating or recovering.
 const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What an open handle holds for its whole life: a shared lock
+/// (`F_OFD_SETLK`) on LOCK through a description of its own, which a forked
+/// child does not keep (`os::ParentOnly`; where that cannot be had, an
+/// ordinary description, which a child keeps). `rebuild_index` asks for it
+/// exclusively: it must not run beside any handle, an idle one included,
+/// whose later puts would be committed to the index it moves aside.
+pub struct OpenMark {
+    _own: Option<crate::os::ParentOnly>,
+    _plain: Option<File>,
+}
 
 /// Paths inside one store directory.
 #[derive(Clone, Debug)]
@@ -166,6 +178,40 @@ impl StoreDir {
             .set_len(0)
             .and_then(|()| lock.write_all_at(pid.as_bytes(), 0));
         Ok(lock)
+    }
+
+    /// Marks the store open for as long as the mark lives (see
+    /// [`OpenMark`]); `StoreLocked` while its index is being rebuilt.
+    pub fn mark_open(&self) -> Result<OpenMark> {
+        let path = self.root.join("LOCK");
+        let file =
+            fs::open_or_create(&path).ctx(|| format!("lock file in {}", self.root.display()))?;
+        let own = crate::os::ParentOnly::open(&file);
+        let desc = own
+            .as_ref()
+            .and_then(crate::os::ParentOnly::get)
+            .unwrap_or(&file);
+        if !crate::os::ofd_lock(desc, crate::os::OfdLock::SharedTry)
+            .ctx(|| format!("locking {}", path.display()))?
+        {
+            return Err(Error::StoreLocked(format!(
+                "the index of {} is being rebuilt; open it when that is done",
+                self.root.display()
+            )));
+        }
+        let plain = own.is_none().then_some(file);
+        Ok(OpenMark {
+            _own: own,
+            _plain: plain,
+        })
+    }
+
+    /// Whether no handle marks the store open (see [`OpenMark`]), in this
+    /// process or another; `lock` is the LOCK file this process holds. If so,
+    /// none can until `lock` is dropped.
+    pub fn none_open(&self, lock: &File) -> Result<bool> {
+        crate::os::ofd_lock(lock, crate::os::OfdLock::ExclusiveTry)
+            .ctx(|| format!("locking the LOCK of {}", self.root.display()))
     }
 
     /// The store-wide compaction lock (one compaction or gc at a time), or

@@ -109,6 +109,14 @@ pub fn rebuild_index(dir: &Path, progress: crate::progress::Progress<'_>) -> Res
             "this process has the store open; close it before rebuilding its index".into(),
         ));
     }
+    // A handle open elsewhere, even one that writes nothing yet, would go on
+    // with the index moved aside: its next puts would be acknowledged there
+    // and lost to the new one.
+    if !sd.none_open(&lock)? {
+        return Err(Error::StoreLocked(
+            "the store is open in another process; close every handle on it first".into(),
+        ));
+    }
     if std::fs::symlink_metadata(&index_dir).is_ok() {
         let secs = SystemTime::now()
             .duration_since(UNIX_EPOCH)

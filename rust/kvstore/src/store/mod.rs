@@ -101,6 +101,8 @@ struct Inner {
     arena: Option<Arena>,
     counters: Counters,
     remote: Option<crate::remote::Remote>,
+    /// This handle marks the store open, which keeps `rebuild_index` away.
+    _open: crate::dir::OpenMark,
 }
 
 /// A handle on a store directory. `Sync`: share it between threads.
@@ -509,6 +511,7 @@ impl Inner {
         // Creation and recovery run under an exclusive lock so two processes
         // opening a new store at once agree on one MANIFEST.
         let lock = dir.lock()?;
+        let open_mark = dir.mark_open()?;
         // A version-1 MANIFEST stays as it is until this handle writes its
         // first segment (`upgrade_manifest`): opening and reading change
         // nothing an older build would refuse.
@@ -585,6 +588,7 @@ impl Inner {
             touched: Mutex::new(Touched::default()),
             arena,
             counters: Counters::default(),
+            _open: open_mark,
         };
         inner.recover()?;
         drop(lock);

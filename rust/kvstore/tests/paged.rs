@@ -430,6 +430,14 @@ fn cache_blocks_outside_the_spans_are_refused_before_any_copy() {
     assert!(s
         .put_paged(&tokens, 0, b"", &paged(), &spans, &[0])
         .is_err());
+    // A cache block named twice in a save: its KV was stored under both
+    // token blocks' ids.
+    let other = seq(5, 2 * B);
+    let e = s
+        .put_paged(&other, 0, b"", &paged(), &spans, &[3, 3])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidInput(_)), "{e}");
+    assert_eq!(s.lookup(&other, b"").unwrap(), 0);
 }
 
 /// A layout of 6 runs of 16 KiB (96 KiB a block, so a version-2 record's

@@ -228,6 +228,15 @@ impl Inner {
         }
         let spans: Vec<usize> = layers.iter().map(|l| l.len()).collect();
         paged.check(&self.layout, &spans, blocks)?;
+        // One cache block for two token blocks would store its KV under the
+        // other's tokens too. (A load may name one twice: the last lands.)
+        let mut distinct = blocks.to_vec();
+        distinct.sort_unstable();
+        if let Some(&[twice, _]) = distinct.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::InvalidInput(format!(
+                "blocks: cache block {twice} is named twice"
+            )));
+        }
         let bb = self.layout.block_bytes();
         let group = (GROUP_BYTES / bb).max(1);
         let mut buf = vec![0u8; group.min(n) * bb];

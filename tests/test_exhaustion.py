@@ -765,3 +765,27 @@ def test_out_of_file_descriptors_is_a_miss_not_damage(tmp_path):
     with kvstore.open(path, layout=LAYOUT, model=MODEL) as s:
         assert_kv_equal(s.get(toks), kv_for(LAYOUT, toks))
         assert s.verify()["damaged"] == []
+
+
+def test_sessions_leave_the_index_room_for_gc(tmp_path):
+    """Sessions wrote past the index's reserve (only puts kept it back), into the
+    pages gc needs to delete with (a review saw gc fail with MDB_MAP_FULL until a
+    session was deleted by hand). A session save into a nearly full map is StoreFull,
+    and gc then frees room."""
+    kw = {"layout": LAYOUT, "model": MODEL, "durability": "sync", "index_bytes": 2 << 20}
+    with kvstore.open(tmp_path / "s", **kw) as s:
+        t = seq(0, 4 * B)
+        kv = kv_for(LAYOUT, t)
+        for i in range(10_000):
+            try:
+                # The same 4 blocks each time (stored once): only sessions fill the map.
+                s.save_session(f"agent-{i}", t + list(range(i, i + 20_000)), kv)
+            except kvstore.StoreFull as e:
+                # Refused at the reserve, not by LMDB once the map had no pages left.
+                assert "nearly full" in str(e), e
+                break
+        else:
+            pytest.fail("the index never filled")
+        assert s.gc(max_bytes=0)["blocks_evicted"] > 0
+        for name in list(s.sessions())[:5]:
+            assert s.delete_session(name)

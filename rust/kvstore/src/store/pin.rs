@@ -46,13 +46,14 @@ impl Inner {
             Some(arena) => self.pin_hot(arena, tokens, &ids, &locs, priority, expires)?,
             None => (locs.len(), None),
         };
-        // Only blocks this transaction still finds indexed: one evicted since
-        // it was found ends the pinned prefix (eviction checks the pins in
-        // its own transactions, so a pin committed first keeps its block).
+        // Only blocks this transaction still finds indexed (or this handle
+        // has pending): one evicted since it was found ends the pinned prefix
+        // (eviction checks the pins in its own transactions, so a pin
+        // committed first keeps its block).
         let mut txn = self.index.write()?;
         let mut kept = 0;
         for id in &ids[..pinned] {
-            if self.index.get_block_rw(&txn, id)?.is_none() {
+            if self.index.get_block_rw(&txn, id)?.is_none() && self.pending_loc(id).is_none() {
                 break;
             }
             self.index.put_pin(&mut txn, id, priority, expires)?;

@@ -24,6 +24,15 @@ impl Inner {
         let n = self.put_from(&tokens[..covered], 0, kv, kv_tokens, b"")?;
         let mut w = self.writer.lock().expect("writer lock");
         self.commit_pending(&mut w)?;
+        // As for blocks: the rest of the map is kept for gc, which needs
+        // pages to delete (a session's tokens may take megabytes).
+        if self.index.nearly_full()? {
+            return Err(Error::StoreFull(
+                "the index map is nearly full (the rest is kept for gc); session not saved: \
+                 free blocks or sessions, or reopen with a larger index_bytes"
+                    .into(),
+            ));
+        }
         let mut txn = self.index.write()?;
         self.index.put_session(&mut txn, &self.tag, name, tokens)?;
         self.index.commit(txn, self.durable())?;

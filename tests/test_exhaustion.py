@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -789,3 +790,54 @@ def test_sessions_leave_the_index_room_for_gc(tmp_path):
         assert s.gc(max_bytes=0)["blocks_evicted"] > 0
         for name in list(s.sessions())[:5]:
             assert s.delete_session(name)
+
+
+def test_a_full_index_in_batch_mode_stops_puts_and_gc_recovers(tmp_path):
+    """With durability="batch", a failed group commit (the index full) keeps its
+    records; puts used to go on adding to them (57k pending, unbounded) and gc, the
+    way out the error names, failed on the same commit. Now the next put retries the
+    commit and fails with it, and gc evicts first, then commits: flush and close
+    succeed, and the puts acknowledged last are durable."""
+    layout = small_layout("float16", block_size=4)
+    kw = {"layout": layout, "model": MODEL, "durability": "batch", "index_bytes": 2 << 20}
+    s = kvstore.open(tmp_path / "s", **kw)
+    acked = []
+    for i in range(100_000):
+        doc = [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4]
+        try:
+            s.put(doc, kv_for(layout, doc))
+        except kvstore.StoreFull:
+            break
+        acked.append(doc)
+    else:
+        pytest.fail("the index never filled")
+    time.sleep(0.1)  # the flusher's attempts
+    assert s.stats()["pending_blocks"] < 2000
+    with pytest.raises(kvstore.StoreFull):
+        s.flush()
+    assert s.gc(max_bytes=0)["blocks_evicted"] > 0
+    s.flush()
+    s.close()
+    with kvstore.open(tmp_path / "s", **kw) as s:
+        assert_kv_equal(s.get(acked[-1]), kv_for(layout, acked[-1]))
+
+
+PUT_THEN_PIN = """
+import sys, kvstore
+from conftest import kv_for, small_layout
+layout = small_layout("float16", block_size=4)
+s = kvstore.open(sys.argv[1], layout=layout, model="m", durability="batch", batch_window_ms=1)
+for i in range(3000):
+    t = [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4]
+    s.put(t, kv_for(layout, t))
+    assert s.pin(t, priority=1) == 4
+s.close()
+print("done")
+"""
+
+
+def test_pins_beside_group_commits_do_not_deadlock(tmp_path):
+    """pin held the index's write transaction while it took the writer's lock, the
+    order opposite to a commit's: a put then a pin in batch mode hung once the
+    flusher committed between them (within the first 1000 of a review's loop)."""
+    assert run_child(PUT_THEN_PIN, tmp_path / "s", timeout=120).stdout.strip() == "done"

@@ -110,6 +110,10 @@ class PagedCache(Cache):
         self.seqs = list(seqs)
         num_layers = pool.layout.num_layers
         self._lens = [[s.length for s in self.seqs] for _ in range(num_layers)]
+        # What every layer holds (`done`), and the layers past it: a forward moves
+        # each layer ahead once; when all are, `done` moves (O(layers) per forward).
+        self._done = [s.length for s in self.seqs]
+        self._ahead: set[int] = set()
         # Slots and block tables are the same for every layer of a forward: built once.
         self._slots_key: tuple[Any, ...] | None = None
         self._slots: torch.Tensor | None = None
@@ -124,7 +128,7 @@ class PagedCache(Cache):
 
     def done(self) -> list[int]:
         """Tokens of each sequence whose KV every layer holds (its `length`)."""
-        return [min(col) for col in zip(*self._lens, strict=True)]
+        return list(self._done)
 
     def position_ids(self, query_length: int) -> torch.Tensor:
         """`[batch, query_length]` positions of the next tokens of each sequence."""
@@ -181,11 +185,12 @@ class PagedCache(Cache):
                 f"key_states: expected {pool.dtype} (the pool's dtype), got "
                 f"{key_states.dtype}; run the model in the pool's dtype"
             )
-        done = self.done()
-        if self._lens[layer] != done:
+        if layer in self._ahead:
             # Ahead of the other layers at the start of its forward: a forward failed
             # after this layer wrote. Its tokens count for nothing and are written again.
-            self._lens[layer] = done
+            self._lens[layer] = list(self._done)
+            self._ahead.discard(layer)
+            self._pos_checked = None
         starts = tuple(self._lens[layer])
         key = (starts, q)
         if self._slots_key != key:
@@ -208,10 +213,14 @@ class PagedCache(Cache):
             **_scales(pool, layer),
         )
         self._lens[layer] = [s + q for s in starts]
-        # Only once every layer holds them: `save` must not store the KV of a layer the
-        # forward did not reach (the block's previous sequence's).
-        for seq, n in zip(self.seqs, self.done(), strict=True):
-            seq.length = n
+        self._ahead.add(layer)
+        if len(self._ahead) == len(self._lens):
+            # Only once every layer holds them: `save` must not store the KV of a layer
+            # the forward did not reach (the block's previous sequence's).
+            self._done = [min(col) for col in zip(*self._lens, strict=True)]
+            self._ahead = {i for i, lens in enumerate(self._lens) if lens != self._done}
+            for seq, n in zip(self.seqs, self._done, strict=True):
+                seq.length = n
         _handoff.pending = (key_states, self, layer)
         return key_states, value_states
 

@@ -24,7 +24,8 @@
 //! which forked children close as they start (`os::ParentOnly`): a child
 //! shares the mapping's description (its copy of the mapping keeps it open),
 //! and a lock taken through that outlived a writer killed while holding it
-//! for as long as the child lived. A stopped
+//! for as long as the child lived (one is opened per use where the arena
+//! has none of its own, and the mapping's is the last resort). A stopped
 //! process (SIGSTOP, a debugger, a frozen cgroup) keeps it, so a
 //! writer gives up [`WRITE_WAIT`] after it started waiting (the mutex
 //! included): a pin or unpin then fails with `StoreLocked`, and a cache fill
@@ -1031,12 +1032,15 @@ impl Arena {
         let now = Instant::now();
         let skipping = fill && skip_until.is_some_and(|t| now < t);
         let deadline = if skipping { now } else { deadline };
+        // Where neither can be had (no /proc, no descriptor left): the
+        // mapping's description, as before ParentOnly, which a forked child
+        // may keep locked.
         let opened;
         let lock = if let Some(lock) = self.lock.as_ref().and_then(ParentOnly::get) {
             lock
         } else {
-            opened = self.lock_description()?;
-            &opened
+            opened = crate::os::reopen(&self.file).ok();
+            opened.as_ref().unwrap_or(&self.file)
         };
         let locked = wait_for(deadline, WRITE_POLL, || try_flock(lock))
             .ctx(|| format!("locking arena {}", self.path.display()))?;
@@ -1051,17 +1055,6 @@ impl Arena {
         lock.unlock()
             .ctx(|| format!("unlocking arena {}", self.path.display()))?;
         Ok(Some(out))
-    }
-
-    /// A new open file description of the arena file for one use of the
-    /// writers' lock, where the arena has none of its own (see "Protocol").
-    fn lock_description(&self) -> Result<File> {
-        crate::os::reopen(&self.file).ctx(|| {
-            format!(
-                "opening a description for the writers' lock of arena {}",
-                self.path.display()
-            )
-        })
     }
 
     /// The `StoreLocked` of a pin or unpin that gave up on the writers' lock.

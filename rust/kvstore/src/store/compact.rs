@@ -35,6 +35,8 @@ struct Copier {
     scratch: Vec<u8>,
     done: u64,
     total: u64,
+    /// Records left where they were: their reads failed (not damage).
+    kept: u64,
 }
 
 impl Inner {
@@ -93,11 +95,14 @@ impl Inner {
             scratch: Vec::new(),
             done: 0,
             total,
+            kept: 0,
         };
         let rewritten = victims.iter().try_for_each(|seg| -> Result<()> {
             let entries = &by_segment[seg];
+            let kept = copier.kept;
             let dropped = self.rewrite(&mut copier, entries, progress)?;
-            report.records_moved += (entries.len() - dropped.len()) as u64;
+            let kept = (copier.kept - kept) as usize;
+            report.records_moved += (entries.len() - dropped.len() - kept) as u64;
             report.records_dropped += dropped.len() as u64;
             if self.retire(*seg, &dropped)? {
                 report.segments_rewritten += 1;
@@ -149,17 +154,10 @@ impl Inner {
                     copier.out.pending_bytes += new.record_len;
                     moved.push((*id, *loc, new));
                 }
-                Err(ReadFail::Unreadable(reason)) => {
-                    // Not damage: the record stays, and so does its
-                    // segment. What moved so far is published first.
-                    self.publish_moves(&mut copier.out, &mut moved)?;
-                    return Err(Error::Io {
-                        context: format!(
-                            "compaction reading the record at {} in segment {}",
-                            loc.offset, loc.segment
-                        ),
-                        source: std::io::Error::other(reason),
-                    });
+                Err(ReadFail::Unreadable(_)) => {
+                    // Not damage: the record stays where it is, and so does
+                    // its segment (still live); the other victims go on.
+                    copier.kept += 1;
                 }
                 Err(fail) => dropped.push((
                     *id,

@@ -29,12 +29,19 @@ impl Inner {
         progress: Progress<'_>,
     ) -> Result<GcReport> {
         let _lock = self.dir.compaction_lock()?;
-        {
-            let mut w = self.writer.lock().expect("writer lock");
-            self.commit_pending(&mut w)?;
-        }
+        // A full index is what gc is for: if what is pending cannot be
+        // committed for that, evict first (freeing the pages the commit
+        // needs), then commit.
+        let full = match self.commit_pending(&mut self.writer.lock().expect("writer lock")) {
+            Ok(()) => false,
+            Err(Error::StoreFull(_)) => true,
+            Err(e) => return Err(e),
+        };
         let (blocks_evicted, bytes_evicted) =
             self.evict(max_bytes, older_than, &HashSet::default())?;
+        if full {
+            self.commit_pending(&mut self.writer.lock().expect("writer lock"))?;
+        }
         Ok(GcReport {
             blocks_evicted,
             bytes_evicted,

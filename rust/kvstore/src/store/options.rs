@@ -109,7 +109,7 @@ impl Options {
     /// The size past which a segment rolls: `segment_bytes`, and under a
     /// `disk_bytes` bound at most a sixteenth of it. Compaction copies a
     /// segment's live records before it deletes the segment, so a put keeps
-    /// that much of the bound free (`Inner::ensure_disk_room`): small
+    /// about that much of the bound free (`Inner::ensure_disk_room`): small
     /// segments keep that reserve small. A segment holds one record at
     /// least, whatever this says.
     pub(crate) fn segment_limit(&self) -> u64 {

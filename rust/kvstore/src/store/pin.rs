@@ -49,17 +49,27 @@ impl Inner {
         // Only blocks this transaction still finds indexed (or this handle
         // has pending): one evicted since it was found ends the pinned prefix
         // (eviction checks the pins in its own transactions, so a pin
-        // committed first keeps its block).
+        // committed first keeps its block). The writer lock first, then the
+        // index's, in the order a commit takes them.
+        let w = self.writer.lock().expect("writer lock");
         let mut txn = self.index.write()?;
         let mut kept = 0;
         for id in &ids[..pinned] {
-            if self.index.get_block_rw(&txn, id)?.is_none() && self.pending_loc(id).is_none() {
+            if self.index.get_block_rw(&txn, id)?.is_none() && !w.pending_ids.contains_key(id) {
                 break;
             }
             self.index.put_pin(&mut txn, id, priority, expires)?;
             kept += 1;
         }
         self.index.commit(txn, self.durable())?;
+        drop(w);
+        if let Some(arena) = &self.arena {
+            // Evicted from the segments since the hot tier pinned them: not
+            // kept there ahead of other blocks either.
+            for id in &ids[kept..pinned] {
+                arena.unpin(id)?;
+            }
+        }
         match refused {
             Some(e) => Err(e),
             None => Ok(kept * b),

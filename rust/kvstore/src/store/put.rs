@@ -99,6 +99,11 @@ impl Inner {
         block: &dyn Fn(usize) -> (&'t BlockId, &'t [u32]),
         runs: &dyn Fn(usize) -> Vec<&'t [u8]>,
     ) -> Result<usize> {
+        if w.commit_failed {
+            // Records of returned puts wait for a commit that failed: this
+            // put adds none until one succeeds.
+            self.commit_pending(w)?;
+        }
         // Under the writer lock: a group commit between this check and the
         // writes would otherwise move blocks from `pending` to the index
         // unseen, and they would be written twice.
@@ -301,11 +306,17 @@ impl Inner {
             0
         };
         let need = record_len + header;
-        // Compaction copies a segment's live records (a segment, or one
-        // record where that is larger) before it frees the segment, and its
-        // copies may pad differently (up to a record more): kept free, so
-        // that making room stays within the bound too.
-        let reserve = self.opts.segment_limit().max(need) + need;
+        // Compaction copies a segment's live records before it frees the
+        // segment, and its copies may pad differently: a segment's worth and
+        // a sixteenth is kept free, so that making room stays within the
+        // bound too. Records larger than a segment's limit sit one to a
+        // segment, which compaction never copies (live whole, or dead).
+        let limit_seg = self.opts.segment_limit();
+        let reserve = if need <= limit_seg {
+            limit_seg + limit_seg / 16
+        } else {
+            0
+        };
         if self.disk_used(w)? + need + reserve > limit {
             let need = need + reserve + format::SEGMENT_HEADER_LEN as u64;
             self.make_room(w, limit, need, keep)?;

@@ -48,6 +48,10 @@ pub(super) struct Writer {
     pub(super) pending_bytes: u64,
     pub(super) oldest_pending: Option<Instant>,
     pub(super) poisoned: Option<String>,
+    /// The last commit of what is pending failed (the index full): puts try
+    /// it again before adding to it, and fail while it fails, so the records
+    /// kept for it stay bounded.
+    pub(super) commit_failed: bool,
 }
 
 impl Writer {
@@ -253,7 +257,11 @@ impl Inner {
         // commit (a flush, a close, the next window) publishes them or
         // reports why it cannot. A put whose own commit fails takes its
         // records back (`store_blocks`).
-        self.publish_pending(w, segment, committed_len)?;
+        if let Err(e) = self.publish_pending(w, segment, committed_len) {
+            w.commit_failed = true;
+            return Err(e);
+        }
+        w.commit_failed = false;
         w.pending.clear();
         w.pending_ids.clear();
         w.pending_bytes = 0;

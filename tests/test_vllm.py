@@ -800,6 +800,21 @@ w.save([after])
 w.drain({"t"})
 out["after_recompute"] = w.take_stats()
 w.close()
+# A save that raises a BaseException (a Rust panic reaches Python as one): the save
+# thread died with it, and the request stayed pending: drain and vLLM waited for ever.
+class Panic(BaseException):
+    pass
+def panic(tr):
+    raise Panic("injected")
+wp = c._WorkerHalf(Failing(), ["l0", "l1"], None, 4)
+wp._save_one = panic
+wp.save([c._Transfer("p", list(range(16)), 0, [2, 5], None)])
+drained = threading.Event()
+threading.Thread(target=lambda: (wp.drain({"p"}), drained.set()), daemon=True).start()
+out["panic_drained"] = drained.wait(30)
+out["panic_thread_alive"] = wp._thread.is_alive()
+out["panic_finished"] = sorted(wp.finished({"p"}) or ())
+out["panic_save_errors"] = wp.take_stats()["save_errors"]
 print("RESULT " + json.dumps(out))
 """
 
@@ -821,6 +836,10 @@ def test_store_errors_never_reach_vllm(connector_scripts):
     # although its save was skipped (reported only s, t's blocks were never freed).
     assert r["finished"] == ["s", "t"]
     assert r["after_recompute"]["save_errors"] == 1  # t tried once the block was recomputed
+    # A save that raised a BaseException (a Rust panic): counted, and the request is
+    # still reported; the save thread lives on.
+    assert r["panic_drained"] and r["panic_thread_alive"], r
+    assert r["panic_finished"] == ["p"] and r["panic_save_errors"] == 1
 
 
 EXTRA_GONE = r"""

@@ -778,26 +778,34 @@ class _WorkerHalf:
             tr = self._jobs.get()
             if tr is None:
                 return
-            t0 = time.perf_counter()
-            n = len(tr.tokens) - tr.start
             try:
-                self._save_one(tr)
-                ok = True
-            except Exception as e:  # a failed save is a future miss; vLLM goes on
-                log.warning("kvstore connector: save of %s failed: %s", tr.req_id, e)
-                ok = False
-            blocks = n // self._layout.block_size if ok else 0
-            self._add_stats(
-                save_tokens=n if ok else 0,
-                save_bytes=blocks * self._layout.block_bytes,
-                save_errors=0 if ok else 1,
-                save_us=round((time.perf_counter() - t0) * 1e6),
-            )
-            with self._lock:
-                self._pending[tr.req_id] -= 1
-                if not self._pending[tr.req_id]:
-                    del self._pending[tr.req_id]
-                self._idle.notify_all()
+                self._save_and_count(tr)
+            finally:
+                # Whatever happened (a Rust panic reaches Python as a BaseException):
+                # the request is no longer waiting on this save, or vLLM would hold
+                # its blocks, and a preemption's drain would wait, for ever.
+                with self._lock:
+                    self._pending[tr.req_id] -= 1
+                    if not self._pending[tr.req_id]:
+                        del self._pending[tr.req_id]
+                    self._idle.notify_all()
+
+    def _save_and_count(self, tr: _Transfer) -> None:
+        t0 = time.perf_counter()
+        n = len(tr.tokens) - tr.start
+        try:
+            self._save_one(tr)
+            ok = True
+        except BaseException as e:  # noqa: BLE001 - a failed save is a future miss; vLLM goes on
+            log.warning("kvstore connector: save of %s failed: %r", tr.req_id, e)
+            ok = False
+        blocks = n // self._layout.block_size if ok else 0
+        self._add_stats(
+            save_tokens=n if ok else 0,
+            save_bytes=blocks * self._layout.block_bytes,
+            save_errors=0 if ok else 1,
+            save_us=round((time.perf_counter() - t0) * 1e6),
+        )
 
     def _save_one(self, tr: _Transfer) -> None:
         """Stores `tr`'s blocks out of vLLM's cache."""

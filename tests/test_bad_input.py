@@ -447,3 +447,58 @@ def test_close_while_other_threads_work(tmp_path, durability):
         for toks in stored[-20:]:
             assert_kv_equal(v.get(toks), kv_for(LAYOUT, toks))
         assert v.verify()["damaged"] == []
+
+
+def test_odd_values_are_invalid_input_not_other_exceptions(tmp_path, s):
+    """Each raised TypeError, OverflowError or UnicodeEncodeError, outside kvstore's
+    exception tree (a review of the binding's edges)."""
+    torch = pytest.importorskip("torch")
+    calls = {
+        "bfloat16 token ids": lambda: s.lookup(torch.arange(16, dtype=torch.bfloat16)),
+        "complex token ids": lambda: s.lookup(torch.zeros(16, dtype=torch.complex64).conj()),
+        "extra with a lone surrogate": lambda: s.lookup(GOOD_TOKENS, extra="\ud800"),
+        "a negative hot slot": lambda: s.hot_unchanged([(-1, 0)]),
+        "a hot slot past 2**64": lambda: s.hot_unchanged([(2**64, 0)]),
+        "a negative counter": lambda: s.add_counters({"a": -1}),
+        "a counter past 2**64": lambda: s.add_counters({"a": 2**64}),
+        "a counter named by an int": lambda: s.add_counters({1: 1}),
+        "a float counter": lambda: s.add_counters({"a": 1.9}),
+        "a model with a lone surrogate": lambda: kvstore.open(
+            tmp_path / "m", layout=LAYOUT, model="m\ud800"
+        ),
+        "durability 3": lambda: kvstore.open(
+            tmp_path / "d", layout=LAYOUT, model="m", durability=3
+        ),
+    }
+    for what, call in calls.items():
+        with pytest.raises(kvstore.InvalidInput):
+            call()
+        assert not (tmp_path / "m").exists() and not (tmp_path / "d").exists(), what
+
+
+POOL_AFTER_FORK = """
+import os, sys
+import kvstore
+from kvstore import store
+from conftest import kv_for, seq, small_layout
+layout = small_layout()
+path = sys.argv[1]
+with kvstore.open(path, layout=layout, model="m") as s:
+    s.put(seq(0, 32), kv_for(layout, seq(0, 32)))
+store._RESULTS._lock.acquire()  # another thread taking a result buffer, as the fork lands
+pid = os.fork()
+if pid == 0:
+    with kvstore.open(path, layout=layout, model="m") as s:  # a handle of its own
+        os._exit(0 if s.get(seq(0, 32)).shape[2] == 32 else 3)
+store._RESULTS._lock.release()
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_while_the_result_pool_is_locked_can_get(tmp_path):
+    """The result pool's lock is held while a buffer is taken: a child forked then
+    inherited it held, and its first get waited for ever (20 of 20 in a review)."""
+    from conftest import run_child
+
+    assert run_child(POOL_AFTER_FORK, tmp_path / "s", timeout=60).stdout.strip() == "0"

@@ -10,6 +10,7 @@ this module.
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 import threading
 import weakref
@@ -40,6 +41,21 @@ _READ_ONLY: list[tuple[weakref.ref[mmap.mmap], int, int]] = []
 _READ_ONLY_LOCK = threading.Lock()
 
 
+def _reset_read_only_lock() -> None:
+    # A child forked while another thread held it would wait for ever.
+    global _READ_ONLY_LOCK
+    _READ_ONLY_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_read_only_lock)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
 def is_torch(x: Any) -> bool:
     """Whether `x` is a torch tensor, without importing torch when nobody has."""
     torch = sys.modules.get("torch")
@@ -60,6 +76,8 @@ def tokens_array(tokens: Any) -> np.ndarray:
     """Token ids as a contiguous uint32 array; raises InvalidInput otherwise."""
     if is_torch(tokens):
         _check_dense_torch(tokens, "tokens")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == _torch().bool:
+            raise InvalidInput(f"tokens: expected integer token ids, got dtype {tokens.dtype}")
         tokens = tokens.detach().cpu().numpy()
     try:
         a = np.asarray(tokens)
@@ -90,7 +108,10 @@ def extra_bytes(extra: bytes | str | None) -> bytes:
     if extra is None:
         return b""
     if isinstance(extra, str):
-        return extra.encode()
+        try:
+            return extra.encode()
+        except UnicodeEncodeError as e:
+            raise InvalidInput(f"extra: a str must encode as UTF-8 ({e.reason})") from None
     if isinstance(extra, (bytes, bytearray, memoryview)):
         return bytes(extra)
     raise InvalidInput(f"extra: expected bytes, str or None, got {type(extra).__name__}")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -39,6 +41,19 @@ def _free_refs() -> int:
 _FREE = _free_refs()
 
 
+# Every pool, so that a forked child gets fresh locks: one forked while another thread
+# held a pool's lock (taking a buffer) would wait for it for ever.
+_POOLS: weakref.WeakSet[ResultPool] = weakref.WeakSet()
+
+
+def _fresh_locks_in_child() -> None:
+    for pool in list(_POOLS):
+        pool._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_in_child)
+
+
 def _new_buffer(nbytes: int) -> np.ndarray:
     """`nbytes` (a multiple of 2 MiB) of anonymous memory, huge pages asked for,
     every page faulted in now."""
@@ -57,6 +72,7 @@ class ResultPool:
         self._lock = threading.Lock()
         self._bufs: list[np.ndarray] = []
         self._limit = limit
+        _POOLS.add(self)
 
     @property
     def pooled_bytes(self) -> int:
@@ -69,6 +85,9 @@ class ResultPool:
         else of a new one (kept in the pool while within the limit)."""
         if nbytes == 0:
             return np.empty(0, dtype=np.uint8)
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        if size > self._limit:
+            return _new_buffer(size)[:nbytes]  # never pooled: faulted in outside the lock
         with self._lock:
             # The view is made under the lock: from then on the buffer counts as held.
             best = -1
@@ -79,9 +98,6 @@ class ResultPool:
                     best = i
             if best >= 0:
                 return self._bufs[best][:nbytes]
-            size = -(-nbytes // _ALIGN) * _ALIGN
-            if size > self._limit:
-                return _new_buffer(size)[:nbytes]
             self._drop_free(self._limit - size)
             buf = _new_buffer(size)
             if sum(b.nbytes for b in self._bufs) + size <= self._limit:

@@ -325,7 +325,13 @@ class Store:
 
     def hot_unchanged(self, slots: list[tuple[int, int]]) -> list[bool]:
         """Whether each `(slot, version)` from `hot_blocks` still holds its block."""
-        return self._raw.hot_unchanged([(int(s), int(v)) for s, v in slots])
+        try:
+            pairs = [(int(s), int(v)) for s, v in slots]
+        except (TypeError, ValueError) as e:
+            raise InvalidInput(f"slots: expected (slot, version) int pairs, got {e}") from None
+        if any(not (0 <= s <= _U64_MAX and 0 <= v <= _U64_MAX) for s, v in pairs):
+            raise InvalidInput("slots: expected (slot, version) pairs in [0, 2**64)")
+        return self._raw.hot_unchanged(pairs)
 
     def arena_file(self) -> tuple[str, int, int, int] | None:
         """`(path, device, inode, length)` of the hot-tier file (None without one)."""
@@ -412,11 +418,19 @@ class Store:
         if not isinstance(counts, dict):
             kind = type(counts).__name__
             raise InvalidInput(f"counts: expected a dict of names to ints, got {kind}")
-        try:
-            pairs = [(k, int(v)) for k, v in counts.items()]
-        except (TypeError, ValueError) as e:
-            raise InvalidInput(f"counts: expected int values, got {e}") from None
-        self._raw.add_counters(pairs)
+        bad = [
+            (k, v)
+            for k, v in counts.items()
+            if not isinstance(k, str)
+            or isinstance(v, bool)
+            or not isinstance(v, int)
+            or not 0 <= v <= _U64_MAX
+        ]
+        if bad:
+            raise InvalidInput(
+                f"counts: expected str names and int values in [0, 2**64), got {bad[0]!r}"
+            )
+        self._raw.add_counters(list(counts.items()))
 
     def segments(self) -> list[SegmentReport]:
         """Per segment file: bytes on disk, committed, live and dead, live records."""
@@ -540,6 +554,13 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
                 )
     if model is not None and (not isinstance(model, str) or not model):
         raise InvalidInput(f"model: expected a non-empty fingerprint string, got {model!r}")
+    if model is not None:
+        try:
+            model.encode()
+        except UnicodeEncodeError as e:
+            raise InvalidInput(f"model: expected text UTF-8 can encode ({e.reason})") from None
+    if durability not in ("sync", "batch", "none"):
+        raise InvalidInput(f"durability: expected 'sync', 'batch' or 'none', got {durability!r}")
     if isinstance(salt, str):
         try:
             salt = salt.encode()

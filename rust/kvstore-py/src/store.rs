@@ -308,9 +308,10 @@ impl Store {
     }
 
     /// Adds to clients' named counters, shown by `stats()["counters"]`.
-    fn add_counters(&self, counts: Vec<(String, u64)>) -> PyResult<()> {
+    fn add_counters(&self, py: Python<'_>, counts: Vec<(String, u64)>) -> PyResult<()> {
         let c: Vec<(&str, u64)> = counts.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        self.engine.add_counters(&c).py()
+        // It may commit the counters (an index transaction): no GIL held meanwhile.
+        py.detach(|| self.engine.add_counters(&c)).py()
     }
 
     fn stats(&self, py: Python<'_>) -> PyResult<Stats> {

@@ -64,9 +64,12 @@ impl PagedLayout {
             .and_then(|e| e.checked_mul(layout.dtype.size()));
         match (need, spans.iter().min()) {
             (Some(need), Some(&have)) if need <= have => Ok(()),
-            (need, have) => bad(format!(
-                "cache block {last} needs {need:?} bytes of each layer, the smallest layer \
-                 has {have:?}"
+            (Some(need), Some(&have)) => bad(format!(
+                "cache block {last} needs {need} bytes of each layer, the smallest layer \
+                 has {have}"
+            )),
+            _ => bad(format!(
+                "cache block {last} lies past any layer's bytes (its offset overflows)"
             )),
         }
     }

@@ -115,3 +115,19 @@ def test_hf_load_cache_survives_more_loads(tmp_path):
         assert_kv_equal(layer.keys[0].transpose(0, 1), want[i, 0])
         assert_kv_equal(layer.values[0].transpose(0, 1), want[i, 1])
     s.close()
+
+
+def test_every_buffer_taken_is_as_long_as_asked():
+    """Sizes up and down while earlier results are held: each has exactly the bytes
+    asked for (a mix-up of the size asked and a pooled buffer's handed out a buffer
+    of the last pooled one's size, and the demo's restore failed to reshape it)."""
+    pool = _pool.ResultPool(64 << 20)
+    held = []
+    for mib in (4, 2, 6, 1, 10, 3, 40, 5):
+        n = (mib << 20) + 123
+        buf = pool.take(n)
+        assert buf.nbytes == n, (mib, buf.nbytes)
+        buf[:] = mib  # writable, and not shared with a held one
+        held.append((mib, buf))
+    assert all(bool((b == mib).all()) for mib, b in held)
+    assert pool.take(100 << 20).nbytes == 100 << 20  # past the limit: never pooled

@@ -92,8 +92,8 @@ class ResultPool:
             # The view is made under the lock: from then on the buffer counts as held.
             best = -1
             for i in range(len(self._bufs)):
-                size = self._bufs[i].nbytes
-                fits = size >= nbytes and (best < 0 or size < self._bufs[best].nbytes)
+                have = self._bufs[i].nbytes
+                fits = have >= nbytes and (best < 0 or have < self._bufs[best].nbytes)
                 if fits and _refs(self._bufs, i) == _FREE:
                     best = i
             if best >= 0:

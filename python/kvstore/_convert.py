@@ -29,6 +29,7 @@ __all__ = [
     "out_bytes",
     "protect_read_only",
     "tokens_array",
+    "utf8",
 ]
 
 U32_MAX = 2**32 - 1
@@ -48,12 +49,6 @@ def _reset_read_only_lock() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_read_only_lock)
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 def is_torch(x: Any) -> bool:
@@ -76,7 +71,9 @@ def tokens_array(tokens: Any) -> np.ndarray:
     """Token ids as a contiguous uint32 array; raises InvalidInput otherwise."""
     if is_torch(tokens):
         _check_dense_torch(tokens, "tokens")
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == _torch().bool:
+        import torch
+
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise InvalidInput(f"tokens: expected integer token ids, got dtype {tokens.dtype}")
         tokens = tokens.detach().cpu().numpy()
     try:
@@ -103,15 +100,23 @@ def tokens_array(tokens: Any) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.uint32)
 
 
+def utf8(what: str, text: str) -> bytes:
+    """`text` as UTF-8; InvalidInput naming `what` where it has none (a lone
+    surrogate)."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidInput(
+            f"{what}: expected text UTF-8 can encode, got {text!r} ({e.reason})"
+        ) from None
+
+
 def extra_bytes(extra: bytes | str | None) -> bytes:
     """The `extra` key bytes of a block id: str as UTF-8, None as empty."""
     if extra is None:
         return b""
     if isinstance(extra, str):
-        try:
-            return extra.encode()
-        except UnicodeEncodeError as e:
-            raise InvalidInput(f"extra: a str must encode as UTF-8 ({e.reason})") from None
+        return utf8("extra", extra)
     if isinstance(extra, (bytes, bytearray, memoryview)):
         return bytes(extra)
     raise InvalidInput(f"extra: expected bytes, str or None, got {type(extra).__name__}")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _lib, fp8
-from ._convert import U32_MAX, extra_bytes, is_torch, kv_bytes, out_bytes, tokens_array
+from ._convert import U32_MAX, extra_bytes, is_torch, kv_bytes, out_bytes, tokens_array, utf8
 from ._pool import ResultPool
 from .errors import InvalidInput
 from .layout import Layout
@@ -52,12 +52,7 @@ _RESULTS = ResultPool(RESULT_POOL_BYTES)
 def _check_name(name: Any) -> None:
     if not isinstance(name, str):
         raise InvalidInput(f"name: expected str, got {type(name).__name__}")
-    try:
-        name.encode()
-    except UnicodeEncodeError as e:
-        raise InvalidInput(
-            f"name: expected text UTF-8 can encode, got {name!r} ({e.reason})"
-        ) from None
+    utf8("name", name)
 
 
 def _check_callable(progress: Any) -> None:
@@ -555,17 +550,11 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     if model is not None and (not isinstance(model, str) or not model):
         raise InvalidInput(f"model: expected a non-empty fingerprint string, got {model!r}")
     if model is not None:
-        try:
-            model.encode()
-        except UnicodeEncodeError as e:
-            raise InvalidInput(f"model: expected text UTF-8 can encode ({e.reason})") from None
+        utf8("model", model)
     if durability not in ("sync", "batch", "none"):
         raise InvalidInput(f"durability: expected 'sync', 'batch' or 'none', got {durability!r}")
     if isinstance(salt, str):
-        try:
-            salt = salt.encode()
-        except UnicodeEncodeError as e:
-            raise InvalidInput(f"salt: a str salt must encode as UTF-8 ({e.reason})") from None
+        salt = utf8("salt", salt)
     if salt is not None and not isinstance(salt, (bytes, bytearray)):
         raise InvalidInput(f"salt: expected bytes, str or None, got {type(salt).__name__}")
     if compression not in (None, "zstd", "exponent"):

@@ -15,6 +15,7 @@ use crate::format::{self, Manifest};
 use crate::fs;
 use crate::layout::{Layout, Storage};
 use crate::lockwait;
+use crate::os::{ofd_lock, OfdLock, ParentOnly};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -34,7 +35,7 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 /// exclusively: it must not run beside any handle, an idle one included,
 /// whose later puts would be committed to the index it moves aside.
 pub struct OpenMark {
-    _own: Option<crate::os::ParentOnly>,
+    _own: Option<ParentOnly>,
     _plain: Option<File>,
 }
 
@@ -186,14 +187,9 @@ impl StoreDir {
         let path = self.root.join("LOCK");
         let file =
             fs::open_or_create(&path).ctx(|| format!("lock file in {}", self.root.display()))?;
-        let own = crate::os::ParentOnly::open(&file);
-        let desc = own
-            .as_ref()
-            .and_then(crate::os::ParentOnly::get)
-            .unwrap_or(&file);
-        if !crate::os::ofd_lock(desc, crate::os::OfdLock::SharedTry)
-            .ctx(|| format!("locking {}", path.display()))?
-        {
+        let own = ParentOnly::open(&file);
+        let desc = own.as_ref().and_then(ParentOnly::get).unwrap_or(&file);
+        if !ofd_lock(desc, OfdLock::SharedTry).ctx(|| format!("locking {}", path.display()))? {
             return Err(Error::StoreLocked(format!(
                 "the index of {} is being rebuilt; open it when that is done",
                 self.root.display()
@@ -210,7 +206,7 @@ impl StoreDir {
     /// process or another; `lock` is the LOCK file this process holds. If so,
     /// none can until `lock` is dropped.
     pub fn none_open(&self, lock: &File) -> Result<bool> {
-        crate::os::ofd_lock(lock, crate::os::OfdLock::ExclusiveTry)
+        ofd_lock(lock, OfdLock::ExclusiveTry)
             .ctx(|| format!("locking the LOCK of {}", self.root.display()))
     }
 

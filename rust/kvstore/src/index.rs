@@ -959,11 +959,7 @@ impl Index {
         Ok(self
             .pins
             .get(txn, id)?
-            .and_then(|v| <[u8; 16]>::try_from(v).ok())
-            .is_some_and(|v| {
-                let expires = u64::from_le_bytes(v[8..].try_into().expect("8 bytes"));
-                expires == 0 || expires > now_ms
-            }))
+            .is_some_and(|v| pin_live(v, now_ms)))
     }
 
     /// Blocks pinned and not expired at `now_ms`.
@@ -975,11 +971,10 @@ impl Index {
         let mut out = std::collections::HashSet::new();
         for item in self.pins.iter(txn)? {
             let (k, v) = item?;
-            let (Ok(id), Ok(v)) = (<[u8; 32]>::try_from(k), <[u8; 16]>::try_from(v)) else {
+            let Ok(id) = <[u8; 32]>::try_from(k) else {
                 continue;
             };
-            let expires = u64::from_le_bytes(v[8..].try_into().expect("8 bytes"));
-            if expires == 0 || expires > now_ms {
+            if pin_live(v, now_ms) {
                 out.insert(id);
             }
         }
@@ -1034,4 +1029,13 @@ impl Index {
         }
         Ok(out)
     }
+}
+
+/// Whether a pin's value (`put_pin`: priority, then expiry in ms, 0 for
+/// none) holds at `now_ms`; a value of another length is no pin.
+fn pin_live(v: &[u8], now_ms: u64) -> bool {
+    <[u8; 16]>::try_from(v).is_ok_and(|v| {
+        let expires = u64::from_le_bytes(v[8..].try_into().expect("8 bytes"));
+        expires == 0 || expires > now_ms
+    })
 }

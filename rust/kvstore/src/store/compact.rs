@@ -28,6 +28,9 @@ pub struct CompactReport {
     pub bytes_after: u64,
 }
 
+/// A damaged record compaction drops, with why.
+type Dropped = (BlockId, Location, String);
+
 /// The compaction output and the buffers its copies reuse.
 struct Copier {
     out: Writer,
@@ -35,8 +38,6 @@ struct Copier {
     scratch: Vec<u8>,
     done: u64,
     total: u64,
-    /// Records left where they were: their reads failed (not damage).
-    kept: u64,
 }
 
 impl Inner {
@@ -95,13 +96,10 @@ impl Inner {
             scratch: Vec::new(),
             done: 0,
             total,
-            kept: 0,
         };
         let rewritten = victims.iter().try_for_each(|seg| -> Result<()> {
             let entries = &by_segment[seg];
-            let kept = copier.kept;
-            let dropped = self.rewrite(&mut copier, entries, progress)?;
-            let kept = (copier.kept - kept) as usize;
+            let (dropped, kept) = self.rewrite(&mut copier, entries, progress)?;
             report.records_moved += (entries.len() - dropped.len() - kept) as u64;
             report.records_dropped += dropped.len() as u64;
             if self.retire(*seg, &dropped)? {
@@ -126,15 +124,17 @@ impl Inner {
     }
 
     /// Copies the sound records among `entries` (one victim's) into the
-    /// compaction output and repoints them; returns the damaged ones.
+    /// compaction output and repoints them; returns the damaged ones, and
+    /// how many it left where they were (their reads failed).
     fn rewrite(
         &self,
         copier: &mut Copier,
         entries: &[(BlockId, Location)],
         progress: Progress<'_>,
-    ) -> Result<Vec<(BlockId, Location, String)>> {
+    ) -> Result<(Vec<Dropped>, usize)> {
         let mut moved: Vec<(BlockId, Location, Location)> = Vec::new();
         let mut dropped = Vec::new();
+        let mut kept = 0;
         for (id, loc) in entries {
             let mut chunks: Vec<&mut [u8]> =
                 copier.buf.chunks_mut(self.layout.chunk_bytes()).collect();
@@ -157,7 +157,7 @@ impl Inner {
                 Err(ReadFail::Unreadable(_)) => {
                     // Not damage: the record stays where it is, and so does
                     // its segment (still live); the other victims go on.
-                    copier.kept += 1;
+                    kept += 1;
                 }
                 Err(fail) => dropped.push((
                     *id,
@@ -173,12 +173,12 @@ impl Inner {
             progress(copier.done, copier.total);
         }
         self.publish_moves(&mut copier.out, &mut moved)?;
-        Ok(dropped)
+        Ok((dropped, kept))
     }
 
     /// Quarantines a victim's damaged records, then deletes the victim if
     /// nothing points into it any more. Returns whether it was deleted.
-    fn retire(&self, seg: u64, dropped: &[(BlockId, Location, String)]) -> Result<bool> {
+    fn retire(&self, seg: u64, dropped: &[Dropped]) -> Result<bool> {
         let mut txn = self.index.write()?;
         for (id, loc, reason) in dropped {
             self.index.quarantine_if_at(&mut txn, id, loc, reason)?;

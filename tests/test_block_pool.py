@@ -398,3 +398,130 @@ def test_huge_page_pool_falls_back_cleanly_without_huge_pages(monkeypatch):
     assert pool.kv.data_ptr() % (2 << 20) == 0
     assert pool.page_kind == ("thp" if _huge_backed(pool.kv.data_ptr()) else "normal")
     _pool_round_trip(pool)
+
+
+class RangeCountingStore(CountingStore):
+    """Also sums the tokens each read asks the store for (from `start` on)."""
+
+    def __init__(self, store: kvstore.Store) -> None:
+        super().__init__(store)
+        self.tokens_read = 0
+
+    def get(self, tokens: Any, **kwargs: Any) -> Any:
+        self.tokens_read += len(tokens) - kwargs.get("start", 0)
+        return super().get(tokens, **kwargs)
+
+
+def test_load_reads_only_the_blocks_it_lacks_and_allocates_before_reading(tmp_path):
+    layout = small_layout("bfloat16", block_size=8)
+    with kvstore.open(tmp_path / "s", layout=layout, model="m@1", durability="none") as raw:
+        s = RangeCountingStore(raw)
+        tokens = seq(7, 8 * 40)
+        kv = put(s, tokens)
+        pool = BlockPool(layout, 48, device="cpu")
+        first = pool.load(s, tokens[: 8 * 30])
+        assert s.tokens_read == 8 * 30
+        # 30 of 40 blocks resident: only the other 10 are read, bit-exact.
+        s.tokens_read = 0
+        whole = pool.load(s, tokens)
+        assert whole.length == 8 * 40 and s.tokens_read == 8 * 10
+        assert whole.blocks[:30] == first.blocks
+        assert_kv_equal(pool.gather(whole), kv)
+        # A pool without room raises before reading anything.
+        small = BlockPool(layout, 4, device="cpu")
+        s.gets = s.tokens_read = 0
+        with pytest.raises(PoolFull):
+            small.load(s, tokens)
+        assert s.gets == 0 and small.num_free == 4
+
+
+def test_load_falls_back_to_the_store_when_the_arena_file_is_gone(tmp_path):
+    layout = small_layout("float32", block_size=8)
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    opts = {"hot_bytes": 4 << 20, "hot_dir": hot, "durability": "none"}
+    with kvstore.open(tmp_path / "s", layout=layout, model="m@1", **opts) as s:
+        tokens = seq(3, 32)
+        kv = put(s, tokens)
+        path = Path(s.arena_file()[0])
+        path.unlink()  # a tmp cleaner, systemd's RemoveIPC
+        pool = BlockPool(layout, 8, device="cpu")
+        assert_kv_equal(pool.gather(pool.load(s, tokens)), kv)
+        path.write_bytes(b"\0" * 4096)  # and another file put in its place
+        pool = BlockPool(layout, 8, device="cpu")
+        assert_kv_equal(pool.gather(pool.load(s, tokens)), kv)
+        assert pool.hot_loads == 0
+
+
+def test_save_refuses_loaded_blocks_under_other_tokens_or_extra(opened):
+    tokens = seq(11, 32)
+    put(opened, tokens)
+    pool = BlockPool(opened.layout, 16, device="cpu")
+    table = pool.load(opened, tokens)
+    other = seq(500, 32)
+    with pytest.raises(kvstore.InvalidInput, match="other token ids"):
+        pool.save(opened, table, other)
+    with pytest.raises(kvstore.InvalidInput, match="extra"):
+        pool.save(opened, table, tokens, extra="adapter-a")
+    assert opened.lookup(other) == 0 and opened.lookup(tokens, extra="adapter-a") == 0
+    # The tokens it was loaded for, extended by decoded ones, save as before.
+    table.reserve(40)
+    assert pool.save(opened, table, tokens + seq(900, 8)) == 32
+
+
+def test_gather_of_a_partial_block_is_contiguous(opened):
+    tokens = seq(5, 24)
+    kv = put(opened, tokens)
+    pool = BlockPool(opened.layout, 8, device="cpu")
+    table = pool.load(opened, tokens)
+    got = pool.gather(table, 19)
+    assert got.is_contiguous() and got.view(-1).numel() == got.numel()
+    assert_kv_equal(got, kv[:, :, :19])
+
+
+def test_cuda_staging_of_a_pool_with_an_fp8_stores_layout_is_sized_by_its_dtype(
+    tmp_path, monkeypatch
+):
+    """The pinned buffer holds the pool's dtype, not the fp8 store's stored bytes (CUDA
+    path, run here with its allocations on the CPU)."""
+    layout = kvstore.Layout(2, 2, 16, "bfloat16", 8, storage="fp8")
+    pool = BlockPool(layout, 16, device="cpu")
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **kw: real_empty(*a, **kw))
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: None)
+    pool.device = torch.device("cuda")
+    host = pool._host_buffer(40)
+    assert host.shape == tuple(layout.kv_shape(40)) and host.dtype == torch.bfloat16
+
+
+def test_a_registered_arena_is_unregistered_when_its_view_goes(tmp_path, monkeypatch):
+    import gc
+
+    import kvstore.torch as kt
+
+    calls: list[tuple[str, int]] = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+            calls.append(("register", ptr))
+            return 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    layout = small_layout("float32", block_size=8)
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    s = kvstore.open(
+        tmp_path / "s", layout=layout, model="m@1", hot_bytes=4 << 20, hot_dir=hot,
+        durability="none",
+    )  # fmt: skip
+    assert kt.register_arena(s)
+    ptr = calls[0][1]
+    s.close()
+    del s
+    gc.collect()
+    assert calls == [("register", ptr), ("unregister", ptr)]

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from conftest import run_child  # noqa: E402
-from support.hf_models import greedy, prompt, tiny_llama  # noqa: E402
+from support.hf_models import greedy, prompt, tiny_llama, tiny_llava  # noqa: E402
 from transformers import DynamicCache, LlamaConfig  # noqa: E402
 
 import kvstore  # noqa: E402
@@ -344,10 +344,14 @@ def test_generate_refuses_padding_positions_and_caches_before_generating(
         ):
             with pytest.raises(kvstore.InvalidInput, match=match):
                 hf.generate(m, store, ids, max_new_tokens=2, **kw)
-        with pytest.raises(kvstore.InvalidInput, match="save=False"):
-            hf.generate(sliding, store, ids % 1000, max_new_tokens=2)
-        assert m.calls == 0 and sliding.calls == 0
-        out = hf.generate(sliding, store, ids % 1000, max_new_tokens=2, save=False)
+        # A store of another model's layout is refused too (its KV is no KV of this one).
+        with pytest.raises(kvstore.InvalidInput, match="layout"):
+            hf.generate(sliding, store, ids % 1000, max_new_tokens=2, save=False)
+        with hf.open(tmp_path / "w", sliding.m, fingerprint="w", durability="none") as own:
+            with pytest.raises(kvstore.InvalidInput, match="save=False"):
+                hf.generate(sliding, own, ids % 1000, max_new_tokens=2)
+            assert m.calls == 0 and sliding.calls == 0
+            out = hf.generate(sliding, own, ids % 1000, max_new_tokens=2, save=False)
         assert out.shape == (1, 42) and sliding.calls == 1
         # An all-ones mask is what generate passes anyway.
         out = hf.generate(m, store, ids, max_new_tokens=2, attention_mask=torch.ones_like(ids))
@@ -503,3 +507,113 @@ def test_import_kvstore_hf_stays_light() -> None:
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_load_allocates_for_what_is_stored_not_what_is_asked(tmp_path: Path, model: Any) -> None:
+    """A long request with a short stored prefix keeps (and faults in) only the
+    prefix's KV: 64K tokens asked of this model would be 256 MiB."""
+    ids = prompt(64)
+    with hf.open(tmp_path / "s", model, fingerprint="t", durability="none") as store:
+        hf.save(store, ids, prefill(model, ids))
+        asked = torch.cat([ids[0], torch.randint(3, 999, (65536,))])
+        cache, n = hf.load(store, asked)
+        assert n == 64
+        assert cache.layers[0].keys.untyped_storage().nbytes() <= 4 << 20
+        _, n = hf.load(store, torch.randint(3, 999, (65536,)))
+        assert n == 0
+
+
+def test_a_store_of_another_layout_is_refused(tmp_path: Path, model: Any) -> None:
+    ids = prompt(40)
+    other = tiny_llama(layers=2)
+    with hf.open(tmp_path / "s", other, fingerprint="o", durability="none") as store:
+        hf.save(store, ids, prefill(other, ids))
+        with pytest.raises(kvstore.InvalidInput, match="layout"):
+            hf.load(store, ids, config=model.config)
+        with pytest.raises(kvstore.InvalidInput, match="layout"):
+            hf.generate(model, store, ids, max_new_tokens=2)
+    # The same shape in another dtype: generate knows the model's dtype.
+    with hf.open(tmp_path / "b", model.to(torch.bfloat16), fingerprint="b") as store:
+        model.to(torch.float32)
+        with pytest.raises(kvstore.InvalidInput, match="layout"):
+            hf.generate(model, store, ids, max_new_tokens=2)
+
+
+def test_bad_caches_and_arguments_raise_invalid_input(tmp_path: Path, model: Any) -> None:
+    ids = prompt(40)
+    cache = prefill(model, ids)
+    k, v = cache.layers[0].keys, cache.layers[0].values
+    with hf.open(tmp_path / "s", model, fingerprint="t", durability="none") as store:
+        for bad in (((k.numpy(), v.numpy()),) * 4, [[1, 2], [3, 4]]):
+            with pytest.raises(kvstore.InvalidInput, match="torch tensors"):
+                hf.save(store, ids, bad)
+        with pytest.raises(kvstore.InvalidInput, match="max_tokens"):
+            hf.load(store, ids, max_tokens=20.0)  # type: ignore[arg-type]
+        with pytest.raises(kvstore.InvalidInput, match="config"):
+            hf.load(store, ids, config=object())
+        # V shorter than K: only what both hold is stored.
+        short = DynamicCache()
+        for i, layer in enumerate(cache.layers):
+            short.update(layer.keys, layer.values[:, :, :30] if i == 0 else layer.values, i)
+        assert hf.save(store, ids, short) == 16
+        # A model passed as the config is read as its config.
+        _, n = hf.load(store, ids, config=model)
+        assert n == 16
+
+
+def test_generate_with_a_generation_config_that_asks_for_its_own_cache(
+    tmp_path: Path, model: Any
+) -> None:
+    ids = prompt(40)
+    m = copy.deepcopy(model)
+    m.generation_config.cache_implementation = "static"
+    want = greedy(model, ids, 4)
+    with hf.open(tmp_path / "s", model, fingerprint="t", durability="none") as store:
+        for _ in range(2):
+            st: dict[str, int] = {}
+            with torch.inference_mode():
+                out = hf.generate(m, store, ids, max_new_tokens=4, stats=st)
+            assert torch.equal(out[0, 40:], want)
+        assert st["restored_tokens"] == 32
+        with pytest.raises(kvstore.InvalidInput, match="cache_implementation"):
+            hf.generate(m, store, ids, max_new_tokens=4, cache_implementation="static")
+
+
+def test_kv_beside_an_image_is_never_served_for_another_image(tmp_path: Path) -> None:
+    """Block ids name token ids only, and an image's placeholder tokens are the same
+    for every image: nothing from the first placeholder on is restored, nor stored
+    without an `extra` naming the image. Outputs equal plain generate's."""
+    model = tiny_llava(image_token=999)
+    text = torch.arange(10, 30)
+    ids = torch.cat([text, torch.full((16,), 999), torch.arange(40, 64)])[None]
+    img_a, img_b = torch.randn(1, 3, 32, 32), 3 * torch.randn(1, 3, 32, 32)
+
+    def plain(img: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(
+                ids, attention_mask=torch.ones_like(ids), pixel_values=img, max_new_tokens=6
+            )
+
+    with hf.open(tmp_path / "s", model, fingerprint="llava", durability="none") as store:
+        for img, restored in ((img_a, 0), (img_b, 16), (img_a, 16)):
+            st: dict[str, int] = {}
+            with torch.inference_mode():
+                out = hf.generate(model, store, ids, pixel_values=img, max_new_tokens=6, stats=st)
+            assert torch.equal(out, plain(img))
+            assert st["restored_tokens"] == restored and st["stored_tokens"] == 16
+        # Saved by hand past the image: load with the model's config stops before it.
+        with torch.inference_mode():
+            cache = model(input_ids=ids, pixel_values=img_a).past_key_values
+        assert hf.save(store, ids, cache) == 48
+        _, n = hf.load(store, ids, config=model.config)
+        assert n == 16
+        # With an extra naming the image, its blocks are stored under it.
+        st = {}
+        with torch.inference_mode():
+            out = hf.generate(
+                model, store, ids, pixel_values=img_b, max_new_tokens=6, stats=st, extra="b"
+            )
+        assert torch.equal(out, plain(img_b)) and st["stored_tokens"] == 64
+        assert store.lookup(out[0], extra="b") == 64
+        _, n = hf.load(store, ids, config=model.config, extra="b")
+        assert n == 48

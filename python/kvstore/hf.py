@@ -242,7 +242,13 @@ def _layer_kv(past_key_values: Any) -> list[tuple[Any, Any, int]]:
                         f"({rest[0]!r}); only full-attention layers keep the KV of every "
                         "token of a prefix"
                     )
-            return [(k, v, int(k.shape[-2])) for k, v, *_ in past_key_values]
+            for i, (k, v, *_) in enumerate(past_key_values):
+                if not (_is_tensor(k) and _is_tensor(v)) or k.ndim != 4 or v.ndim != 4:
+                    raise InvalidInput(
+                        f"past_key_values: layer {i}: expected (keys, values) torch tensors of "
+                        f"shape [1, H, T, D], got ({type(k).__name__}, {type(v).__name__})"
+                    )
+            return [(k, v, min(int(k.shape[-2]), int(v.shape[-2]))) for k, v, *_ in past_key_values]
         raise InvalidInput(
             "past_key_values: expected a transformers Cache (e.g. DynamicCache) or a tuple "
             f"of (key, value) per layer, got {type(past_key_values).__name__}"
@@ -259,8 +265,16 @@ def _layer_kv(past_key_values: Any) -> list[tuple[Any, Any, int]]:
         if not getattr(layer, "is_initialized", True) or getattr(layer, "keys", None) is None:
             out.append((None, None, 0))  # lazily initialized, nothing cached yet
         else:
-            out.append((layer.keys, layer.values, int(layer.get_seq_length())))
+            # V shorter than K (a cache updated by hand) holds only V's tokens.
+            t = min(int(layer.get_seq_length()), int(layer.values.shape[-2]))
+            out.append((layer.keys, layer.values, t))
     return out
+
+
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
 
 
 def cache_to_kv(past_key_values: Any, tokens: int | None = None) -> torch.Tensor:
@@ -398,7 +412,9 @@ def _storable(store: Store, ids: Any, past_key_values: Any) -> int:
     return min(len(ids), have) // b * b
 
 
-def save(store: Store, input_ids: Any, past_key_values: Any) -> int:
+def save(
+    store: Store, input_ids: Any, past_key_values: Any, *, extra: bytes | str | None = None
+) -> int:
     """Stores the full blocks of `input_ids` whose KV `past_key_values` holds; returns
     the tokens covered (a multiple of the block size). Blocks already stored (by any
     process, any session) are not written again.
@@ -406,10 +422,15 @@ def save(store: Store, input_ids: Any, past_key_values: Any) -> int:
     `input_ids`: [N] or [1, N]; `past_key_values`: a transformers Cache (or legacy
     tuple) of batch size 1 whose first N tokens are the KV of `input_ids` (a cache
     shorter than N covers only its own length).
+    `extra`: what else the KV depends on besides the token ids and the model, bound
+    into every block id (`Store.put`): a LoRA adapter's name, or a digest of the
+    images or audio a multimodal model was fed. Without it a block is found by its
+    tokens alone, so KV computed beside an image would serve a prompt with another
+    image behind the same placeholder tokens.
     """
     ids = _token_ids(input_ids)
     n = _storable(store, ids, past_key_values)
-    return store.put(ids[:n], cache_to_kv(past_key_values, n)) if n else 0
+    return store.put(ids[:n], cache_to_kv(past_key_values, n), extra=extra) if n else 0
 
 
 _save = save  # for `generate`, whose argument of that name shadows it
@@ -423,37 +444,111 @@ def load(
     device: Any = None,
     max_tokens: int | None = None,
     out: torch.Tensor | None = None,
+    extra: bytes | str | None = None,
 ) -> tuple[DynamicCache, int]:
     """`(cache, n)`: a DynamicCache of the KV of the longest stored prefix of
     `input_ids` (at most `max_tokens`), n tokens (a multiple of the block size,
     possibly 0: then the cache is empty). Feed the model `input_ids[n:]` next.
 
-    `config`: the model's config, so the cache has the model's layer types;
-    `device`: where the cache lives (default CPU).
+    `config`: the model's config (or the model), so the cache has the model's layer
+    types, the store's layout is checked against it, and a model that takes images,
+    video or audio restores nothing from its first such token on unless `extra`
+    names that media (see `save`); `device`: where the cache lives (default CPU).
     `out`: a contiguous CPU `[L, 2, T, H, D]` tensor to restore into (at most T
     tokens), for a process that restores again and again: a new buffer's first-touch
     page faults cost about as much as the copy. The cache's layers are views of
     `out` until the model's next forward replaces them (by concatenation): do not
-    reuse `out` before that.
+    reuse `out` before that. Without `out`, the KV lands in a buffer of the store's
+    result pool sized to what is stored.
+    `extra`: as given to `save`.
     """
     import torch
 
     ids = _token_ids(input_ids)
     if max_tokens is not None:
-        if max_tokens < 0:
-            raise InvalidInput(f"max_tokens: expected >= 0, got {max_tokens}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidInput(f"max_tokens: expected an int >= 0, got {max_tokens!r}")
         ids = ids[:max_tokens]
     layout = store.layout
+    if config is not None:
+        config = _config_of(config)
+        _check_layout(store, config, with_dtype=False)
+        if extra is None:
+            ids = ids[: _before_media(config, ids)]
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.ndim != 5:
             raise InvalidInput(f"out: expected a [L, 2, T, H, D] torch tensor, got {out!r:.60}")
         ids = ids[: out.shape[2]]
     if len(ids) < layout.block_size:
         return kv_to_cache(torch.empty(layout.kv_shape(0)), config=config), 0
-    # Sized for the whole request, in memory the store reuses (already faulted in).
-    buf = store._result_buffer(len(ids), "torch") if out is None else out
-    n = store.get(ids, out=buf)
-    return kv_to_cache(buf[:, :, :n], config=config, device=device), n
+    if out is None:
+        # Sized to the stored prefix (not the request), in memory the store reuses
+        # (already faulted in).
+        kv = store.get(ids, like=torch.empty(0), extra=extra)
+        n = kv.shape[2]
+    else:
+        n = store.get(ids, out=out, extra=extra)
+        kv = out[:, :, :n]
+    return kv_to_cache(kv, config=config, device=device), n
+
+
+def _config_of(config: Any) -> Any:
+    """A transformers config, given one or a model."""
+    config = getattr(config, "config", config)
+    if not callable(getattr(config, "get_text_config", None)):
+        raise InvalidInput(
+            f"config: expected a transformers config or model, got {type(config).__name__}"
+        )
+    return config
+
+
+def _check_layout(store: Store, model_or_config: Any, *, with_dtype: bool) -> None:
+    """InvalidInput unless the store's layout is the model's (its shape; its dtype too
+    where the model's parameters say it): KV of another shape or dtype is no KV of it."""
+    want = layout_of(model_or_config, store.layout.block_size)
+    have = store.layout
+    fields = ["num_layers", "num_kv_heads", "head_dim"] + (["dtype"] if with_dtype else [])
+    if any(getattr(want, f) != getattr(have, f) for f in fields):
+        raise InvalidInput(
+            f"store: its layout {have} is not the model's {want}; open the store with "
+            "hf.open(path, model)"
+        )
+
+
+# Config attributes that name a placeholder token whose KV depends on media fed beside
+# the token ids (an image's pixels, a clip's frames, a recording's features).
+_MEDIA_TOKEN_ATTRS = (
+    "image_token_id",
+    "image_token_index",
+    "video_token_id",
+    "video_token_index",
+    "audio_token_id",
+    "audio_token_index",
+    "boi_token_id",
+    "boi_token_index",
+)
+
+
+def _media_tokens(config: Any) -> set[int]:
+    found = set()
+    for attr in _MEDIA_TOKEN_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            found.add(value)
+    return found
+
+
+def _before_media(config: Any, ids: Any) -> int:
+    """The tokens of `ids` before the first media placeholder of `config`'s model (all
+    of them for a text model): block ids name tokens only, so past that point two
+    prompts with the same ids but other images have other KV."""
+    import torch
+
+    media = _media_tokens(config)
+    if not media:
+        return len(ids)
+    hits = torch.isin(ids, torch.tensor(sorted(media), dtype=ids.dtype)).nonzero()
+    return int(hits[0, 0]) if len(hits) else len(ids)
 
 
 def save_session(store: Store, name: str, input_ids: Any, past_key_values: Any) -> int:
@@ -523,6 +618,7 @@ def generate(
     *,
     save: bool = True,
     stats: dict[str, int] | None = None,
+    extra: bytes | str | None = None,
     **generate_kwargs: Any,
 ) -> Any:
     """`model.generate(input_ids, **generate_kwargs)` that starts from the store.
@@ -534,11 +630,14 @@ def generate(
     `prefilled_tokens` and `stored_tokens`.
 
     Batch size 1. With beam search or several return sequences, only the prompt's
-    blocks are stored (every beam shares them).
+    blocks are stored (every beam shares them). `extra`: as for `save`. A model that
+    takes images, video or audio restores nothing from the prompt's first such
+    placeholder token on (transformers then feeds the media to the tokens it
+    prefills), and stores blocks past it only under an `extra` naming the media.
     """
     import torch
 
-    for k in ("past_key_values", "cache", "position_ids", "cache_position"):
+    for k in ("past_key_values", "cache", "position_ids", "cache_position", "cache_implementation"):
         if k in generate_kwargs:
             raise InvalidInput(f"{k}: hf.generate builds the cache and positions from the store")
     ids = _token_ids(input_ids)
@@ -549,6 +648,7 @@ def generate(
         # Padding shifts the positions: that KV is not the plain tokens' KV.
         raise InvalidInput("attention_mask: expected all ones (batch size 1, no padding)")
     _check_rope(_text_config(model))
+    _check_layout(store, model, with_dtype=True)
     if save and _full_attention_layers(model.config) is None:
         raise InvalidInput(
             "model: its cache has layers other than full attention (sliding window, "
@@ -556,30 +656,47 @@ def generate(
         )
     b = store.layout.block_size
     device = getattr(model, "device", None)
+    media = _before_media(model.config, ids)
     cache, n = load(
-        store, ids, config=model.config, device=device, max_tokens=(len(ids) - 1) // b * b
+        store,
+        ids,
+        config=model.config,
+        device=device,
+        # The media's features go to the placeholder tokens generate prefills: never
+        # restore those, whatever `extra` says.
+        max_tokens=min(len(ids) - 1, media) // b * b,
+        extra=extra,
     )
     row = ids[None].to(device) if device is not None else ids[None]
     # With a non-empty cache, generate slices input_ids to the uncached part only when
-    # the attention mask spans the whole sequence.
+    # the attention mask spans the whole sequence. A generation config that asks for a
+    # cache of its own (cache_implementation) would refuse the one given here.
     mask = torch.ones_like(row)
-    out = model.generate(row, attention_mask=mask, **cache_kwarg(cache), **generate_kwargs)
+    out = model.generate(
+        row,
+        attention_mask=mask,
+        cache_implementation=None,
+        **cache_kwarg(cache),
+        **generate_kwargs,
+    )
     stored = 0
     if save:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         cached = cache.get_seq_length()
+        if extra is None:  # KV past a media token is keyed by that media only via extra
+            cached = min(cached, media)
         rows = _layer_kv(cache)[0][0].shape[0]
         if sequences.shape[0] == 1 and rows == 1:
-            stored = _save(store, sequences[0, :cached], cache)
+            stored = _save(store, sequences[0, :cached], cache, extra=extra)
         else:
-            stored = _save_prompt_of_row0(store, ids, cache)
+            stored = _save_prompt_of_row0(store, ids[: min(len(ids), cached)], cache, extra)
     if stats is not None:
         stats.update(restored_tokens=n, prefilled_tokens=len(ids) - n, stored_tokens=stored)
     return out
 
 
-def _save_prompt_of_row0(store: Store, ids: Any, cache: Any) -> int:
+def _save_prompt_of_row0(store: Store, ids: Any, cache: Any, extra: bytes | str | None) -> int:
     """Saves the prompt's blocks from row 0 of a batch-expanded (beam) cache: the
     prompt's KV is the same in every row."""
     rows = [(k[:1], v[:1]) for k, v, _ in _layer_kv(cache)]
-    return _save(store, ids, tuple(rows))
+    return _save(store, ids, tuple(rows), extra=extra)

@@ -50,6 +50,7 @@ hashable value) separates further when needed.
 from __future__ import annotations
 
 import fcntl
+import math
 import mmap
 import os
 import struct
@@ -64,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._convert import protect_read_only, tokens_array
+from ._convert import extra_bytes, protect_read_only, tokens_array
 from .errors import InvalidInput, KVStoreError
 from .layout import Layout
 from .store import Store
@@ -129,10 +130,14 @@ def register_arena(store: Store) -> bool:
     ok = False
     if view is not None and torch.cuda.is_available():
         cuda_host_register_read_only = 8  # cudaHostRegisterReadOnly
-        err = torch.cuda.cudart().cudaHostRegister(
-            view.data_ptr(), view.numel(), cuda_host_register_read_only
-        )
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(view.data_ptr(), view.numel(), cuda_host_register_read_only)
         ok = int(err) == 0
+        if ok:
+            # Undone when the view goes (its finalizer runs before its storage, the
+            # mapping's owner, is freed): pages registered past their unmapping stay
+            # pinned, and a later mapping at the same address could not register.
+            weakref.finalize(view, cudart.cudaHostUnregister, view.data_ptr())
     _REGISTERED[store] = ok
     return ok
 
@@ -243,6 +248,9 @@ class BlockTable:
         self.lossy = lossy
         self._released = False
         self._table: torch.Tensor | None = None
+        # The tokens and extra its blocks were loaded for: the blocks hold their KV, so
+        # `save` refuses to store them under other tokens or another extra.
+        self._loaded: tuple[np.ndarray, bytes] | None = None
 
     @property
     def table(self) -> torch.Tensor:
@@ -483,7 +491,9 @@ class BlockPool:
         except BaseException:
             self._release(blocks)
             raise
-        return BlockTable(self, blocks, len(blocks) * b, lossy=self._dequantizes(store.layout))
+        seq = BlockTable(self, blocks, len(blocks) * b, lossy=self._dequantizes(store.layout))
+        seq._loaded = (toks[: seq.length].copy(), extra_bytes(extra))
+        return seq
 
     def _takes_fp8_of(self, layout: Layout) -> bool:
         """An fp8 pool loads from a store with fp8 storage of the same shape: its
@@ -508,26 +518,20 @@ class BlockPool:
             and layout.dtype == mine.dtype
         )
 
-    def _take_fp8(self, values: Any, scales: Any, keys: list[BlockKey], first: int) -> list[int]:
-        """Copies blocks `first ..` of a store's fp8 values `[L, 2, n, B, H, D]` and
-        scales `[L, 2, n, H]` (`store.get_fp8`) into new blocks, bytes as they are."""
-        got = values.shape[2]
-        if got <= first:  # a block went missing (damaged, gc'd) since lookup
-            return []
-        new = self._allocate(got - first)
+    def _take_fp8(self, values: Any, scales: Any, blocks: list[int]) -> None:
+        """Copies the first `len(blocks)` blocks of a store's fp8 values
+        `[L, 2, n, B, H, D]` and scales `[L, 2, n, H]` (`store.get_fp8`) into `blocks`,
+        bytes as they are."""
+        if not blocks:
+            return
+        got = len(blocks)
         assert self.scales is not None
-        try:
-            idx = torch.tensor(new, dtype=torch.int64, device=self.device)
-            # As bytes: index_copy_ has no float8 kernel on the CPU.
-            self.kv.view(torch.uint8).index_copy_(
-                2, idx, values[:, :, first:got].view(torch.uint8).to(self.device)
-            )
-            self.scales.index_copy_(2, idx, scales[:, :, first:got].to(self.device))
-        except BaseException:
-            self._release(new)
-            raise
-        self._publish(keys[first:], new)
-        return new
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        # As bytes: index_copy_ has no float8 kernel on the CPU.
+        self.kv.view(torch.uint8).index_copy_(
+            2, idx, values[:, :, :got].view(torch.uint8).to(self.device)
+        )
+        self.scales.index_copy_(2, idx, scales[:, :, :got].to(self.device))
 
     def _read_blocks(
         self,
@@ -538,33 +542,39 @@ class BlockPool:
         stop: int,
         extra: bytes | str | None,
     ) -> list[int]:
-        """Reads blocks `first .. stop - 1` of `toks` from the store into new blocks."""
+        """Reads blocks `first .. stop - 1` of `toks` from the store into new blocks:
+        allocated before anything is read (PoolFull costs no read), and only those
+        blocks read (`start=`), not the resident ones before them. Blocks the store
+        no longer has (damaged, gc'd since lookup) are given back."""
         fp8_store = store.layout.storage == "fp8"
-        if fp8_store and self.scales is not None:
-            values, scales = store.get_fp8(toks[: stop * self.layout.block_size], extra=extra)
-            return self._take_fp8(values, scales, keys, first)
+        # An fp8 store's hot tier holds the stored form: only get() dequantizes it.
+        if not fp8_store:
+            direct = self._read_hot_blocks(store, toks, keys, first, stop, extra)
+            if direct is not None:
+                return direct
         lay = self.layout
         L, H, D, B = lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size
-        # The store returns whole prefixes: read all `stop` blocks, copy the new ones.
-        # The pool lock is not held during the read; the staging lock keeps the
-        # pinned buffer to one reader at a time.
-        # An fp8 store's hot tier holds the stored form: only get() dequantizes it.
-        direct = None if fp8_store else self._read_hot_blocks(store, toks, keys, first, stop, extra)
-        if direct is not None:
-            return direct
-        with self._staging_lock:
-            host = self._host_buffer(stop * B)
-            got = store.get(toks[: stop * B], out=host, extra=extra) // B
-            if got <= first:  # a block went missing (damaged, gc'd) since lookup
-                return []
-            new = self._allocate(got - first)
-            try:
-                self._copy_in(host.view(L, 2, stop, B, H, D)[:, :, first:got], new)
-            except BaseException:
-                self._release(new)
-                raise
-        self._publish(keys[first:], new)
-        return new
+        new = self._allocate(stop - first)
+        try:
+            if fp8_store and self.scales is not None:
+                values, scales = store.get_fp8(toks[: stop * B], extra=extra, start=first * B)
+                got = min(values.shape[2], len(new))
+                self._take_fp8(values, scales, new[:got])
+            else:
+                # The pool lock is not held during the read; the staging lock keeps the
+                # pinned buffer to one reader at a time.
+                with self._staging_lock:
+                    host = self._host_buffer((stop - first) * B)
+                    m = store.get(toks[: stop * B], out=host, extra=extra, start=first * B)
+                    got = min(max(m // B - first, 0), len(new))
+                    if got:
+                        self._copy_in(host.view(L, 2, stop - first, B, H, D)[:, :, :got], new[:got])
+        except BaseException:
+            self._release(new)
+            raise
+        self._release(new[got:])
+        self._publish(keys[first : first + got], new[:got])
+        return new[:got]
 
     def _copy_in(self, src: torch.Tensor, new: list[int]) -> None:
         """Copies `src` `[L, 2, n, B, H, D]` (the host buffer) into blocks `new`, with
@@ -609,7 +619,12 @@ class BlockPool:
         """Copies blocks `first .. stop - 1` straight from the store's hot tier (one copy
         per block; a DMA from pinned memory on CUDA, see `register_arena`). None when a
         block is not hot or changed during the copy: the caller then reads the store."""
-        view = arena_view(store)
+        try:
+            view = arena_view(store)
+        except (OSError, KVStoreError):
+            # The arena file was removed or replaced since the store mapped it (a tmp
+            # cleaner, RemoveIPC): the store still reads its own mapping.
+            return None
         if view is None:
             return None
         lay = self.layout
@@ -645,7 +660,8 @@ class BlockPool:
         shape = self.layout.kv_shape(tokens)
         if self.device.type != "cuda":
             return torch.empty(shape, dtype=self.dtype)
-        nbytes = self.layout.block_bytes // self.layout.block_size * tokens
+        # The pool's dtype, not the store's storage (an fp8 store's block_bytes).
+        nbytes = math.prod(shape) * self.layout.itemsize
         if self._staging_done is not None:
             self._staging_done.synchronize()
         if self._staging is None or self._staging.numel() < nbytes:
@@ -668,6 +684,7 @@ class BlockPool:
                 "save: this sequence was loaded dequantized from an fp8 store, so its KV "
                 "is not exact; save it into a store with storage='fp8'"
             )
+        self._check_loaded_for(seq, toks[:n], extra)
         if self.scales is not None and store.layout.storage == "fp8":
             if not self._takes_fp8_of(store.layout):
                 raise InvalidInput(
@@ -689,6 +706,24 @@ class BlockPool:
         kv = self.gather(seq, n).cpu()
         return store.put(toks[:n], kv, extra=extra)
 
+    @staticmethod
+    def _check_loaded_for(seq: BlockTable, toks: np.ndarray, extra: Any) -> None:
+        """InvalidInput unless `toks` and `extra` are those `seq`'s loaded blocks hold the
+        KV of: saved under other ones, that KV would serve requests it is not the KV of."""
+        if seq._loaded is None:
+            return
+        loaded, loaded_extra = seq._loaded
+        k = min(len(loaded), len(toks))
+        if not np.array_equal(toks[:k], loaded[:k]):
+            raise InvalidInput(
+                "tokens: the sequence's first blocks were loaded for other token ids; save "
+                "the tokens it was loaded (and then extended) with"
+            )
+        if extra_bytes(extra) != loaded_extra:
+            raise InvalidInput(
+                "extra: the sequence was loaded with another extra; save with the same one"
+            )
+
     def gather(self, seq: BlockTable, tokens: int | None = None) -> torch.Tensor:
         """The KV of the first `tokens` (default: `seq.length`) tokens of `seq` as a
         contiguous `[L, 2, tokens, H, D]` tensor on the pool's device."""
@@ -704,7 +739,8 @@ class BlockPool:
         nb = -(-n // b)
         idx = torch.tensor(seq.blocks[:nb], dtype=torch.int64, device=self.device)
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-        return self.kv.index_select(2, idx).reshape(L, 2, nb * b, H, D)[:, :, :n]
+        out = self.kv.index_select(2, idx).reshape(L, 2, nb * b, H, D)
+        return out if n == nb * b else out[:, :, :n].contiguous()
 
     def release(self, seq: BlockTable) -> None:
         """Same as `seq.release()`."""

@@ -61,3 +61,47 @@ def greedy(model: Any, input_ids: Any, new_tokens: int = 32, **kwargs: Any) -> A
             **kwargs,
         )
     return out[0, input_ids.shape[1] :]
+
+
+def tiny_llava(image_token: int = 999) -> Any:
+    """LlavaForConditionalGeneration: a 2-layer Llama text model (2 KV heads, head_dim
+    32) and a 1-layer CLIP vision tower on 32x32 images of 16 patches, so a prompt
+    holds 16 `image_token` placeholders per image."""
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        text_config=LlamaConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+            initializer_range=0.1,
+        ),
+        image_token_id=image_token,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.do_sample = False
+    return model

@@ -408,6 +408,36 @@ def test_write_kv_skips_negative_slots_and_takes_strided_inputs():
     assert kc.count_nonzero() == 2 * 2 * 8, "the token with slot -1 was written"
 
 
+def test_write_kv_refuses_caches_whose_blocks_overlap():
+    """An expand()ed cache (block stride 0), one whose block stride is shorter than a
+    block, and K and V caches that share elements (one tensor, overlapping views) are
+    refused before anything is written: before, a write to one block landed on others.
+    K and V interleaved in one pool ([N, 2, B, H, D][:, 0] and [:, 1]) are fine."""
+    n, b, h, d = 4, 4, 2, 8
+    key = torch.ones(1, h, d)
+    slot = torch.tensor([b])  # block 1, offset 0
+    pool = torch.zeros(n + 1, b, h, d)
+    base = torch.zeros(n * b * h * d)
+    cases = [
+        (torch.zeros(1, b, h, d).expand(n, b, h, d), torch.zeros(n, b, h, d), "key_cache"),
+        (torch.zeros(n, b, h, d), torch.zeros(1, b, h, d).expand(n, b, h, d), "value_cache"),
+        (base.as_strided((n, b, h, d), (b * h * d // 2, h * d, d, 1)), pool[1:], "key_cache"),
+        (pool[1:], pool[1:], "value_cache: expected memory apart from key_cache's"),
+        (pool[:-1], pool[1:], "value_cache: expected memory apart from key_cache's"),
+    ]
+    for kc, vc, message in cases:
+        pool.zero_()
+        base.zero_()
+        with pytest.raises(RuntimeError, match=message):
+            ops.write_kv(key, key, kc, vc, slot)
+        assert kc.count_nonzero() == 0 and vc.count_nonzero() == 0
+    interleaved = torch.zeros(n, 2, b, h, d)
+    kc, vc = interleaved[:, 0], interleaved[:, 1]
+    ops.write_kv(key, 2 * key, kc, vc, slot)
+    assert torch.equal(kc[1, 0], key[0]) and torch.equal(vc[1, 0], 2 * key[0])
+    assert interleaved.count_nonzero() == 2 * h * d
+
+
 # -------------------------------------------------------------------------------- errors
 
 

@@ -415,6 +415,35 @@ def test_write_kv_fp8_then_attention():
     check_fp8_against_reference((q, kc, vc, ks, vs, table, lens), 0.05)
 
 
+def test_write_kv_fp8_refuses_scales_whose_blocks_overlap():
+    """Expanded scales (block stride 0: every block shares one row) and K and V scales
+    that are one tensor are refused before anything is written: before, a block's scale
+    change was every block's. Scales interleaved in one pool ([N, 2, H][:, 0], [:, 1])
+    are fine."""
+    n, b, h, d = 4, 4, 2, 8
+    x = torch.ones(1, h, d)
+    slot = torch.tensor([b])
+    shared = torch.zeros(n, h)
+    cases = [
+        (torch.zeros(1, h).expand(n, h), torch.zeros(n, h), "key_scales: expected blocks"),
+        (torch.zeros(n, h), torch.zeros(1, h).expand(n, h), "value_scales: expected blocks"),
+        (shared, shared, "value_scales: expected memory apart from key_scales'"),
+    ]
+    for ks, vs, message in cases:
+        kc, vc, _, _ = empty_fp8(n, b, h, d)
+        with pytest.raises(RuntimeError, match=message):
+            ops.write_kv(x, x, kc, vc, slot, ks, vs)
+        assert ks.count_nonzero() == 0 and vs.count_nonzero() == 0
+        assert kc.view(torch.uint8).eq(NAN_BYTE).all() and vc.view(torch.uint8).eq(NAN_BYTE).all()
+    kc, vc, _, _ = empty_fp8(n, b, h, d)
+    with pytest.raises(RuntimeError, match="value_cache: expected memory apart from key_cache's"):
+        ops.write_kv(x, x, kc, kc, slot, torch.zeros(n, h), torch.zeros(n, h))
+    scales = torch.zeros(n, 2, h)
+    ops.write_kv(x, 4 * x, kc, vc, slot, scales[:, 0], scales[:, 1])
+    assert scales[1, 0].eq(2.0**-8).all() and scales[1, 1].eq(2.0**-6).all()
+    assert scales.count_nonzero() == 2 * h
+
+
 def test_fp8_bad_arguments_raise_clear_errors():
     q, kc, vc, ks, vs, tables, lens = fp8_case([5], 2, 2, 64, torch.float32)
     with pytest.raises(kvstore.InvalidInput, match="key_scales and value_scales"):

@@ -373,7 +373,10 @@ def write_kv(
 ) -> None:
     """Writes `key`/`value` `[num_tokens, H, D]` into the caches at `slot_mapping`
     (int64, `block * B + offset`; negative: skipped), in place. The CPU op refuses a
-    slot past the cache; the CUDA op skips it.
+    slot past the cache; the CUDA op skips it. Both refuse caches (and fp8 scales)
+    whose blocks overlap (`expand()`ed, or a block stride shorter than a block) and K
+    and V caches (or scales) that share elements: a write would land on other blocks.
+    K and V interleaved in one pool (`[N, 2, B, H, D][:, 0]` and `[:, 1]`) are fine.
 
     fp8 caches (`torch.float8_e4m3fn`, with `key_scales`/`value_scales` float32
     `[num_blocks, H]`, updated in place) quantize on the way in, `key`/`value` in any

@@ -816,6 +816,8 @@ void write_kv_fp8_cuda(const at::Tensor& key, const at::Tensor& value, at::Tenso
       check_write_kv(key, value, key_cache, value_cache, slot_mapping, /*fp8=*/true);
   check_scales(key_scales, key_cache, "kvstore.write_kv", "key_scales");
   check_scales(value_scales, value_cache, "kvstore.write_kv", "value_scales");
+  check_written_blocks(key_scales, value_scales, dims.num_kv_heads, "kvstore.write_kv",
+                       "key_scales", "value_scales");
   if (dims.num_tokens == 0 || dims.num_kv_heads == 0) return;
   TORCH_CHECK(dims.num_kv_heads <= 65535, "kvstore.write_kv: expected at most 65535 kv heads "
               "on CUDA (a grid dimension), got ", dims.num_kv_heads);

@@ -14,6 +14,7 @@ float32 1e-5; float16 2e-3 (a few ulp of the 2^-11 output rounding); bfloat16
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -351,6 +352,86 @@ def test_avx2_kernels_pass_the_reference_tests():
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
 
 
+# -------------------------------------------------------- scores of -inf and fp32 overflow
+
+# Token ranges whose scores are -inf: a whole first tile (16 tokens on AVX2/AVX-512) and
+# chunk (32, the generic kernel's), which is also the first split-K partition; a middle
+# partition (after finite tokens); every token (the softmax is 0/0 there: zeros, as for
+# a sequence of length 0, whatever the kernel and split).
+MINUS_INF_RANGES = [(0, 32), (32, 64), (0, 70)]
+
+
+def minus_inf_case(dtype, head_dim, first, last, overflow, seed=0):
+    """One sequence of 70 tokens, one kv head, GQA 4 (one kv head: split-K can split
+    it), whose tokens first .. last - 1 score -inf for every query head: K[..., 0] is
+    -inf (an overflowed float16 cache), or, with `overflow`, a finite -3e38 whose
+    product with q[..., 0] = 20 is past fp32's range (float64 keeps it finite)."""
+    q, kc, vc, tables, lens = paged_case([70], 1, 4, head_dim, dtype, seed=seed)
+    t = torch.arange(first, last)
+    kc[tables[0].long()[t // 16], t % 16, :, 0] = -3e38 if overflow else float("-inf")
+    q[..., 0] = 20.0
+    return q, kc, vc, tables, lens
+
+
+def check_minus_inf_scores(capability: str | None = None) -> None:
+    """Tokens whose scores are -inf weigh 0, as in the float64 reference, wherever they
+    are: before, the running max stayed -inf over a whole first tile or chunk (or a
+    split-K partition) and exp(-inf - -inf) made the output NaN (or the merge dropped the
+    whole head: zeros). Every dtype, a head size of the head-major kernels (64) and one
+    of the generic kernel (40), split and not split."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for split in ("4096", "32"):
+            os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = split
+            cases = itertools.product(DTYPES, (64, 40), (False, True), MINUS_INF_RANGES)
+            for dtype, head_dim, overflow, (first, last) in cases:
+                if overflow and dtype == torch.float16:
+                    continue  # float16 cannot hold -3e38: its overflow is the -inf case
+                args = minus_inf_case(dtype, head_dim, first, last, overflow)
+                scale = head_dim**-0.5
+                got = ops.paged_attention(*args, scale)
+                info = ops.last_kernel()
+                assert info["isa"] == expected_isa(dtype, False, head_dim, capability), info
+                assert (info["partitions"] > 1) == (split == "32"), info
+                where = (dtype, head_dim, overflow, first, last, info)
+                if last - first == 70:
+                    assert torch.equal(got, torch.zeros_like(got)), where
+                    continue
+                ref = reference(*args, scale)
+                assert not got.isnan().any(), where
+                tol = TOL[dtype]
+                torch.testing.assert_close(
+                    got.double(), ref, atol=tol, rtol=tol, msg=lambda m, w=where: f"{w}: {m}"
+                )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_check(module: str, check: str, capability: str | None) -> None:
+    """Runs check(capability), a function of `module` (in tests/), in a new interpreter:
+    under ATEN_CPU_CAPABILITY=capability (the kernel is chosen once per process), or the
+    host's own kernel for None; what the check sets in os.environ stays there."""
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from {module} import {check}
+        {check}({capability!r})
+        print("ok")
+        """
+    )
+    env = dict(os.environ) if capability is None else capability_env(capability)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("capability", [None, "default", "avx2", "avx512"])
+def test_scores_of_minus_inf_weigh_zero_on_every_cpu_kernel(capability):
+    # In a new process even for the host's kernel: the check sets the split threshold.
+    run_check("test_ops", "check_minus_inf_scores", capability)
+
+
 # ------------------------------------------------------------------------------ write_kv
 
 
@@ -406,6 +487,36 @@ def test_write_kv_skips_negative_slots_and_takes_strided_inputs():
     ops.write_kv(key, value, kc, vc, torch.tensor([5, -1, 15]))
     assert torch.equal(kc[1, 1], key[0]) and torch.equal(vc[3, 3], value[2])
     assert kc.count_nonzero() == 2 * 2 * 8, "the token with slot -1 was written"
+
+
+def test_write_kv_refuses_caches_whose_blocks_overlap():
+    """An expand()ed cache (block stride 0), one whose block stride is shorter than a
+    block, and K and V caches that share elements (one tensor, overlapping views) are
+    refused before anything is written: before, a write to one block landed on others.
+    K and V interleaved in one pool ([N, 2, B, H, D][:, 0] and [:, 1]) are fine."""
+    n, b, h, d = 4, 4, 2, 8
+    key = torch.ones(1, h, d)
+    slot = torch.tensor([b])  # block 1, offset 0
+    pool = torch.zeros(n + 1, b, h, d)
+    base = torch.zeros(n * b * h * d)
+    cases = [
+        (torch.zeros(1, b, h, d).expand(n, b, h, d), torch.zeros(n, b, h, d), "key_cache"),
+        (torch.zeros(n, b, h, d), torch.zeros(1, b, h, d).expand(n, b, h, d), "value_cache"),
+        (base.as_strided((n, b, h, d), (b * h * d // 2, h * d, d, 1)), pool[1:], "key_cache"),
+        (pool[1:], pool[1:], "value_cache: expected memory apart from key_cache's"),
+        (pool[:-1], pool[1:], "value_cache: expected memory apart from key_cache's"),
+    ]
+    for kc, vc, message in cases:
+        pool.zero_()
+        base.zero_()
+        with pytest.raises(RuntimeError, match=message):
+            ops.write_kv(key, key, kc, vc, slot)
+        assert kc.count_nonzero() == 0 and vc.count_nonzero() == 0
+    interleaved = torch.zeros(n, 2, b, h, d)
+    kc, vc = interleaved[:, 0], interleaved[:, 1]
+    ops.write_kv(key, 2 * key, kc, vc, slot)
+    assert torch.equal(kc[1, 0], key[0]) and torch.equal(vc[1, 0], 2 * key[0])
+    assert interleaved.count_nonzero() == 2 * h * d
 
 
 # -------------------------------------------------------------------------------- errors

@@ -16,6 +16,7 @@ bytes are torch's own `(x / s).to(float8_e4m3fn)` where the scale did not grow.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -32,6 +33,7 @@ from kvstore import ops  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from test_ops import (  # noqa: E402
     DTYPES,
+    MINUS_INF_RANGES,
     TOL,
     capability_env,
     expected_isa,
@@ -326,6 +328,50 @@ def test_fp8_nan_byte_in_an_attended_token_is_nan(capability):
     run_in_fresh_process("check_nan_bytes_in_attended_tokens", capability)
 
 
+def check_fp8_minus_inf_scores(capability: str | None = None) -> None:
+    """test_ops.check_minus_inf_scores over fp8 caches, which hold no inf: the tokens'
+    blocks get a K scale of 1e36 and rows of zeros but -448 in column 0, so q·k (q[..., 0]
+    = 20) is past fp32's range (-inf) while the float64 reference stays finite (weight
+    0). Before, the output was NaN (first tile, chunk or partition) or zeros (split-K)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for split in ("4096", "32"):
+            os.environ["KVSTORE_SPLIT_MIN_TOKENS"] = split
+            for qdtype, head_dim, (first, last) in itertools.product(
+                DTYPES, (64, 40), MINUS_INF_RANGES
+            ):
+                q, kc, vc, ks, vs, tables, lens = fp8_case([70], 1, 4, head_dim, qdtype, seed=50)
+                t = torch.arange(first, last)
+                blk, off = tables[0].long()[t // 16], t % 16
+                kc[blk, off] = torch.zeros(head_dim).to(FP8)
+                kc[blk, off, :, 0] = torch.tensor(-448.0).to(FP8)
+                ks[blk] = 1e36
+                q[..., 0] = 20.0
+                scale = head_dim**-0.5
+                got = ops.paged_attention(q, kc, vc, tables, lens, scale, ks, vs)
+                info = ops.last_kernel()
+                assert info["isa"] == expected_isa(qdtype, True, head_dim, capability), info
+                assert (info["partitions"] > 1) == (split == "32"), info
+                where = (qdtype, head_dim, first, last, info)
+                if last - first == 70:
+                    assert torch.equal(got, torch.zeros_like(got)), where
+                    continue
+                ref = reference(q, dequantize(kc, ks), dequantize(vc, vs), tables, lens, scale)
+                assert not got.isnan().any(), where
+                tol = TOL[qdtype]
+                torch.testing.assert_close(
+                    got.double(), ref, atol=tol, rtol=tol, msg=lambda m, w=where: f"{w}: {m}"
+                )
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("capability", [None, "default", "avx2", "avx512"])
+def test_fp8_scores_of_minus_inf_weigh_zero_on_every_cpu_kernel(capability):
+    run_in_fresh_process("check_fp8_minus_inf_scores", capability)
+
+
 # ------------------------------------------------------------------------------ write_kv
 
 
@@ -413,6 +459,35 @@ def test_write_kv_fp8_then_attention():
     table = blocks.int()[None]
     lens = torch.tensor([T], dtype=torch.int32)
     check_fp8_against_reference((q, kc, vc, ks, vs, table, lens), 0.05)
+
+
+def test_write_kv_fp8_refuses_scales_whose_blocks_overlap():
+    """Expanded scales (block stride 0: every block shares one row) and K and V scales
+    that are one tensor are refused before anything is written: before, a block's scale
+    change was every block's. Scales interleaved in one pool ([N, 2, H][:, 0], [:, 1])
+    are fine."""
+    n, b, h, d = 4, 4, 2, 8
+    x = torch.ones(1, h, d)
+    slot = torch.tensor([b])
+    shared = torch.zeros(n, h)
+    cases = [
+        (torch.zeros(1, h).expand(n, h), torch.zeros(n, h), "key_scales: expected blocks"),
+        (torch.zeros(n, h), torch.zeros(1, h).expand(n, h), "value_scales: expected blocks"),
+        (shared, shared, "value_scales: expected memory apart from key_scales'"),
+    ]
+    for ks, vs, message in cases:
+        kc, vc, _, _ = empty_fp8(n, b, h, d)
+        with pytest.raises(RuntimeError, match=message):
+            ops.write_kv(x, x, kc, vc, slot, ks, vs)
+        assert ks.count_nonzero() == 0 and vs.count_nonzero() == 0
+        assert kc.view(torch.uint8).eq(NAN_BYTE).all() and vc.view(torch.uint8).eq(NAN_BYTE).all()
+    kc, vc, _, _ = empty_fp8(n, b, h, d)
+    with pytest.raises(RuntimeError, match="value_cache: expected memory apart from key_cache's"):
+        ops.write_kv(x, x, kc, kc, slot, torch.zeros(n, h), torch.zeros(n, h))
+    scales = torch.zeros(n, 2, h)
+    ops.write_kv(x, 4 * x, kc, vc, slot, scales[:, 0], scales[:, 1])
+    assert scales[1, 0].eq(2.0**-8).all() and scales[1, 1].eq(2.0**-6).all()
+    assert scales.count_nonzero() == 2 * h
 
 
 def test_fp8_bad_arguments_raise_clear_errors():

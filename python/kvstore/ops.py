@@ -11,7 +11,13 @@ ops.write_kv(key, value, key_cache, value_cache, slot_mapping)   # in place
   int32 `[num_seqs]`; slot_mapping int64 `[num_tokens]` with
   `slot = block * B + offset` (a negative slot skips its token). GQA:
   `num_heads % H == 0`, query head `i` attends with kv head `i // (num_heads // H)`.
-- float16, bfloat16 and float32; scores, softmax and sums in fp32.
+- float16, bfloat16 and float32; scores, softmax and sums in fp32. A score of -inf
+  (K at -inf, or q·k past fp32's range) weighs 0, as in the softmax; a head whose
+  every score is -inf gives zeros, like a sequence of length 0. The P·V accumulator
+  is unnormalised (as in vLLM and FlashAttention: the sum of `exp(s - max) * v`,
+  divided by the sum of the weights at the end), so V values near float32's largest
+  (`|v| * sum of weights > 3.4e38`) overflow it to inf even where the exact average
+  is finite.
 - fp8 KV: caches of dtype `torch.float8_e4m3fn` with fp32 scales per (block, kv
   head), `key_scales`/`value_scales` `[num_blocks, H]` (a byte's value is its e4m3
   value times its block's and head's scale). `paged_attention` dequantizes in
@@ -345,7 +351,10 @@ def paged_attention(
     Returns `[num_seqs, num_heads, D]` in query's dtype: for each sequence `s` and
     head `i`, softmax(scale * q·K[:len]) · V[:len], K and V gathered through
     `block_tables[s]` (token `t` is at block `block_tables[s, t // B]`, offset
-    `t % B`). A sequence of length 0 gives zeros. The CPU op checks every block id and
+    `t % B`). A sequence of length 0 gives zeros, and so does a head whose every
+    score is -inf; a -inf score weighs 0. Scores, softmax and the P·V sum are fp32,
+    the sum unnormalised until the end: V values near float32's largest can overflow
+    it to inf (module doc). The CPU op checks every block id and
     length against the cache; the CUDA op does not (a device-side check would cost a
     sync): its tables must hold valid ids, as `BlockPool` tables do.
 
@@ -373,7 +382,10 @@ def write_kv(
 ) -> None:
     """Writes `key`/`value` `[num_tokens, H, D]` into the caches at `slot_mapping`
     (int64, `block * B + offset`; negative: skipped), in place. The CPU op refuses a
-    slot past the cache; the CUDA op skips it.
+    slot past the cache; the CUDA op skips it. Both refuse caches (and fp8 scales)
+    whose blocks overlap (`expand()`ed, or a block stride shorter than a block) and K
+    and V caches (or scales) that share elements: a write would land on other blocks.
+    K and V interleaved in one pool (`[N, 2, B, H, D][:, 0]` and `[:, 1]`) are fine.
 
     fp8 caches (`torch.float8_e4m3fn`, with `key_scales`/`value_scales` float32
     `[num_blocks, H]`, updated in place) quantize on the way in, `key`/`value` in any

@@ -4,10 +4,12 @@
 // caller can fix the call without reading this file.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace kvstore {
 
@@ -60,6 +62,49 @@ inline void check_scales(const at::Tensor& scales, const at::Tensor& cache, cons
   TORCH_CHECK(scales.size(1) <= 1 || scales.stride(1) == 1, op, ": ", what,
               ": expected packed heads (stride 1 along dim 1), got strides ", scales.strides());
   check_same_device(scales, cache, op, what);
+}
+
+// Whether rows of `row` elements at i * stride and at delta + j * stride (i, j < n) share
+// an element: |delta + k * stride| < row for some k = j - i in (-n, n). With stride >= row
+// (check_written_blocks) only the two k nearest -delta / stride can.
+inline bool strided_rows_meet(int64_t delta, int64_t stride, int64_t row, int64_t n) {
+  if (n <= 0 || row <= 0) return false;
+  if (delta < 0) delta = -delta;  // the same question with the two tensors swapped
+  if (n == 1 || stride <= 0) return delta < row;
+  const int64_t k = delta / stride;
+  return (k <= n - 1 && delta - k * stride < row) ||
+         (k + 1 <= n - 1 && (k + 1) * stride - delta < row);
+}
+
+// The written-to tensors of an in-place op, K's and V's (caches, or fp8 scales), each
+// [num_blocks, ...] with blocks of `block_elems` packed elements. A block stride shorter
+// than a block (0 for an expand()ed tensor) would put several blocks in one place, and K
+// and V that share elements (the same tensor, views of one) would take each other's
+// writes: a write to one block would silently change others, so both are refused, as
+// torch's own in-place ops refuse outputs that overlap. K and V may still interleave in
+// one pool ([N, 2, B, H, D][:, 0] and [:, 1]).
+inline void check_written_blocks(const at::Tensor& k, const at::Tensor& v, int64_t block_elems,
+                                 const char* op, const char* k_what, const char* v_what) {
+  for (const auto& [t, what] : {std::pair{&k, k_what}, std::pair{&v, v_what}}) {
+    TORCH_CHECK(t->size(0) <= 1 || t->stride(0) >= block_elems, op, ": ", what,
+                ": expected blocks that do not overlap (a block stride of at least ",
+                block_elems, " elements), got block stride ", t->stride(0),
+                ": an expand()ed or as_strided tensor would take every block's writes in one "
+                "place (clone() it)");
+  }
+  bool meet = false;
+  if (k.numel() > 0 && v.numel() > 0 && k.storage().is_alias_of(v.storage())) {
+    if (k.stride(0) == v.stride(0)) {
+      meet = strided_rows_meet(v.storage_offset() - k.storage_offset(), k.stride(0), block_elems,
+                               k.size(0));
+    } else {
+      const at::MemOverlapStatus status = at::get_overlap_status(k, v);
+      meet = status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;
+    }
+  }
+  TORCH_CHECK(!meet, op, ": ", v_what, ": expected memory apart from ", k_what,
+              "'s, got tensors that share elements (the same tensor, or overlapping views of "
+              "one): each would take the other's writes");
 }
 
 inline void check_fp8_cache(const at::Tensor& c, const char* op, const char* what) {
@@ -158,6 +203,9 @@ inline WriteKVDims check_write_kv(const at::Tensor& key, const at::Tensor& value
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op,
               ": value_cache: expected the shape of key_cache ", key_cache.sizes(), ", got ",
               value_cache.sizes());
+  check_written_blocks(key_cache, value_cache,
+                       key_cache.size(1) * key_cache.size(2) * key_cache.size(3), op,
+                       "key_cache", "value_cache");
   const auto dtype = key_cache.scalar_type();
   TORCH_CHECK(value_cache.scalar_type() == dtype, op, ": value_cache: expected dtype ", dtype,
               " (that of key_cache), got ", value_cache.scalar_type());

@@ -725,6 +725,8 @@ void write_kv_fp8_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor
       check_write_kv(key, value, key_cache, value_cache, slot_mapping, /*fp8=*/true);
   check_scales(key_scales, key_cache, "kvstore.write_kv", "key_scales");
   check_scales(value_scales, value_cache, "kvstore.write_kv", "value_scales");
+  check_written_blocks(key_scales, value_scales, dims.num_kv_heads, "kvstore.write_kv",
+                       "key_scales", "value_scales");
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   check_slots(slot, dims);

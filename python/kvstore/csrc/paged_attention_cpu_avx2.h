@@ -187,7 +187,9 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
     const float tile_max = hmax8(_mm256_max_ps(sc0, sc1));
     const SoftmaxMerge mg =
         tile_max <= w.m[i] ? SoftmaxMerge{w.m[i], 1.f, 0.f} : softmax_merge(w.m[i], tile_max);
-    const __m256 mx = _mm256_set1_ps(mg.max);
+    // Every score so far -inf: subtract 0, not -inf (exp(-inf + inf) is NaN), so these
+    // tokens weigh 0 (paged_attention_cpu_kernel.h, attend_units).
+    const __m256 mx = _mm256_set1_ps(mg.max == -__builtin_inff() ? 0.f : mg.max);
     const __m256 e0 = exp8_nonpositive(_mm256_sub_ps(sc0, mx));
     const __m256 e1 = exp8_nonpositive(_mm256_sub_ps(sc1, mx));
     if constexpr (C == Kind::FP8) {

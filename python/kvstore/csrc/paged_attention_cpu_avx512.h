@@ -244,7 +244,10 @@ KVSTORE_INLINE void attend_tile(const Scratch& w, int64_t i0, int64_t D, const T
     const float tile_max = _mm512_reduce_max_ps(sc);
     const SoftmaxMerge mg =
         tile_max <= w.m[i] ? SoftmaxMerge{w.m[i], 1.f, 0.f} : softmax_merge(w.m[i], tile_max);
-    const __m512 e = exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(mg.max)));
+    // Every score so far -inf: subtract 0, not -inf (exp(-inf + inf) is NaN), so these
+    // tokens weigh 0 (paged_attention_cpu_kernel.h, attend_units).
+    const float shift = mg.max == -__builtin_inff() ? 0.f : mg.max;
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(shift)));
     const __m512 pv = C == Kind::FP8 ? _mm512_mul_ps(e, _mm512_load_ps(t.vmul)) : e;
     _mm512_storeu_ps(p + g * kTile, pv);
     float* acc = w.acc + i * D;

@@ -227,7 +227,9 @@ void merge_partitions(const Params& p, int64_t begin, int64_t end, float* coef, 
       const int64_t pi = sh * P + part;
       coef[part] = 0.f;
       later[part] = 1.f;
-      if (p.part_sum[pi] == 0.f) continue;  // past the end of this sequence
+      // Past the end of this sequence, or every score of the partition -inf: it adds
+      // nothing (its sum is 0), and a -inf max must not reach softmax_merge's expf.
+      if (p.part_sum[pi] == 0.f || p.part_max[pi] == -__builtin_inff()) continue;
       const SoftmaxMerge mg = softmax_merge(m, p.part_max[pi]);
       coef[part] = mg.scale_b;
       later[part] = mg.scale_a;  // what this fold does to the partitions before it
@@ -353,9 +355,13 @@ KVSTORE_INLINE void attend_units(const Params& p, const Scratch& w, int64_t begi
             vmax = x > vmax ? x : vmax;
           }
           const SoftmaxMerge mg = softmax_merge(w.m[i], hmax8(vmax));
+          // While every score so far is -inf (K at -inf, or q·k past fp32's range) the
+          // max is -inf too, and exp(s - max) would be exp(-inf + inf) = NaN: subtract
+          // 0 then, so these tokens weigh 0 as in the softmax (FlashAttention's rule).
+          const float shift = mg.max == -__builtin_inff() ? 0.f : mg.max;
           v8f vsum = {};
           for (int64_t t = 0; t < kChunk; t += kLanes) {
-            const v8f e = exp8_nonpositive(load8(sc + t) - mg.max);
+            const v8f e = exp8_nonpositive(load8(sc + t) - shift);
             store8(sc + t, e);
             vsum += e;
           }

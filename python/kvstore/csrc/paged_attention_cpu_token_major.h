@@ -325,11 +325,15 @@ KVSTORE_INLINE void attend_units_token_major_d(const Params& p, const Scratch& w
             for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), sv));
           }
         }
+        // Heads whose every score so far is -inf keep a -inf max: subtract 0 there, not
+        // -inf (exp(-inf + inf) is NaN), so these tokens weigh 0 (as in attend_units).
+        const __mmask16 all_ninf = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-__builtin_inff()), _CMP_EQ_OQ);
+        const __m512 shift = _mm512_mask_blend_ps(all_ninf, m_new, _mm512_setzero_ps());
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 2) {
-          const __m512 e0 = exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(b.scores + j * nqp + q0), m_new));
+          const __m512 e0 = exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(b.scores + j * nqp + q0), shift));
           const __m512 e1 = j + 1 < n ? exp16_nonpositive(_mm512_sub_ps(
-                                            _mm512_load_ps(b.scores + (j + 1) * nqp + q0), m_new))
+                                            _mm512_load_ps(b.scores + (j + 1) * nqp + q0), shift))
                                       : _mm512_setzero_ps();
           sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
           __m512 p0 = e0, p1 = e1;

@@ -426,9 +426,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelA
     float m = -INFINITY;
     for (int i = lane; i < n; i += 32) m = fmaxf(m, logits[g][i]);
     m = warp_max(m);
+    // Every score -inf (K at -inf, or q·k past fp32's range): subtract 0, not -inf
+    // (exp(-inf + inf) is NaN), so these tokens weigh 0 and the sum stays 0.
+    const float shift = m == -INFINITY ? 0.f : m;
     float sum = 0.f;
     for (int i = lane; i < n; i += 32) {
-      const float e = expf(logits[g][i] - m);
+      const float e = expf(logits[g][i] - shift);
       logits[g][i] = e;
       sum += e;
     }
@@ -535,6 +538,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(const 
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float m = -INFINITY, l = 0.f, acc = 0.f;
     for (int p = 0; p < parts; ++p) {
+      // A partition whose every score is -inf adds nothing (its sum and output are 0).
+      if (a.part_max[base + p] == -INFINITY) continue;
       const SoftmaxMerge mg = softmax_merge(m, a.part_max[base + p]);
       acc = acc * mg.scale_a + a.part_out[(base + p) * head_dim + d] * mg.scale_b;
       l = l * mg.scale_a + a.part_sum[base + p] * mg.scale_b;
@@ -816,6 +821,8 @@ void write_kv_fp8_cuda(const at::Tensor& key, const at::Tensor& value, at::Tenso
       check_write_kv(key, value, key_cache, value_cache, slot_mapping, /*fp8=*/true);
   check_scales(key_scales, key_cache, "kvstore.write_kv", "key_scales");
   check_scales(value_scales, value_cache, "kvstore.write_kv", "value_scales");
+  check_written_blocks(key_scales, value_scales, dims.num_kv_heads, "kvstore.write_kv",
+                       "key_scales", "value_scales");
   if (dims.num_tokens == 0 || dims.num_kv_heads == 0) return;
   TORCH_CHECK(dims.num_kv_heads <= 65535, "kvstore.write_kv: expected at most 65535 kv heads "
               "on CUDA (a grid dimension), got ", dims.num_kv_heads);

@@ -528,7 +528,7 @@ def test_a_store_of_another_layout_is_refused(tmp_path: Path, model: Any) -> Non
     other = tiny_llama(layers=2)
     with hf.open(tmp_path / "s", other, fingerprint="o", durability="none") as store:
         hf.save(store, ids, prefill(other, ids))
-        with pytest.raises(kvstore.InvalidInput, match="layout"):
+        with pytest.raises(kvstore.InvalidInput, match="layers"):
             hf.load(store, ids, config=model.config)
         with pytest.raises(kvstore.InvalidInput, match="layout"):
             hf.generate(model, store, ids, max_new_tokens=2)
@@ -617,3 +617,30 @@ def test_kv_beside_an_image_is_never_served_for_another_image(tmp_path: Path) ->
         assert store.lookup(out[0], extra="b") == 64
         _, n = hf.load(store, ids, config=model.config, extra="b")
         assert n == 48
+        # A composite config that keeps the placeholder in a sub-config (Phi-4-multimodal's
+        # vision_config.image_token_id), and one of a model that takes images without
+        # naming a placeholder (BLIP-2 without image_token_index): nothing past, or nothing.
+        nested = copy.deepcopy(model.config)
+        nested.image_token_id = None
+        nested.vision_config.image_token_id = 999
+        _, n = hf.load(store, ids, config=nested)
+        assert n == 16
+        from transformers import Blip2Config
+
+        _, n = hf.load(store, ids, config=Blip2Config())
+        assert n == 0
+
+
+def test_layout_of_falcon_and_gpt_bigcode_multi_query() -> None:
+    from transformers import FalconConfig, FalconForCausalLM, GPTBigCodeConfig
+
+    small = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    assert hf.layout_of(FalconConfig(**small)).num_kv_heads == 1
+    grouped = FalconConfig(**small, new_decoder_architecture=True, num_kv_heads=2)
+    assert hf.layout_of(grouped).num_kv_heads == 2
+    assert hf.layout_of(GPTBigCodeConfig(n_layer=2, n_embd=64, n_head=4)).num_kv_heads == 1
+    # What the model's cache holds.
+    falcon = FalconForCausalLM(FalconConfig(**small, vocab_size=100)).eval()
+    with torch.inference_mode():
+        cache = falcon(torch.arange(20)[None], use_cache=True).past_key_values
+    assert cache.layers[0].keys.shape[1] == hf.layout_of(falcon).num_kv_heads

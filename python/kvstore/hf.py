@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +104,11 @@ def layout_of(model_or_config: Any, block_size: int = 16) -> Layout:
         num_layers = int(config.num_hidden_layers)
         num_heads = int(config.num_attention_heads)
         num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        # Falcon and GPTBigCode name grouped KV heads their own way.
+        if getattr(config, "new_decoder_architecture", False):
+            num_kv_heads = int(getattr(config, "num_kv_heads", None) or num_kv_heads)
+        elif getattr(config, "multi_query", False) is True:
+            num_kv_heads = 1
         head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // num_heads
     except AttributeError as e:
         raise InvalidInput(
@@ -472,7 +478,6 @@ def load(
     layout = store.layout
     if config is not None:
         config = _config_of(config)
-        _check_layout(store, config, with_dtype=False)
         if extra is None:
             ids = ids[: _before_media(config, ids)]
     if out is not None:
@@ -502,49 +507,71 @@ def _config_of(config: Any) -> Any:
     return config
 
 
-def _check_layout(store: Store, model_or_config: Any, *, with_dtype: bool) -> None:
-    """InvalidInput unless the store's layout is the model's (its shape; its dtype too
-    where the model's parameters say it): KV of another shape or dtype is no KV of it."""
-    want = layout_of(model_or_config, store.layout.block_size)
+def _check_layout(store: Store, model: Any) -> None:
+    """InvalidInput unless the store holds KV of the model's layer count and of the
+    dtype of its parameters: KV of another dtype would be fed to it silently (other
+    head counts or sizes fail in its first forward, and `layout_of`'s estimate of
+    them from the config is not what every model's cache holds)."""
     have = store.layout
-    fields = ["num_layers", "num_kv_heads", "head_dim"] + (["dtype"] if with_dtype else [])
-    if any(getattr(want, f) != getattr(have, f) for f in fields):
+    layers = getattr(_text_config(model), "num_hidden_layers", have.num_layers)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    want_dtype = dtype_name(dtype) if dtype is not None else have.dtype
+    if (layers, want_dtype) != (have.num_layers, have.dtype):
         raise InvalidInput(
-            f"store: its layout {have} is not the model's {want}; open the store with "
+            f"store: its layout {have} holds KV of {have.num_layers} layers in {have.dtype}, "
+            f"the model has {layers} layers in {want_dtype}; open the store with "
             "hf.open(path, model)"
         )
 
 
-# Config attributes that name a placeholder token whose KV depends on media fed beside
-# the token ids (an image's pixels, a clip's frames, a recording's features).
-_MEDIA_TOKEN_ATTRS = (
-    "image_token_id",
-    "image_token_index",
-    "video_token_id",
-    "video_token_index",
-    "audio_token_id",
-    "audio_token_index",
-    "boi_token_id",
-    "boi_token_index",
-)
+# A config attribute that names a placeholder token whose KV depends on media fed
+# beside the token ids (an image's pixels, a clip's frames, a recording's features),
+# or that opens or closes such media: image_token_id, video_token_index,
+# vision_start_token_id, boi_token_index, audio_token_id, ...
+_MEDIA_TOKEN = re.compile(r"(image|video|audio|vision|speech|boi|eoi|boa|eoa)\w*_token_(id|index)")
+# A sub-config that says the model takes media at all.
+_MEDIA_CONFIG = re.compile(r"(vision|visual|image|video|audio|speech)\w*")
 
 
-def _media_tokens(config: Any) -> set[int]:
-    found = set()
-    for attr in _MEDIA_TOKEN_ATTRS:
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            found.add(value)
-    return found
+def _media_tokens(config: Any) -> set[int] | None:
+    """The media placeholder token ids of `config` and its sub-configs (a composite
+    model keeps them in `vision_config`, `thinker_config`, ...); None for a model that
+    takes media (a vision or audio sub-config) but names no placeholder: then every
+    token's KV may depend on the media."""
+    found: set[int] = set()
+    takes_media = False
+    stack, seen = [config], set()
+    while stack:
+        c = stack.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        for name, value in vars(c).items():
+            if (
+                "_token_" in name
+                and _MEDIA_TOKEN.fullmatch(name)
+                and isinstance(value, int)
+                and not isinstance(value, bool)
+            ):
+                found.add(value)
+        for name in getattr(c, "sub_configs", None) or {}:
+            sub = getattr(c, name, None)
+            if sub is not None and hasattr(sub, "sub_configs"):
+                stack.append(sub)
+                takes_media |= bool(_MEDIA_CONFIG.match(name))
+    return None if takes_media and not found else found
 
 
 def _before_media(config: Any, ids: Any) -> int:
     """The tokens of `ids` before the first media placeholder of `config`'s model (all
-    of them for a text model): block ids name tokens only, so past that point two
-    prompts with the same ids but other images have other KV."""
+    of them for a text model, none for a model that takes media without naming a
+    placeholder): block ids name tokens only, so past that point two prompts with the
+    same ids but other images have other KV."""
     import torch
 
     media = _media_tokens(config)
+    if media is None:
+        return 0
     if not media:
         return len(ids)
     hits = torch.isin(ids, torch.tensor(sorted(media), dtype=ids.dtype)).nonzero()
@@ -648,7 +675,7 @@ def generate(
         # Padding shifts the positions: that KV is not the plain tokens' KV.
         raise InvalidInput("attention_mask: expected all ones (batch size 1, no padding)")
     _check_rope(_text_config(model))
-    _check_layout(store, model, with_dtype=True)
+    _check_layout(store, model)
     if save and _full_attention_layers(model.config) is None:
         raise InvalidInput(
             "model: its cache has layers other than full attention (sliding window, "

@@ -349,6 +349,43 @@ def test_a_session_loads_as_saved_last_on_any_host(clean, tmp_path):
         d.load_session("chat")
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["get", "paged"])
+def test_a_range_get_reads_local_blocks_after_the_server_fills_the_prefix(clean, tmp_path, paged):
+    """get(start=k) on a host that holds blocks k.. but not the ones before: the
+    server fills the prefix, then the local blocks from k are read (they were never
+    asked for: the get returned k). The same for a paged get."""
+    tokens = seq(3000, 8 * B)
+    k = 4 * B
+    kv = kv_for(LAYOUT, tokens)
+    with open_host(tmp_path / "a", clean) as a:  # uploads blocks 0..3 only
+        a.put(tokens[:k], kv[:, :, :k])
+        a.flush()
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    path = tmp_path / "b"
+    with kvstore.open(path, LAYOUT, MODEL) as local:  # blocks 4..7 only
+        local.put(tokens, kv[:, :, k:], start=k)
+    with open_host(path, clean) as b:
+        if not paged:
+            out = np.zeros_like(kv[:, :, k:])
+            assert b.get(tokens, start=k, out=out) == len(tokens)
+            assert_kv_equal(out, kv[:, :, k:])
+        else:
+            caches = [np.zeros((6, 2, B, H, D), np.float16) for _ in range(L)]
+            spans = [c.reshape(-1).view(np.uint8) for c in caches]
+            blocks = [5, 0, 3, 1]
+            part = (H * D, D, 1)
+            got = b._raw.get_paged(
+                np.asarray(tokens, np.uint32), b"", k, spans, blocks,
+                2 * B * H * D, ((0, part), (B * H * D, part)),
+            )  # fmt: skip
+            assert got == len(tokens)
+            for j, cb in enumerate(blocks):
+                at = k + j * B
+                for layer in range(L):
+                    assert_kv_equal(caches[layer][cb], kv[layer, :, at : at + B])
+        assert b.lookup(tokens) == len(tokens)
+
+
 def test_a_key_of_another_type_is_an_invalid_value_and_is_repaired(clean, tmp_path):
     """A list under a block's key (a foreign writer's): the blocks before it are
     served, it is counted invalid, and the next put sets the block over it."""

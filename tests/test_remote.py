@@ -303,7 +303,9 @@ def test_invalid_value_is_replaced_by_the_next_upload(clean, tmp_path):
         assert remote_stats(e)["invalid"] == 1
         e.save_session("chat", short, kv_for(LAYOUT, short))
         e.flush()
-    assert clean.call(skey, "GET", skey) == sgood
+    # Replaced by e's save (the same tokens, a later version).
+    fixed = clean.call(skey, "GET", skey)
+    assert fixed[:4] == sgood[:4] == b"KVSV" and len(fixed) == len(sgood)
     with open_host(tmp_path / "f", clean) as f:
         toks, kv = f.load_session("chat")
         assert list(toks) == short
@@ -344,9 +346,146 @@ def test_a_session_loads_as_saved_last_on_any_host(clean, tmp_path):
         assert c.delete_session("chat")
         c.flush()
     (skey,) = clean.keys("kvstore:*:session:*")
-    assert clean.call(skey, "GET", skey) == b""
+    assert clean.call(skey, "GET", skey).startswith(b"KVSV")  # a versioned tombstone
     with open_host(tmp_path / "d", clean) as d, pytest.raises(kvstore.SessionNotFound):
         d.load_session("chat")
+    # A host with an older local copy takes the newer delete too.
+    with open_host(tmp_path / "a", clean) as a, pytest.raises(kvstore.SessionNotFound):
+        a.load_session("chat")
+
+
+@pytest.fixture
+def single(tmp_path_factory):
+    """One plain (non-cluster) server of its own, for tests that refuse its writes."""
+    c = _start(tmp_path_factory, 1, False)
+    yield c
+    c.stop()
+
+
+def refuse_writes(c: Cluster, refuse: bool) -> None:
+    """A full server with `noeviction`: writes fail (counted), reads go on."""
+    port = c.ports[0]
+    cmd(port, "CONFIG", "SET", "maxmemory-policy", "noeviction")
+    cmd(port, "CONFIG", "SET", "maxmemory", "1" if refuse else "0")
+
+
+def session_len(store, name: str) -> int:
+    return len(store.load_session(name)[0])
+
+
+def test_a_restart_keeps_a_save_and_a_delete_whose_upload_failed(single, tmp_path):
+    """A save (or delete) acknowledged here whose upload failed is newer than the
+    server's copy: a restarted handle loads it, and never writes the server's older
+    copy over it; a deleted session stays deleted. Once the server takes writes
+    again, the next load repairs it."""
+    path = tmp_path / "a"
+    t1, t2 = seq(100, 2 * B), seq(100, 5 * B)
+    with open_host(path, single) as s:
+        s.save_session("chat", t1, kv_for(LAYOUT, t1))
+        s.flush()
+    refuse_writes(single, True)
+    with open_host(path, single) as s:
+        s.save_session("chat", t2, kv_for(LAYOUT, t2))
+        s.flush()
+        assert remote_stats(s)["errors_oom"] > 0
+    refuse_writes(single, False)
+    with open_host(path, single) as s:  # restarted
+        assert session_len(s, "chat") == len(t2)
+        s.flush()  # the load sent the newer copy to the server
+    with kvstore.open(path, LAYOUT, MODEL) as s:  # the local copy is still the newer
+        assert session_len(s, "chat") == len(t2)
+    with open_host(tmp_path / "b", single) as b:  # repaired: another host gets it
+        assert session_len(b, "chat") == len(t2)
+    refuse_writes(single, True)
+    with open_host(path, single) as s:
+        assert s.delete_session("chat")
+        s.flush()
+    refuse_writes(single, False)
+    for _ in range(2):  # the second open: after the tombstone reached the server
+        with open_host(path, single) as s:
+            with pytest.raises(kvstore.SessionNotFound):
+                s.load_session("chat")
+            assert "chat" not in s.sessions()
+            s.flush()
+    with open_host(tmp_path / "b", single) as b, pytest.raises(kvstore.SessionNotFound):
+        b.load_session("chat")  # b held the old copy; the delete is newer
+
+
+def test_two_handles_on_one_store_load_the_newer_save(single, tmp_path):
+    """Handle A saves (committed here, upload still queued: the server pauses
+    writes); handle B on the same store loads A's save, not the server's older copy,
+    and does not write that copy over A's."""
+    path = tmp_path / "a"
+    t1, t2 = seq(100, 2 * B), seq(100, 5 * B)
+    with open_host(path, single) as s:
+        s.save_session("chat", t1, kv_for(LAYOUT, t1))
+        s.flush()
+    with open_host(path, single, remote={"timeout": 3}) as a, \
+            open_host(path, single, remote={"timeout": 3}) as b:  # fmt: skip
+        cmd(single.ports[0], "CLIENT", "PAUSE", "1500", "WRITE")
+        a.save_session("chat", t2, kv_for(LAYOUT, t2))
+        assert session_len(b, "chat") == len(t2)
+        assert session_len(a, "chat") == len(t2)
+        a.flush()
+    with kvstore.open(path, LAYOUT, MODEL) as s:
+        assert session_len(s, "chat") == len(t2)
+
+
+def test_another_hosts_newer_save_wins_over_a_failed_one(single, tmp_path):
+    """A's save failed to upload; host B then loads the session (A's earlier copy)
+    and saves a newer one: A's handle, and A's store after a restart, load B's."""
+    t1, t2, t3 = seq(100, 2 * B), seq(100, 5 * B), seq(900, 3 * B)
+    with open_host(tmp_path / "a", single) as a:
+        a.save_session("chat", t1, kv_for(LAYOUT, t1))
+        a.flush()
+        refuse_writes(single, True)
+        a.save_session("chat", t2, kv_for(LAYOUT, t2))
+        a.flush()
+        refuse_writes(single, False)
+        with open_host(tmp_path / "b", single) as b:
+            assert session_len(b, "chat") == len(t1)
+            b.save_session("chat", t3, kv_for(LAYOUT, t3))
+            b.flush()
+        assert list(a.load_session("chat")[0]) == t3
+    with kvstore.open(tmp_path / "a", LAYOUT, MODEL) as a:
+        assert list(a.load_session("chat")[0]) == t3
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["get", "paged"])
+def test_a_range_get_reads_local_blocks_after_the_server_fills_the_prefix(clean, tmp_path, paged):
+    """get(start=k) on a host that holds blocks k.. but not the ones before: the
+    server fills the prefix, then the local blocks from k are read (they were never
+    asked for: the get returned k). The same for a paged get."""
+    tokens = seq(3000, 8 * B)
+    k = 4 * B
+    kv = kv_for(LAYOUT, tokens)
+    with open_host(tmp_path / "a", clean) as a:  # uploads blocks 0..3 only
+        a.put(tokens[:k], kv[:, :, :k])
+        a.flush()
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    path = tmp_path / "b"
+    with kvstore.open(path, LAYOUT, MODEL) as local:  # blocks 4..7 only
+        local.put(tokens, kv[:, :, k:], start=k)
+    with open_host(path, clean) as b:
+        if not paged:
+            out = np.zeros_like(kv[:, :, k:])
+            assert b.get(tokens, start=k, out=out) == len(tokens)
+            assert_kv_equal(out, kv[:, :, k:])
+        else:
+            caches = [np.zeros((6, 2, B, H, D), np.float16) for _ in range(L)]
+            spans = [c.reshape(-1).view(np.uint8) for c in caches]
+            blocks = [5, 0, 3, 1]
+            part = (H * D, D, 1)
+            got = b._raw.get_paged(
+                np.asarray(tokens, np.uint32), b"", k, spans, blocks,
+                2 * B * H * D, ((0, part), (B * H * D, part)),
+            )  # fmt: skip
+            assert got == len(tokens)
+            for j, cb in enumerate(blocks):
+                at = k + j * B
+                for layer in range(L):
+                    assert_kv_equal(caches[layer][cb], kv[layer, :, at : at + B])
+        assert b.lookup(tokens) == len(tokens)
 
 
 def test_a_key_of_another_type_is_an_invalid_value_and_is_repaired(clean, tmp_path):

@@ -354,9 +354,10 @@ class Store:
         return self._raw.save_session(name, toks, flat, t)
 
     def load_session(self, name: str, *, like: Any = None) -> tuple[Any, Any]:
-        """`(tokens, kv)`: the session's token ids (all of them, as saved last, on any
-        host with a remote tier) and the KV of their longest stored prefix. Raises
-        SessionNotFound (a KeyError) if unknown."""
+        """`(tokens, kv)`: the session's token ids (all of them, as saved last; with a
+        remote tier, the newer of this store's copy and the server's, by version) and
+        the KV of their longest stored prefix. Raises SessionNotFound (a KeyError) if
+        unknown or deleted."""
         _check_name(name)
         toks = self._raw.session_tokens(name)
         kv = self.get(toks, like=like)
@@ -381,8 +382,8 @@ class Store:
 
     def delete_session(self, name: str) -> bool:
         """Forgets a session (its blocks stay until gc); False if it did not exist here.
-        With a remote tier the server's copy is emptied too (other hosts' local copies
-        stay)."""
+        With a remote tier the server gets a versioned tombstone: other hosts whose
+        copy is older take the delete on their next load."""
         _check_name(name)
         return self._raw.delete_session(name)
 

@@ -5,10 +5,15 @@
 //! - `blocks`:   block id (32 B) → [`Location`] (40 B)
 //! - `segments`: segment number (u64 **big-endian**, so iteration is in order) → [`SegmentInfo`] (32 B)
 //! - `sessions`: tenant tag (16 B) ‖ name (UTF-8) → token ids (u32 LE each)
+//! - `session_versions`: keyed as `sessions` → version (u64 LE) ‖ state (1 B:
+//!   1 live, 0 deleted): the version of a session's last save or delete
+//!   here (see `store::session`). A deletion is kept only until the server
+//!   has it. A session without an entry (a store older than this table, or
+//!   a copy of the older server format) is at version 0
 //! - `damaged`:  block id → [`Location`] ‖ reason (UTF-8): blocks found damaged on read
 //! - `pins`:     block id → priority (u64 LE) ‖ expiry in ms since the epoch (u64 LE, 0 = never)
 //! - `meta`:     ASCII name → u64 LE (`next_segment`, `generation`,
-//!   `chains_generation`, hit/miss totals, clients' named counters as
+//!   `chains_generation`, `session_clock`, hit/miss totals, clients' named counters as
 //!   `counter.<name>`)
 //! - `parents`:  block id → parent id (32 B) ‖ mark (1 B: [`CLOSED`] for
 //!   closed, anything else not): the block's parent when it was published
@@ -190,6 +195,7 @@ pub struct Index {
     blocks: Db,
     segments: Db,
     sessions: Db,
+    session_versions: Db,
     damaged: Db,
     pins: Db,
     meta: Db,
@@ -384,6 +390,7 @@ impl Index {
         let blocks = create("blocks")?;
         let segments = create("segments")?;
         let sessions = create("sessions")?;
+        let session_versions = create("session_versions")?;
         let damaged = create("damaged")?;
         let pins = create("pins")?;
         let meta = create("meta")?;
@@ -399,6 +406,7 @@ impl Index {
             blocks,
             segments,
             sessions,
+            session_versions,
             damaged,
             pins,
             meta,
@@ -989,35 +997,126 @@ impl Index {
         k
     }
 
+    /// Binds `name` to `tokens` at `version` (0: none recorded, as a copy
+    /// of the server's older format).
     pub fn put_session(
         &self,
         txn: &mut RwTxn<'_>,
         tag: &[u8; 16],
         name: &str,
         tokens: &[u32],
+        version: u64,
     ) -> Result<()> {
+        let key = Self::session_key(tag, name);
         let v: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        Ok(self.sessions.put(txn, &Self::session_key(tag, name), &v)?)
+        self.sessions.put(txn, &key, &v)?;
+        self.set_session_version(txn, &key, version, true)
     }
 
-    pub fn get_session(
+    fn set_session_version(
+        &self,
+        txn: &mut RwTxn<'_>,
+        key: &[u8],
+        version: u64,
+        live: bool,
+    ) -> Result<()> {
+        if version == 0 {
+            self.session_versions.delete(txn, key)?;
+            return Ok(());
+        }
+        let mut v = version.to_le_bytes().to_vec();
+        v.push(u8::from(live));
+        Ok(self.session_versions.put(txn, key, &v)?)
+    }
+
+    /// Session `name` here: its tokens (`None`: none, or deleted) and the
+    /// version of its last save or delete here (0: none recorded).
+    pub fn get_session_versioned(
         &self,
         txn: &RoTxn<'_>,
         tag: &[u8; 16],
         name: &str,
-    ) -> Result<Option<Vec<u32>>> {
-        Ok(self
-            .sessions
-            .get(txn, &Self::session_key(tag, name))?
-            .map(|v| {
-                v.chunks_exact(4)
-                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-                    .collect()
-            }))
+    ) -> Result<LocalSession> {
+        let key = Self::session_key(tag, name);
+        let tokens = self.sessions.get(txn, &key)?.map(|v| {
+            v.chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect()
+        });
+        // A value of another length reads as none recorded (version 0).
+        let version = self
+            .session_versions
+            .get(txn, &key)?
+            .and_then(|v| v.get(..8)?.try_into().ok())
+            .map_or(0, u64::from_le_bytes);
+        Ok(LocalSession { version, tokens })
     }
 
-    pub fn delete_session(&self, txn: &mut RwTxn<'_>, tag: &[u8; 16], name: &str) -> Result<bool> {
-        Ok(self.sessions.delete(txn, &Self::session_key(tag, name))?)
+    /// Removes session `name`; `tombstone`: the version of this delete, kept
+    /// (as deleted) until [`Index::forget_tombstone`]; `None`: no version
+    /// kept. Returns whether it was there.
+    pub fn delete_session(
+        &self,
+        txn: &mut RwTxn<'_>,
+        tag: &[u8; 16],
+        name: &str,
+        tombstone: Option<u64>,
+    ) -> Result<bool> {
+        let key = Self::session_key(tag, name);
+        let found = self.sessions.delete(txn, &key)?;
+        self.set_session_version(txn, &key, tombstone.unwrap_or(0), false)?;
+        Ok(found)
+    }
+
+    /// Drops the tombstone of session `name` if it is still the one of
+    /// `version` (no save or delete since); whether it did.
+    pub fn forget_tombstone(
+        &self,
+        txn: &mut RwTxn<'_>,
+        tag: &[u8; 16],
+        name: &str,
+        version: u64,
+    ) -> Result<bool> {
+        let key = Self::session_key(tag, name);
+        let mut want = version.to_le_bytes().to_vec();
+        want.push(0);
+        if self.session_versions.get(txn, &key)? != Some(&want[..]) {
+            return Ok(false);
+        }
+        Ok(self.session_versions.delete(txn, &key)?)
+    }
+
+    /// This tenant's tombstones: (name, version) of each delete not known
+    /// to have reached the server.
+    pub fn session_tombstones(&self, txn: &RoTxn<'_>, tag: &[u8; 16]) -> Result<Vec<(String, u64)>> {
+        let mut out = Vec::new();
+        for item in self.session_versions.prefix_iter(txn, tag)? {
+            let (k, v) = item?;
+            if let (Ok(name), Ok(v)) = (std::str::from_utf8(&k[16..]), <[u8; 9]>::try_from(v)) {
+                if v[8] == 0 {
+                    out.push((name.to_owned(), u64::from_le_bytes(v[..8].try_into().expect("8"))));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The version of a save or delete now: later than the wall clock's
+    /// `now_ns` and than every version this store wrote or took from the
+    /// server (`session_clock`), which it becomes.
+    pub fn next_session_version(&self, txn: &mut RwTxn<'_>, now_ns: u64) -> Result<u64> {
+        let v = now_ns.max(self.meta_u64(txn, SESSION_CLOCK)?.saturating_add(1));
+        self.set_meta_u64(txn, SESSION_CLOCK, v)?;
+        Ok(v)
+    }
+
+    /// A version taken from the server: later saves and deletes here order
+    /// after it, whatever the wall clock says.
+    pub fn see_session_version(&self, txn: &mut RwTxn<'_>, version: u64) -> Result<()> {
+        if version > self.meta_u64(txn, SESSION_CLOCK)? {
+            self.set_meta_u64(txn, SESSION_CLOCK, version)?;
+        }
+        Ok(())
     }
 
     /// Session names of one tenant, and their token counts.
@@ -1031,6 +1130,18 @@ impl Index {
     }
 }
 
+/// The meta entry above every session version this store wrote or took.
+const SESSION_CLOCK: &str = "session_clock";
+
+/// A session as this store holds it ([`Index::get_session_versioned`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalSession {
+    /// Of the last save or delete here; 0: none recorded.
+    pub version: u64,
+    /// `None`: no session by that name (deleted, if `version` is not 0).
+    pub tokens: Option<Vec<u32>>,
+}
+
 /// Whether a pin's value (`put_pin`: priority, then expiry in ms, 0 for
 /// none) holds at `now_ms`; a value of another length is no pin.
 fn pin_live(v: &[u8], now_ms: u64) -> bool {
@@ -1038,4 +1149,58 @@ fn pin_live(v: &[u8], now_ms: u64) -> bool {
         let expires = u64::from_le_bytes(v[8..].try_into().expect("8 bytes"));
         expires == 0 || expires > now_ms
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_versions_and_tombstones() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Index::open(dir.path(), false, 1 << 24).unwrap();
+        let (tag, other) = ([1u8; 16], [2u8; 16]);
+        let get = |name: &str| {
+            let txn = idx.read().unwrap();
+            idx.get_session_versioned(&txn, &tag, name).unwrap()
+        };
+        let mut txn = idx.write().unwrap();
+        // Versions follow the wall clock, and pass every version seen.
+        assert_eq!(idx.next_session_version(&mut txn, 100).unwrap(), 100);
+        assert_eq!(idx.next_session_version(&mut txn, 50).unwrap(), 101);
+        idx.see_session_version(&mut txn, 1000).unwrap();
+        idx.see_session_version(&mut txn, 900).unwrap();
+        assert_eq!(idx.next_session_version(&mut txn, 200).unwrap(), 1001);
+        // A session without a version entry (older stores) is at version 0.
+        idx.put_session(&mut txn, &tag, "old", &[1, 2], 0).unwrap();
+        idx.put_session(&mut txn, &tag, "a", &[3], 7).unwrap();
+        idx.put_session(&mut txn, &other, "a", &[4], 8).unwrap();
+        assert!(idx.delete_session(&mut txn, &tag, "a", Some(9)).unwrap());
+        assert!(!idx.delete_session(&mut txn, &tag, "b", None).unwrap());
+        idx.commit(txn, true).unwrap();
+        let live = |version, t: &[u32]| LocalSession {
+            version,
+            tokens: Some(t.to_vec()),
+        };
+        assert_eq!(get("old"), live(0, &[1, 2]));
+        assert_eq!(get("a"), LocalSession { version: 9, tokens: None });
+        assert_eq!(get("b"), LocalSession::default());
+        let txn = idx.read().unwrap();
+        assert_eq!(idx.session_tombstones(&txn, &tag).unwrap(), [("a".into(), 9)]);
+        assert!(idx.session_tombstones(&txn, &other).unwrap().is_empty());
+        assert_eq!(idx.sessions(&txn, &tag).unwrap(), [("old".into(), 2)]);
+        drop(txn);
+        // Only the tombstone of that version goes: not one a later delete or
+        // save replaced.
+        let mut txn = idx.write().unwrap();
+        assert!(!idx.forget_tombstone(&mut txn, &tag, "a", 8).unwrap());
+        assert!(idx.forget_tombstone(&mut txn, &tag, "a", 9).unwrap());
+        idx.put_session(&mut txn, &tag, "c", &[5], 11).unwrap();
+        assert!(!idx.forget_tombstone(&mut txn, &tag, "c", 11).unwrap(), "live");
+        idx.commit(txn, true).unwrap();
+        assert_eq!(get("a"), LocalSession::default());
+        assert_eq!(get("c"), live(11, &[5]));
+        let txn = idx.read().unwrap();
+        assert!(idx.session_tombstones(&txn, &tag).unwrap().is_empty());
+    }
 }

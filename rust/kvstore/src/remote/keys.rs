@@ -21,7 +21,10 @@ pub(crate) const MAC_LEN: usize = 32;
 /// The longest session value sent or read (about 16M token ids): a read
 /// takes no more than this from the server, whatever a key holds.
 pub(crate) const SESSION_VALUE_MAX: usize = 64 << 20;
-const SESSION_MAGIC: &[u8; 4] = b"KVSS";
+/// A versioned session frame.
+const SESSION_MAGIC: &[u8; 4] = b"KVSV";
+/// A session frame of the older format: tokens only (version 0).
+const SESSION_MAGIC_V0: &[u8; 4] = b"KVSS";
 
 /// Names keys for one tenant under one prefix and seals values.
 pub(crate) struct Keys {
@@ -81,41 +84,74 @@ impl Keys {
     }
 }
 
-/// A session's payload: magic, name length, name, token count, tokens (LE).
-pub(crate) fn encode_session(name: &str, tokens: &[u32]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(12 + name.len() + 4 * tokens.len());
+/// A session's state as a frame on the server says it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct SessionFrame {
+    /// The save's or delete's version (see `store::session`); 0 for a frame
+    /// of the older, unversioned format.
+    pub(crate) version: u64,
+    /// The tokens; `None`: deleted at `version` (a tombstone).
+    pub(crate) tokens: Option<Vec<u32>>,
+}
+
+/// A session's payload: magic `KVSV`, version (u64 LE), state (1 live, 0
+/// deleted), name length (u32 LE), name, token count (u32 LE; 0 for a
+/// deletion), tokens (u32 LE each).
+///
+/// The older format (magic `KVSS`, no version or state) still reads, as
+/// version 0; binaries that wrote it read this one as an invalid value
+/// (a miss: they use their local copy).
+pub(crate) fn encode_session(name: &str, version: u64, tokens: Option<&[u32]>) -> Vec<u8> {
+    let body = tokens.unwrap_or_default();
+    let mut v = Vec::with_capacity(21 + name.len() + 4 * body.len());
     v.extend_from_slice(SESSION_MAGIC);
+    v.extend_from_slice(&version.to_le_bytes());
+    v.push(u8::from(tokens.is_some()));
     v.extend_from_slice(&(name.len() as u32).to_le_bytes());
     v.extend_from_slice(name.as_bytes());
-    v.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
-    for t in tokens {
+    v.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    for t in body {
         v.extend_from_slice(&t.to_le_bytes());
     }
     v
 }
 
-/// The tokens of session `name` from its payload; `None` if it is not one.
-pub(crate) fn decode_session(name: &str, p: &[u8]) -> Option<Vec<u32>> {
-    let u32_at = |at: usize| -> Option<u32> {
-        Some(u32::from_le_bytes(p.get(at..at + 4)?.try_into().ok()?))
+/// Session `name`'s frame from its payload (either format); `None` if it
+/// is not one.
+pub(crate) fn decode_session(name: &str, p: &[u8]) -> Option<SessionFrame> {
+    let (version, live, rest) = match p.get(..4)? {
+        m if m == SESSION_MAGIC => {
+            let version = u64::from_le_bytes(p.get(4..12)?.try_into().ok()?);
+            let live = match *p.get(12)? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            };
+            (version, live, &p[13..])
+        }
+        m if m == SESSION_MAGIC_V0 => (0, true, &p[4..]),
+        _ => return None,
     };
-    if p.get(..4)? != SESSION_MAGIC {
+    let u32_at = |at: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(rest.get(at..at + 4)?.try_into().ok()?))
+    };
+    let n = u32_at(0)? as usize;
+    if rest.get(4..4 + n)? != name.as_bytes() {
         return None;
     }
-    let n = u32_at(4)? as usize;
-    if p.get(8..8 + n)? != name.as_bytes() {
+    let count = u32_at(4 + n)? as usize;
+    let body = rest.get(8 + n..)?;
+    if body.len() != count.checked_mul(4)? || (!live && count != 0) {
         return None;
     }
-    let count = u32_at(8 + n)? as usize;
-    let body = p.get(12 + n..)?;
-    if body.len() != count.checked_mul(4)? {
-        return None;
-    }
-    Some(
-        body.chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    )
+    let tokens = body
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Some(SessionFrame {
+        version,
+        tokens: live.then_some(tokens),
+    })
 }
 
 /// The cluster slot of a key: CRC16 (XMODEM) of its hash tag, mod 16384.
@@ -186,9 +222,62 @@ mod tests {
 
     #[test]
     fn sessions_round_trip() {
-        let p = encode_session("a", &[1, 2, 3]);
-        assert_eq!(decode_session("a", &p), Some(vec![1, 2, 3]));
+        let live = |version, t: &[u32]| {
+            Some(SessionFrame {
+                version,
+                tokens: Some(t.to_vec()),
+            })
+        };
+        let p = encode_session("a", 7, Some(&[1, 2, 3]));
+        assert_eq!(decode_session("a", &p), live(7, &[1, 2, 3]));
         assert_eq!(decode_session("b", &p), None);
         assert_eq!(decode_session("a", &p[..p.len() - 1]), None);
+        let gone = encode_session("a", 9, None);
+        assert_eq!(
+            decode_session("a", &gone),
+            Some(SessionFrame {
+                version: 9,
+                tokens: None
+            })
+        );
+        // A tombstone with tokens, or a state other than 0 or 1, is no frame.
+        let mut bad = encode_session("a", 9, Some(&[1]));
+        bad[12] = 0;
+        assert_eq!(decode_session("a", &bad), None);
+        bad[12] = 2;
+        assert_eq!(decode_session("a", &bad), None);
+    }
+
+    #[test]
+    fn session_frame_bytes() {
+        // The contract with other hosts (and other versions) on the server.
+        let p = encode_session("ab", 0x0102_0304_0506_0708, Some(&[5, 0x0100]));
+        assert_eq!(
+            hex(&p),
+            "4b565356080706050403020101020000006162020000000500000000010000"
+        );
+        assert_eq!(
+            hex(&encode_session("ab", 1, None)),
+            "4b56535601000000000000000002000000616200000000"
+        );
+        // The older format, as binaries before versions wrote it: version 0.
+        let old = [
+            b"KVSS".as_slice(),
+            &[2, 0, 0, 0],
+            b"ab",
+            &[2, 0, 0, 0],
+            &[5, 0, 0, 0],
+            &[0, 1, 0, 0],
+        ]
+        .concat();
+        assert_eq!(
+            decode_session("ab", &old),
+            Some(SessionFrame {
+                version: 0,
+                tokens: Some(vec![5, 0x0100])
+            })
+        );
+        assert_eq!(decode_session("ab", &old[..old.len() - 1]), None);
+        assert_eq!(decode_session("ac", &old), None);
     }
 }

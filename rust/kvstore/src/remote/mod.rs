@@ -11,7 +11,6 @@
 //! After open, every remote failure is a miss (or a dropped write) and a
 //! counter; nothing here fails a local put or get.
 
-mod behind;
 mod breaker;
 #[cfg(feature = "remote")]
 mod client;
@@ -24,12 +23,11 @@ mod queue;
 
 use crate::error::{Error, Result};
 use crate::id::BlockId;
-use behind::Behind;
 use breaker::Breaker;
 use client::{Client, Fault};
 use keys::Keys;
-pub(crate) use queue::Item;
 use queue::Queue;
+pub(crate) use queue::{Item, Sent};
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -258,7 +256,6 @@ struct Shared {
     writer: Mutex<Client>,
     known: Mutex<HashSet<BlockId>>,
     invalid: Mutex<HashSet<String>>,
-    behind: Behind,
 }
 
 /// An open remote tier (one per store handle).
@@ -301,7 +298,6 @@ impl Remote {
             writer: Mutex::new(writer),
             known: Mutex::new(HashSet::new()),
             invalid: Mutex::new(HashSet::new()),
-            behind: Behind::default(),
         });
         let uploader = (opts.write == WriteMode::Behind).then(|| {
             let s = shared.clone();
@@ -309,7 +305,7 @@ impl Remote {
                 .name("kvstore-remote".into())
                 .spawn(move || {
                     while let Some(batch) = s.queue.pop() {
-                        s.write(&batch);
+                        s.write(batch);
                         s.queue.done();
                     }
                 })
@@ -328,12 +324,6 @@ impl Remote {
         self.shared.known.lock().expect("known lock").contains(id)
     }
 
-    /// Whether the server's copy of session `key` may be older than the one
-    /// this handle saved (see `behind`).
-    pub(crate) fn session_behind(&self, key: &str) -> bool {
-        self.shared.behind.is_behind(key)
-    }
-
     /// Remembers (or forgets) that the server holds these blocks.
     pub(crate) fn mark(&self, ids: &[BlockId], held: bool) {
         self.shared.mark(ids.iter(), held);
@@ -347,19 +337,13 @@ impl Remote {
         }
         let ids: Vec<BlockId> = batch.iter().filter_map(|i| i.id).collect();
         self.shared.mark(ids.iter(), true);
-        for i in batch.iter().filter(|i| i.id.is_none()) {
-            self.shared.behind.queued(&i.key);
-        }
         if self.shared.opts.write == WriteMode::Through {
-            self.shared.write(&batch);
+            self.shared.write(batch);
             return;
         }
         if let Err(batch) = self.shared.queue.push(batch) {
             add(&self.shared.counters.writes_dropped, batch.len());
             self.shared.mark(ids.iter(), false);
-            for i in batch.iter().filter(|i| i.id.is_none()) {
-                self.shared.behind.done(&i.key, false);
-            }
         }
     }
 
@@ -643,16 +627,18 @@ impl Shared {
     }
 
     /// Uploads one batch of the queue (one slot).
-    fn write(&self, batch: &[Item]) {
+    fn write(&self, batch: Vec<Item>) {
         let mut c = self.writer.lock().expect("remote writer");
         let keys: Vec<&str> = batch.iter().map(|i| i.key.as_str()).collect();
         let ids: Vec<Option<BlockId>> = batch.iter().map(|i| i.id).collect();
         let rep = self.send(&mut c, &keys, &ids, |k| {
             Some(Cow::Borrowed(&batch[k].value[..]))
         });
+        drop(c);
         // A session's upload is a batch of its own: sent, or not at all.
-        for i in batch.iter().filter(|i| i.id.is_none()) {
-            self.behind.done(&i.key, rep.failed == 0);
+        // (Not under the writer lock: a tombstone's takes the index's.)
+        if rep.failed == 0 {
+            batch.into_iter().filter_map(|i| i.sent).for_each(|f| f());
         }
     }
 }

@@ -11,7 +11,14 @@ pub(crate) struct Item {
     pub(crate) value: Vec<u8>,
     /// Its block id, to forget it as uploaded when the write fails.
     pub(crate) id: Option<crate::id::BlockId>,
+    /// Run once the value is on the server (never if the upload fails or
+    /// is dropped).
+    pub(crate) sent: Option<Sent>,
 }
+
+/// What to do once an item is on the server (a session's tombstone: drop
+/// the local one).
+pub(crate) type Sent = Box<dyn FnOnce() + Send>;
 
 struct State {
     items: VecDeque<Vec<Item>>,
@@ -135,6 +142,7 @@ mod tests {
             key: String::new(),
             value: vec![0; n],
             id: None,
+            sent: None,
         }]
     }
 

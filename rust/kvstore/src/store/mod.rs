@@ -592,6 +592,7 @@ impl Inner {
         };
         inner.recover()?;
         drop(lock);
+        inner.resend_tombstones()?;
         Ok(inner)
     }
 

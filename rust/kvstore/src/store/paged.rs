@@ -49,14 +49,18 @@ impl Inner {
         // One snapshot per call, so the cache notices a newer generation.
         let mut snap = Some(self.snapshot()?);
         let mut served = self.held_prefix(&mut snap, &ids[..first])?;
+        if served < first && self.remote.is_some() {
+            // As in `get_from`: the server may fill the prefix before
+            // `start`, and then the blocks from `start` are read here first.
+            drop(snap);
+            served += self.remote_extend(&ids[..first], tokens, served, None);
+            snap = Some(self.snapshot()?);
+        }
         if served == first && first < usable {
             let (ids, tokens) = (&ids[first..], &tokens[first * b..usable * b]);
             served += self.read_paged(&mut snap, ids, tokens, paged, layers, blocks)?;
         }
         drop(snap);
-        if served < first {
-            served += self.remote_extend(&ids[..first], tokens, served, None);
-        }
         if served >= first && served < ids.len() && self.remote.is_some() {
             // The remote tier lands whole groups in canonical order: through
             // a bounded buffer, then permuted like a local block.

@@ -229,6 +229,16 @@ impl Inner {
         // One snapshot per call, so the cache notices a newer generation.
         let mut snap = Some(self.snapshot()?);
         let mut served = self.held_prefix(&mut snap, &ids[..first])?;
+        if served < first && self.remote.is_some() {
+            // The prefix ends before `start` here: the server may hold the
+            // rest of it (promoted locally; the caller has its KV). Then the
+            // blocks from `start` are read here first, where they may be
+            // stored though the ones before were not; a fresh snapshot, for
+            // the generation the promotion may have advanced.
+            drop(snap);
+            served += self.remote_extend(&ids[..first], tokens, served, None);
+            snap = Some(self.snapshot()?);
+        }
         if served == first {
             served += self.read_blocks(
                 &mut snap,
@@ -239,11 +249,6 @@ impl Inner {
             )?;
         }
         drop(snap);
-        if served < first {
-            // The prefix ends before `start` here: the server may hold the
-            // rest of it (promoted locally; the caller has its KV).
-            served += self.remote_extend(&ids[..first], tokens, served, None);
-        }
         if served >= first {
             served += self.remote_extend(&ids, tokens, served, Some((out, out_tokens, first)));
         }

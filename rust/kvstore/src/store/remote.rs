@@ -10,8 +10,10 @@ use crate::index::Location;
 use crate::layout::Layout;
 use crate::progress::Progress;
 use crate::record::{self, Mismatch};
-use crate::remote::keys::{decode_session, encode_session, GROUP, MAC_LEN, SESSION_VALUE_MAX};
-use crate::remote::{Item, PushReport, Remote};
+use crate::remote::keys::{
+    decode_session, encode_session, SessionFrame, GROUP, MAC_LEN, SESSION_VALUE_MAX,
+};
+use crate::remote::{Item, PushReport, Remote, Sent};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -129,6 +131,7 @@ impl Inner {
                 key,
                 value,
                 id: Some(ids[i]),
+                sent: None,
             });
         }
         r.upload(batch);
@@ -241,39 +244,53 @@ impl Inner {
         Ok(())
     }
 
-    /// A session saved here (`Some` tokens) or deleted here (`None`) goes to
-    /// the server too. A deleted session, or one too large for any host to
-    /// read back, leaves an empty value there (read as missing), so no host
-    /// loads an older copy from the server.
-    pub(super) fn remote_save_session(&self, name: &str, tokens: Option<&[u32]>) {
+    /// A session saved here (`Some` tokens) or deleted here (`None`) at
+    /// `version` goes to the server too, a delete as a tombstone, so that no
+    /// host takes an older copy from the server for the newer one. Once a
+    /// tombstone is there, this store's is dropped (unless a save or delete
+    /// replaced it meanwhile). A session too large for any host to read
+    /// back leaves an empty value there (read as missing: each host keeps
+    /// its own copy).
+    pub(super) fn remote_save_session(&self, name: &str, version: u64, tokens: Option<&[u32]>) {
         let Some(r) = self.remote() else { return };
         let key = r.keys.session(name);
-        let value = tokens
-            .map(|t| r.keys.seal(&key, encode_session(name, t)))
-            .filter(|v| v.len() <= SESSION_VALUE_MAX)
-            .unwrap_or_default();
+        let mut value = r.keys.seal(&key, encode_session(name, version, tokens));
+        if value.len() > SESSION_VALUE_MAX {
+            value = Vec::new();
+        }
+        let sent: Option<Sent> = tokens.is_none().then(|| {
+            let (index, tag, name) = (self.index.clone(), self.tag, name.to_string());
+            let forget = move || {
+                // Best effort: a tombstone left here is sent again later.
+                let Ok(mut txn) = index.write() else { return };
+                if matches!(
+                    index.forget_tombstone(&mut txn, &tag, &name, version),
+                    Ok(true)
+                ) {
+                    let _ = index.commit(txn, false);
+                }
+            };
+            Box::new(forget) as Sent
+        });
         r.upload(vec![Item {
             key,
             value,
             id: None,
+            sent,
         }]);
     }
 
-    /// Session `name` from the server (checked): `None` where the server has
-    /// none, or a copy older than this handle's own (still being uploaded,
-    /// or its upload failed).
-    pub(super) fn remote_session(&self, name: &str) -> Option<Vec<u32>> {
+    /// Session `name`'s frame from the server (checked): `None` where the
+    /// server has none (or an empty value), or could not be asked.
+    pub(super) fn remote_session(&self, name: &str) -> Option<SessionFrame> {
         let r = self.remote()?;
         let key = r.keys.session(name);
-        if r.session_behind(&key) {
-            return None;
-        }
         let v = r.get(&key, SESSION_VALUE_MAX)?;
-        let tokens = r.keys.open(&key, &v).and_then(|p| decode_session(name, p));
-        if tokens.is_none() {
+        let frame = r.keys.open(&key, &v).and_then(|p| decode_session(name, p));
+        if frame.is_none() {
             r.found_invalid(&key, None);
         }
-        tokens
+        frame
     }
 
     /// `kvstore remote push`: uploads every block of the store that the

@@ -1,8 +1,38 @@
 //! Sessions: a name bound to a token sequence, per tenant, so an agent can
 //! ask for its conversation back after a restart.
+//!
+//! ## Versions (with a remote tier)
+//!
+//! Every save and delete gets a version: the wall clock in nanoseconds, or
+//! one more than the store's `session_clock` (every version it wrote or took
+//! from the server) where that is later. It is kept in the index
+//! (`session_versions`) and in the frame sent to the server, a delete as a
+//! versioned tombstone. A load takes whichever copy, this store's or the
+//! server's, has the higher version:
+//!
+//! - the server's only when it is newer, and then keeps it here (a
+//!   tombstone deletes the local copy);
+//! - this store's when it is newer: a save or delete whose upload is queued
+//!   or failed (a restarted handle, or another handle on this store, sees it
+//!   too, since the version is in the index); it is sent again to repair
+//!   the server;
+//! - both at version 0 (sessions saved before versions, on either side):
+//!   the server's first, as before.
+//!
+//! So a save that follows the load of another host's copy always wins over
+//! it (causal order), and saves made concurrently on two hosts are ordered
+//! by their hosts' clocks: a host whose clock runs ahead wins over a later
+//! save made on a host whose clock is behind, until the next load there.
+//! A tombstone stays here only until its upload succeeds (or a save or
+//! delete replaces it); every open with a remote tier sends the rest again.
+//! A delete made without a remote tier keeps no tombstone (nothing would
+//! send it), so a server copy from before it may come back on a later load
+//! with one.
 
 use super::Inner;
 use crate::error::{Error, Result};
+use crate::index::LocalSession;
+use crate::remote::keys::SessionFrame;
 
 impl Inner {
     pub(super) fn save_session(
@@ -34,31 +64,59 @@ impl Inner {
             ));
         }
         let mut txn = self.index.write()?;
-        self.index.put_session(&mut txn, &self.tag, name, tokens)?;
+        let version = self
+            .index
+            .next_session_version(&mut txn, crate::clock::now_ns())?;
+        self.index
+            .put_session(&mut txn, &self.tag, name, tokens, version)?;
         self.index.commit(txn, self.durable())?;
-        self.remote_save_session(name, Some(tokens));
+        drop(w);
+        self.remote_save_session(name, version, Some(tokens));
         Ok(n)
     }
 
-    /// The tokens of session `name`. With a remote tier, the server's copy
-    /// comes first: every host's save sets it, so it is the last one saved
-    /// anywhere (an agent that moved to another host and back finds what it
-    /// saved there), unless this handle's own save has not reached it; it is
-    /// kept here too. Without one, or where the server has none, this store's.
+    /// The tokens of session `name`: of this store's copy or the server's,
+    /// whichever is newer (see the module doc).
     pub(super) fn session_tokens(&self, name: &str) -> Result<Vec<u32>> {
+        let not_found = || Error::SessionNotFound(name.to_string());
         let local = {
             let txn = self.index.read()?;
-            self.index.get_session(&txn, &self.tag, name)?
+            self.index.get_session_versioned(&txn, &self.tag, name)?
         };
-        let Some(t) = self.remote_session(name) else {
-            return local.ok_or_else(|| Error::SessionNotFound(name.to_string()));
+        let Some(server) = self.remote_session(name) else {
+            // None there (or the server could not be asked): a tombstone is
+            // sent again, so that it leaves this store once the server has it.
+            // (A live copy is not: while the server is down every load would
+            // queue its tokens.)
+            if local.tokens.is_none() && local.version > 0 {
+                self.remote_save_session(name, local.version, None);
+            }
+            return local.tokens.ok_or_else(not_found);
         };
-        if local.as_ref() != Some(&t) {
-            let mut txn = self.index.write()?;
-            self.index.put_session(&mut txn, &self.tag, name, &t)?;
-            self.index.commit(txn, self.durable())?;
+        if !newer(&server, &local) {
+            if server.version < local.version {
+                // The server missed this store's last save or delete.
+                self.remote_save_session(name, local.version, local.tokens.as_deref());
+            }
+            return local.tokens.ok_or_else(not_found);
         }
-        Ok(t)
+        let mut txn = self.index.write()?;
+        // Another handle may have saved since the read above: the newer wins.
+        let local = self.index.get_session_versioned(&txn, &self.tag, name)?;
+        if !newer(&server, &local) {
+            return local.tokens.ok_or_else(not_found);
+        }
+        match &server.tokens {
+            Some(t) => self
+                .index
+                .put_session(&mut txn, &self.tag, name, t, server.version)?,
+            // The server holds this deletion: no tombstone to keep here (the
+            // session clock orders later saves here after it all the same).
+            None => drop(self.index.delete_session(&mut txn, &self.tag, name, None)?),
+        }
+        self.index.see_session_version(&mut txn, server.version)?;
+        self.index.commit(txn, self.durable())?;
+        server.tokens.ok_or_else(not_found)
     }
 
     pub(super) fn sessions(&self) -> Result<Vec<(String, usize)>> {
@@ -68,9 +126,40 @@ impl Inner {
 
     pub(super) fn delete_session(&self, name: &str) -> Result<bool> {
         let mut txn = self.index.write()?;
-        let found = self.index.delete_session(&mut txn, &self.tag, name)?;
+        let version = self
+            .index
+            .next_session_version(&mut txn, crate::clock::now_ns())?;
+        // Kept until the server has it; without a remote tier nothing would
+        // ever send it, and tombstones would pile up.
+        let tombstone = self.remote.is_some().then_some(version);
+        let found = self
+            .index
+            .delete_session(&mut txn, &self.tag, name, tombstone)?;
         self.index.commit(txn, self.durable())?;
-        self.remote_save_session(name, None);
+        self.remote_save_session(name, version, None);
         Ok(found)
     }
+
+    /// At open: sends again the deletions whose upload never succeeded, so
+    /// that tombstones do not stay here for ever.
+    pub(super) fn resend_tombstones(&self) -> Result<()> {
+        if self.remote.is_none() {
+            return Ok(());
+        }
+        let tombstones = {
+            let txn = self.index.read()?;
+            self.index.session_tombstones(&txn, &self.tag)?
+        };
+        for (name, version) in tombstones {
+            self.remote_save_session(&name, version, None);
+        }
+        Ok(())
+    }
+}
+
+/// Whether the server's copy of a session wins over this store's: newer,
+/// or, both from before versions, different (the server's came first then).
+fn newer(server: &SessionFrame, local: &LocalSession) -> bool {
+    server.version > local.version
+        || (server.version == 0 && local.version == 0 && server.tokens != local.tokens)
 }

@@ -1271,3 +1271,139 @@ def test_tls_failures_at_open_name_node_and_user(tmp_path_factory, tmp_path, cer
         assert cmd(single.ports[0], "DBSIZE", password=secret) == 3
     finally:
         single.stop()
+
+
+# ----------------------------------------------------- deadlines (fake servers)
+
+
+def _fake_store(path, fake, **remote):
+    return kvstore.open(
+        path, LAYOUT, MODEL, durability="none", remote=kvstore.Remote(nodes=[fake.node], **remote)
+    )
+
+
+def test_a_trickled_reply_costs_one_timeout(tmp_path):
+    """A server that answers a read a byte at a time, each byte well inside the
+    timeout: the call gives up when its one deadline passes (counted as a
+    timeout, the breaker trips) instead of per socket read, where a lookup took
+    37 s at a timeout of 0.5 s and every other thread's reads queued behind it."""
+    from support.fake_resp import FakeServer, bulk, trickle
+
+    def handler(c, a):
+        if a[0].upper() == b"GETRANGE":
+            return trickle(c, bulk(b"x" * 100), 0.05)  # 5 s a reply
+        return None
+
+    fake = FakeServer(handler)
+    try:
+        with _fake_store(tmp_path / "s", fake, timeout=0.3) as s:
+            t0 = time.monotonic()
+            assert s.lookup(seq(500, 4 * B)) == 0
+            took = time.monotonic() - t0
+            r = remote_stats(s)
+            assert took < 3, (took, r)
+            assert r["errors_timeout"] == 1, r
+            t0 = time.monotonic()
+            assert s.lookup(seq(9000, 4 * B)) == 0  # the breaker is open: no wait
+            assert time.monotonic() - t0 < 1
+            assert remote_stats(s)["breaker_skips"] >= 1
+    finally:
+        fake.close()
+
+
+def test_close_is_bounded_by_close_timeout_with_a_trickling_server(tmp_path):
+    """close() drains the upload queue within close_timeout (10 s): against a
+    server trickling every reply the uploader's batch failed only after 30 s or
+    more, and close() waited for it."""
+    from support.fake_resp import FakeServer, trickle
+
+    def handler(c, a):
+        if a[0].upper() in (b"STRLEN", b"SET"):
+            return trickle(c, b":0\r\n" if a[0].upper() == b"STRLEN" else b"+OK\r\n", 0.2)
+        return None
+
+    fake = FakeServer(handler)
+    try:
+        s = _fake_store(tmp_path / "s", fake, timeout=0.3)
+        tokens = seq(700, 16 * B)
+        s.put(tokens, kv_for(LAYOUT, tokens))
+        t0 = time.monotonic()
+        s.close()
+        took = time.monotonic() - t0
+        assert took < 10 + 3, took
+    finally:
+        fake.close()
+    # The local put is durable whatever the server did.
+    with kvstore.open(tmp_path / "s", LAYOUT, MODEL) as s:
+        assert s.lookup(tokens) == len(tokens)
+
+
+def test_open_passes_over_a_node_that_fails_after_connecting(clean, tmp_path):
+    """open() moves on to the next node when the first accepts the connection and
+    then fails: a node still loading its data (-LOADING) or one that never
+    answers. Before, only a refused connection moved on, and -LOADING was
+    reported as a permission problem. A permission error still fails at once."""
+    from support.fake_resp import FakeServer
+
+    def loading(c, a):
+        if a[0].upper() == b"EXISTS":
+            return b"-LOADING Redis is loading the dataset in memory\r\n"
+        return None
+
+    def frozen(c, a):
+        return True  # accepts, reads, never answers
+
+    def noperm(c, a):
+        if a[0].upper() == b"EXISTS":
+            return b"-NOPERM this user has no permissions to access one of the keys\r\n"
+        return None
+
+    handlers = {"loading": loading, "frozen": frozen, "noperm": noperm}
+    fakes = {k: FakeServer(h) for k, h in handlers.items()}
+    try:
+        for k in ("loading", "frozen"):
+            remote = kvstore.Remote(nodes=[fakes[k].node, *clean.nodes], timeout=0.3)
+            t0 = time.monotonic()
+            with kvstore.open(tmp_path / k, LAYOUT, MODEL, durability="none", remote=remote) as s:
+                assert s.lookup(seq(1, 4 * B)) == 0
+            assert time.monotonic() - t0 < 5
+        msg = open_error(tmp_path / "x", "no-secret", nodes=[fakes["loading"].node], timeout=0.3)
+        assert fakes["loading"].node in msg and "loading" in msg.lower(), msg
+        assert "may not use" not in msg, msg
+        msg = open_error(tmp_path / "y", "no-secret", nodes=[fakes["frozen"].node], timeout=0.3)
+        assert "no answer within the timeout" in msg, msg
+        msg = open_error(
+            tmp_path / "z", "no-secret", nodes=[fakes["noperm"].node, *clean.nodes], timeout=0.3
+        )
+        assert fakes["noperm"].node in msg and "may not use the keys" in msg, msg
+    finally:
+        for f in fakes.values():
+            f.close()
+
+
+def test_a_frozen_cluster_costs_about_one_timeout_per_call(fresh_cluster, tmp_path):
+    """Every node frozen: a lookup that times out reads the slot map again only
+    within its own deadline, and a node that fails then trips its breaker, so
+    each lookup costs at most about one timeout and the breakers make the rest
+    free. Before, each timeout walked every other node (a fresh connection and
+    CLUSTER SLOTS, a timeout each, their breakers left closed): one lookup took
+    6 timeouts and twelve took 17."""
+    c = fresh_cluster
+    timeout = 0.5
+    chains = upload_chains(c, tmp_path / "a", 150000, remote={"timeout": timeout})
+    with open_host(tmp_path / "b", c, remote={"timeout": timeout}) as b:
+        for p in c.ports:
+            c.kill(p, signal.SIGSTOP)
+        try:
+            times = []
+            for t in chains:
+                t0 = time.monotonic()
+                b.lookup(t)
+                times.append(time.monotonic() - t0)
+            r = remote_stats(b)
+        finally:
+            for p in c.ports:
+                c.kill(p, signal.SIGCONT)
+    assert max(times) < 3 * timeout + 0.5, (times, r)
+    assert sum(times) < 6 * timeout + 2, (times, r)
+    assert r["breaker_skips"] > 0, r

@@ -1,19 +1,22 @@
-//! The connection to the server: one node or a cluster, through the `redis`
-//! crate's sync clients (its async cluster client stalled after a node died;
-//! see the notes). Every call has a deadline: connection and response
-//! timeouts. Which node serves a key is read from `CLUSTER SLOTS` at open,
-//! for the circuit breaker. TLS: rustls with ring, trusting the CA of
+//! The connection to the server: one node or a cluster. Commands are packed
+//! and replies parsed by the `redis` crate, and sent over connections of our
+//! own (`wire`), one per node, where every call has one deadline for
+//! connecting, writing and reading all its replies. The crate's sync cluster
+//! client (its async one stalled after a node died; see the notes) only
+//! follows redirects. Which node serves a key is read from `CLUSTER SLOTS`
+//! at open (and again when it may have changed), for the circuit breaker and
+//! to send a pipeline to its node. TLS: rustls with ring, trusting the CA of
 //! `tls_ca` (or the system's roots for a `rediss://` node without one).
 
 use super::keys::slot;
+use super::wire::{Target, Wire};
 use super::{addr, NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use redis::cluster::{ClusterClientBuilder, ClusterConnection};
-use redis::{
-    Cmd, ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisError, TlsCertificates, Value,
-};
+use redis::{Cmd, RedisError, TlsCertificates, Value};
 use std::collections::HashMap;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub(crate) use super::fault::Fault;
 
@@ -21,10 +24,13 @@ pub(crate) use super::fault::Fault;
 #[allow(clippy::large_enum_variant)]
 enum Conn {
     Single {
-        info: ConnectionInfo,
-        conn: Option<redis::Connection>,
+        target: Target,
+        conn: Option<Wire>,
     },
-    Cluster(Box<ClusterConnection>),
+    /// The crate's cluster connection, which follows redirects (`run`);
+    /// `None` after the slot map changed, made again on its next use (making
+    /// it reaches every node, which a call's deadline cannot bound).
+    Cluster(Option<Box<ClusterConnection>>),
 }
 
 /// One connection (a reader's or the uploader's) and the slot map.
@@ -33,7 +39,6 @@ pub(crate) struct Client {
     /// `(first slot, last slot, node)`, sorted; empty for one node.
     slots: Vec<(u16, u16, String)>,
     single_node: String,
-    timeout: std::time::Duration,
     tls: Tls,
     /// The server's bulk limit (`proto-max-bulk-len`) in bytes.
     max_value: u64,
@@ -41,7 +46,10 @@ pub(crate) struct Client {
     opts: RemoteOptions,
     /// A cluster's pipelines go to the node of their slot over these, one per
     /// node of `slots` (see `run`).
-    direct: HashMap<String, redis::Connection>,
+    direct: HashMap<String, Wire>,
+    /// The slot map may be out of date: a node failed, or a key was
+    /// redirected. Read again (`refresh_from`) when a call has time left.
+    stale: bool,
 }
 
 /// Redis's default `proto-max-bulk-len`, assumed when `CONFIG GET` is refused.
@@ -52,7 +60,10 @@ const DEFAULT_MAX_BULK: u64 = 512 << 20;
 #[derive(Clone)]
 struct Tls {
     on: bool,
+    /// For the crate's cluster connection.
     certs: Option<TlsCertificates>,
+    /// For this client's own connections (`wire`); `Some` when `on`.
+    config: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl Tls {
@@ -79,7 +90,23 @@ impl Tls {
                     .map_err(|e| Error::Remote(format!("remote tls_ca {}: {e}", path.display())))
             })
             .transpose()?;
-        Ok(Tls { on, certs })
+        let config = if on {
+            Some(Arc::new(tls_config(opts, certs.as_ref())?))
+        } else {
+            None
+        };
+        Ok(Tls { on, certs, config })
+    }
+
+    /// How this client's own connections reach `node` (`host:port` or a URL).
+    fn target(&self, opts: &RemoteOptions, node: &str) -> Result<Target> {
+        Target::new(
+            addr(node),
+            self.config.clone(),
+            opts.username.clone(),
+            opts.password.clone(),
+        )
+        .ok_or_else(|| Error::Remote(format!("remote node {:?}: not an address", addr(node))))
     }
 
     /// `redis://` or `rediss://` URL of `node` (`host:port` or a URL; a user
@@ -88,30 +115,6 @@ impl Tls {
         let scheme = if self.on { "rediss" } else { "redis" };
         format!("{scheme}://{}", addr(node))
     }
-
-    fn client(&self, info: ConnectionInfo) -> RedisResult<redis::Client> {
-        match &self.certs {
-            Some(c) => redis::Client::build_with_tls(info, c.clone()),
-            None => redis::Client::open(info),
-        }
-    }
-}
-
-fn info_for(opts: &RemoteOptions, tls: &Tls, node: &str) -> Result<ConnectionInfo> {
-    let info = tls.url(node).into_connection_info().map_err(|e| {
-        Error::Remote(format!(
-            "remote node {:?}: not an address ({e})",
-            addr(node)
-        ))
-    })?;
-    let mut settings = info.redis_settings().clone();
-    if let Some(u) = &opts.username {
-        settings = settings.set_username(u);
-    }
-    if let Some(p) = &opts.password {
-        settings = settings.set_password(p);
-    }
-    Ok(info.set_redis_settings(settings))
 }
 
 /// A message naming the node and the user, never the password.
@@ -125,165 +128,200 @@ fn open_error(opts: &RemoteOptions, node: &str, what: &str, e: &RedisError) -> E
     Error::Remote(msg)
 }
 
+/// What failed at open, for the message: `step` (`None`: the connection
+/// itself) and the kind of the error.
+fn open_what(tls: &Tls, step: Option<&str>, probe_key: &str, e: &RedisError) -> String {
+    let fault = Fault::of(e);
+    match (step, fault) {
+        (None, Fault::Permission) => "authentication failed".into(),
+        (None, _) if e.is_connection_refusal() => "unreachable".into(),
+        (None, _) if tls.on => "TLS connection failed (is tls_ca the CA of its certificate, and \
+                                the port a TLS port?)"
+            .into(),
+        (None, _) => "unreachable (if the port speaks TLS: give tls_ca or a rediss:// node)".into(),
+        (Some("EXISTS"), Fault::Permission) => format!("may not use the keys under {probe_key:?}"),
+        (Some(step), Fault::Permission) => format!("{step}: permission denied"),
+        (Some(step), Fault::Timeout) => format!("{step}: no answer within the timeout"),
+        (Some(step), Fault::Connection) => format!("{step}: connection lost"),
+        (Some(step), _) => format!("{step}: refused"),
+    }
+}
+
 impl Client {
-    /// Connects to the first reachable node of `opts.nodes`, finds out
+    /// Connects to the first node of `opts.nodes` that answers, finds out
     /// whether it is a cluster, and checks that the user may read and write
-    /// `probe_key`. Every failure is `Error::Remote`.
+    /// `probe_key`. A node that fails (unreachable, frozen, loading) is
+    /// passed over for the next; a refused password or permission fails at
+    /// once, as every node would refuse it. Every failure is `Error::Remote`.
     pub(crate) fn connect(opts: &RemoteOptions, probe_key: &str) -> Result<Client> {
         let tls = Tls::of(opts)?;
         let mut last = None;
         for node in &opts.nodes {
-            let info = info_for(opts, &tls, node)?;
-            let client = tls
-                .client(info.clone())
-                .map_err(|e| open_error(opts, node, "bad address", &e))?;
-            let mut conn = match client.get_connection_with_timeout(opts.timeout) {
-                Ok(c) => c,
-                Err(e) if Fault::of(&e) == Fault::Permission => {
-                    return Err(open_error(opts, node, "authentication failed", &e));
-                }
-                Err(e) => {
-                    let what = if e.is_connection_refusal() {
-                        "unreachable"
-                    } else if tls.on {
-                        "TLS connection failed (is tls_ca the CA of its certificate, and the \
-                         port a TLS port?)"
-                    } else {
-                        "unreachable (if the port speaks TLS: give tls_ca or a rediss:// node)"
-                    };
-                    last = Some(open_error(opts, node, what, &e));
-                    continue;
-                }
-            };
-            let set = |c: &redis::Connection| {
-                c.set_read_timeout(Some(opts.timeout))?;
-                c.set_write_timeout(Some(opts.timeout))
-            };
-            set(&conn).map_err(|e| open_error(opts, node, "socket options", &e))?;
-            let info_text: String = redis::cmd("INFO")
-                .arg("cluster")
-                .query(&mut conn)
-                .map_err(|e| open_error(opts, node, "INFO cluster", &e))?;
-            // Restricted ACL users may not run CONFIG: then assume the default.
-            let max_value = redis::cmd("CONFIG")
-                .arg("GET")
-                .arg("proto-max-bulk-len")
-                .query::<Vec<String>>(&mut conn)
-                .ok()
-                .and_then(|kv| kv.get(1)?.parse().ok())
-                .unwrap_or(DEFAULT_MAX_BULK);
-            let mut me = if info_text.contains("cluster_enabled:1") {
-                let slots = cluster_slots(&mut conn)
-                    .map_err(|e| open_error(opts, node, "CLUSTER SLOTS", &e))?;
-                let cluster = cluster_connection(opts, &tls)
-                    .map_err(|e| open_error(opts, node, "cluster connection", &e))?;
-                Client {
-                    conn: Conn::Cluster(Box::new(cluster)),
-                    slots,
-                    single_node: addr(node).to_string(),
-                    timeout: opts.timeout,
-                    tls: tls.clone(),
-                    max_value,
-                    opts: opts.clone(),
-                    direct: HashMap::new(),
-                }
-            } else {
-                Client {
-                    conn: Conn::Single {
-                        info,
-                        conn: Some(conn),
-                    },
-                    slots: Vec::new(),
-                    single_node: addr(node).to_string(),
-                    timeout: opts.timeout,
-                    tls: tls.clone(),
-                    max_value,
-                    opts: opts.clone(),
-                    direct: HashMap::new(),
-                }
-            };
-            let probe: RedisResult<Vec<i64>> =
-                me.run(vec![redis::cmd("EXISTS").arg(probe_key).clone()]);
-            if let Err(e) = probe {
-                return Err(open_error(
-                    opts,
-                    node,
-                    &format!("may not use the keys under {probe_key:?}"),
-                    &e,
-                ));
+            match Client::connect_to(opts, &tls, node, probe_key)? {
+                Ok(c) => return Ok(c),
+                Err(e) => last = Some(e),
             }
-            return Ok(me);
         }
         Err(last.unwrap_or_else(|| Error::Remote("remote: no nodes given".into())))
+    }
+
+    /// `connect` on one node: `Err` for a failure that ends the search,
+    /// `Ok(Err)` for one that moves on to the next node. Each step has the
+    /// timeout.
+    fn connect_to(
+        opts: &RemoteOptions,
+        tls: &Tls,
+        node: &str,
+        probe_key: &str,
+    ) -> Result<Result<Client>> {
+        let target = tls.target(opts, node)?;
+        let deadline = || Instant::now() + opts.timeout;
+        let fail = |step: Option<&str>, e: &RedisError| -> Result<Result<Client>> {
+            let err = open_error(opts, node, &open_what(tls, step, probe_key, e), e);
+            if Fault::of(e) == Fault::Permission {
+                Err(err)
+            } else {
+                Ok(Err(err))
+            }
+        };
+        let mut conn = match Wire::connect(&target, deadline()) {
+            Ok(c) => c,
+            Err(e) => return fail(None, &e),
+        };
+        let info_text: String = match conn.query(redis::cmd("INFO").arg("cluster"), deadline()) {
+            Ok(t) => t,
+            Err(e) => return fail(Some("INFO cluster"), &e),
+        };
+        // Restricted ACL users may not run CONFIG: then assume the default.
+        let max_value = conn
+            .query::<Vec<String>>(
+                redis::cmd("CONFIG").arg("GET").arg("proto-max-bulk-len"),
+                deadline(),
+            )
+            .ok()
+            .and_then(|kv| kv.get(1)?.parse().ok())
+            .unwrap_or(DEFAULT_MAX_BULK);
+        let mut me = if info_text.contains("cluster_enabled:1") {
+            let slots = match conn.query(redis::cmd("CLUSTER").arg("SLOTS"), deadline()) {
+                Ok(v) => parse_slots(v),
+                Err(e) => return fail(Some("CLUSTER SLOTS"), &e),
+            };
+            let cluster = match cluster_connection(opts, tls) {
+                Ok(c) => c,
+                Err(e) => return fail(Some("cluster connection"), &e),
+            };
+            Client {
+                conn: Conn::Cluster(Some(Box::new(cluster))),
+                slots,
+                single_node: addr(node).to_string(),
+                tls: tls.clone(),
+                max_value,
+                opts: opts.clone(),
+                direct: HashMap::new(),
+                stale: false,
+            }
+        } else {
+            Client {
+                conn: Conn::Single {
+                    target,
+                    conn: Some(conn),
+                },
+                slots: Vec::new(),
+                single_node: addr(node).to_string(),
+                tls: tls.clone(),
+                max_value,
+                opts: opts.clone(),
+                direct: HashMap::new(),
+                stale: false,
+            }
+        };
+        let probe: RedisResult<Vec<i64>> = me.run(
+            vec![redis::cmd("EXISTS").arg(probe_key).clone()],
+            deadline(),
+        );
+        match probe {
+            Ok(_) => Ok(Ok(me)),
+            Err(e) => fail(Some("EXISTS"), &e),
+        }
     }
 
     /// A second connection with the same settings (for the uploader).
     pub(crate) fn connect_again(&self, opts: &RemoteOptions) -> Result<Client> {
         let conn = match &self.conn {
-            Conn::Single { info, .. } => Conn::Single {
-                info: info.clone(),
+            Conn::Single { target, .. } => Conn::Single {
+                target: target.clone(),
                 conn: None,
             },
-            Conn::Cluster(_) => Conn::Cluster(Box::new(
+            Conn::Cluster(_) => Conn::Cluster(Some(Box::new(
                 cluster_connection(opts, &self.tls)
                     .map_err(|e| open_error(opts, &self.single_node, "cluster connection", &e))?,
-            )),
+            ))),
         };
         Ok(Client {
             conn,
             slots: self.slots.clone(),
             single_node: self.single_node.clone(),
-            timeout: self.timeout,
             tls: self.tls.clone(),
             max_value: self.max_value,
             opts: self.opts.clone(),
             direct: HashMap::new(),
+            stale: false,
         })
     }
 
-    /// Reads the slot map again from a node other than `failed` that `allow`
-    /// lets through (a fresh connection each, within the timeout), so that
-    /// slots moved away from a failed node are no longer blamed on it: the
-    /// crate follows a redirect of a single command silently, without telling
-    /// this map. Keeps the old map if no node answers. Where the map changed
-    /// (a replica promoted in the failed master's place), the cluster
-    /// connection is made again: the crate learns a new map only from a
-    /// redirect, and a dead master sends none, so it kept sending that
-    /// master's slots to its address for the life of the handle.
-    pub(crate) fn refresh_slots(
-        &mut self,
-        opts: &RemoteOptions,
-        failed: &str,
-        allow: impl Fn(&str) -> bool,
-    ) {
+    /// Whether the slot map may be out of date (see `refresh_from`).
+    pub(crate) fn stale(&self) -> bool {
+        self.stale
+    }
+
+    /// A node of the map failed: slots may have moved off it (a replica
+    /// promoted in its place), and the crate follows a redirect of a single
+    /// command silently, without telling this map.
+    pub(crate) fn mark_stale(&mut self) {
+        self.stale = !self.slots.is_empty();
+    }
+
+    /// The nodes of the slot map (none for one node).
+    pub(crate) fn slot_nodes(&self) -> Vec<String> {
         let mut nodes: Vec<String> = self.slots.iter().map(|r| r.2.clone()).collect();
         nodes.sort();
         nodes.dedup();
-        for n in nodes.iter().filter(|n| *n != failed && allow(n)) {
-            let Ok(info) = info_for(opts, &self.tls, n) else {
-                continue;
-            };
-            let conn = self
-                .tls
-                .client(info)
-                .and_then(|c| c.get_connection_with_timeout(self.timeout));
-            let Ok(mut conn) = conn else { continue };
-            if conn.set_read_timeout(Some(self.timeout)).is_err() {
-                continue;
-            }
-            if let Ok(slots) = cluster_slots(&mut conn) {
-                if !slots.is_empty() {
-                    if slots != self.slots && matches!(self.conn, Conn::Cluster(_)) {
-                        if let Ok(c) = cluster_connection(opts, &self.tls) {
-                            self.conn = Conn::Cluster(Box::new(c));
-                        }
-                    }
-                    self.direct.retain(|n, _| slots.iter().any(|r| &r.2 == n));
-                    self.slots = slots;
-                    return;
+        nodes
+    }
+
+    /// Reads the slot map from `node` by `deadline` (over this client's
+    /// connection to it, made if need be). Where the map changed, the crate's
+    /// cluster connection is made again on its next use: it learns a new map
+    /// only from a redirect, and a dead master sends none, so it kept sending
+    /// that master's slots to its address for the life of the handle.
+    pub(crate) fn refresh_from(&mut self, node: &str, deadline: Instant) -> Result<(), Fault> {
+        let v = self
+            .on_node(node, deadline, |w| {
+                w.query::<Value>(redis::cmd("CLUSTER").arg("SLOTS"), deadline)
+            })
+            .map_err(|e| {
+                let fault = Fault::of(&e);
+                if !matches!(fault, Fault::Timeout | Fault::Connection) {
+                    // The node answered but will not tell (refused to the
+                    // user): asking again at every call would only cost.
+                    self.stale = false;
                 }
+                fault
+            })?;
+        let slots = parse_slots(v);
+        if slots.is_empty() {
+            self.stale = false;
+            return Err(Fault::Other);
+        }
+        if slots != self.slots {
+            if let Conn::Cluster(c) = &mut self.conn {
+                *c = None;
             }
         }
+        self.direct.retain(|n, _| slots.iter().any(|r| &r.2 == n));
+        self.slots = slots;
+        self.stale = false;
+        Ok(())
     }
 
     /// The largest value the server accepts, in bytes.
@@ -304,10 +342,14 @@ impl Client {
         }
     }
 
-    /// Runs `cmds` (keys of one slot) as one pipeline; one result each.
-    /// (The commands move into the pipeline: a `SET`'s value is not copied
-    /// once more.)
-    fn run<T: redis::FromRedisValue>(&mut self, cmds: Vec<Cmd>) -> RedisResult<Vec<T>> {
+    /// Runs `cmds` (keys of one slot) as one pipeline by `deadline`; one
+    /// result each. (The commands move into the pipeline: a `SET`'s value is
+    /// not copied once more.)
+    fn run<T: redis::FromRedisValue>(
+        &mut self,
+        cmds: Vec<Cmd>,
+        deadline: Instant,
+    ) -> RedisResult<Vec<T>> {
         // A cluster's pipeline goes to the node of its slot (this map's) over
         // a connection of this client's (`pipeline`): the crate's cluster
         // pipeline reads a reply for every command after a timeout. A
@@ -324,8 +366,11 @@ impl Client {
                 for cmd in cmds {
                     p.add_command(cmd);
                 }
-                match self.run_on(&node, &p) {
-                    Err(e) if redirected(&e) => p.cmd_iter().cloned().collect(),
+                match self.on_node(&node, deadline, |w| pipeline(w, &p, deadline)) {
+                    Err(e) if redirected(&e) => {
+                        self.stale = true;
+                        p.cmd_iter().cloned().collect()
+                    }
                     r => return r,
                 }
             }
@@ -333,18 +378,20 @@ impl Client {
         };
         match &mut self.conn {
             Conn::Cluster(c) => {
+                if c.is_none() {
+                    *c = Some(Box::new(cluster_connection(&self.opts, &self.tls)?));
+                }
+                let c = c.as_mut().expect("cluster connection");
                 let mut p = redis::cluster::cluster_pipe();
                 for cmd in cmds {
                     p.add_command(cmd);
                 }
-                let deadline = Instant::now() + self.timeout;
                 match p.query(c) {
                     Err(e) if redirected(&e) => {
                         // The crate's cluster pipeline returns MOVED/ASK (after a
                         // reshard) as failures instead of following them; one
-                        // command at a time follows them and refreshes the
-                        // client's slot map for the next pipeline. Each command
-                        // has its own timeout: the call's deadline bounds them all.
+                        // command at a time follows them. Each command has its
+                        // own timeout: the call's deadline bounds them all.
                         let out = p
                             .cmd_iter()
                             .map(|cmd| {
@@ -357,23 +404,21 @@ impl Client {
                                 cmd.query(&mut **c)
                             })
                             .collect::<RedisResult<Vec<T>>>()?;
-                        if let Ok(slots) = cluster_slots(&mut **c) {
-                            self.slots = slots;
-                        }
+                        self.stale = true;
                         Ok(out)
                     }
                     r => r,
                 }
             }
-            Conn::Single { info, conn } => {
+            Conn::Single { target, conn } => {
                 if conn.is_none() {
-                    *conn = Some(connect(&self.tls, info.clone(), self.timeout)?);
+                    *conn = Some(Wire::connect(target, deadline)?);
                 }
                 let mut p = redis::pipe();
                 for cmd in cmds {
                     p.add_command(cmd);
                 }
-                let res = pipeline(conn.as_mut().expect("connection"), &p);
+                let res = pipeline(conn.as_mut().expect("connection"), &p, deadline);
                 if res.as_ref().is_err_and(out_of_step) {
                     *conn = None;
                 }
@@ -382,24 +427,25 @@ impl Client {
         }
     }
 
-    /// Runs pipeline `p` on `node` over this client's connection to it (made
-    /// on first use), dropped where it fails out of step.
-    fn run_on<T: redis::FromRedisValue>(
+    /// Runs `f` on this client's connection to `node` (made on first use,
+    /// within `deadline` too), dropped where it fails out of step.
+    fn on_node<T>(
         &mut self,
         node: &str,
-        p: &redis::Pipeline,
-    ) -> RedisResult<Vec<T>> {
+        deadline: Instant,
+        f: impl FnOnce(&mut Wire) -> RedisResult<T>,
+    ) -> RedisResult<T> {
         if !self.direct.contains_key(node) {
-            let info = info_for(&self.opts, &self.tls, node).map_err(|e| {
+            let target = self.tls.target(&self.opts, node).map_err(|e| {
                 RedisError::from(std::io::Error::new(
                     std::io::ErrorKind::InvalidInput,
                     e.to_string(),
                 ))
             })?;
-            let c = connect(&self.tls, info, self.timeout)?;
+            let c = Wire::connect(&target, deadline)?;
             self.direct.insert(node.to_string(), c);
         }
-        let res = pipeline(self.direct.get_mut(node).expect("connection"), p);
+        let res = f(self.direct.get_mut(node).expect("connection"));
         if res.as_ref().is_err_and(out_of_step) {
             self.direct.remove(node);
         }
@@ -418,12 +464,13 @@ impl Client {
         &mut self,
         keys: &[String],
         max: usize,
+        deadline: Instant,
     ) -> Result<Vec<Option<Vec<u8>>>, Fault> {
         let cmds: Vec<Cmd> = keys
             .iter()
             .map(|k| redis::cmd("GETRANGE").arg(k).arg(0).arg(max).clone())
             .collect();
-        let v: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
+        let v: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
         v.into_iter()
             .map(|v| match v {
                 Value::BulkString(b) if b.is_empty() => Ok(None),
@@ -437,12 +484,12 @@ impl Client {
     /// Whether each of `keys` (one slot) holds a non-empty string (`STRLEN`):
     /// an empty value, or a key of another type, is not a block's and is
     /// set over.
-    pub(crate) fn present(&mut self, keys: &[&str]) -> Result<Vec<bool>, Fault> {
+    pub(crate) fn present(&mut self, keys: &[&str], deadline: Instant) -> Result<Vec<bool>, Fault> {
         let cmds: Vec<Cmd> = keys
             .iter()
             .map(|k| redis::cmd("STRLEN").arg(*k).clone())
             .collect();
-        let v: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
+        let v: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
         v.into_iter()
             .map(|v| match v {
                 Value::Int(n) => Ok(n > 0),
@@ -456,7 +503,8 @@ impl Client {
     pub(crate) fn set_all(
         &mut self,
         items: &[(&str, &[u8])],
-        ttl: Option<std::time::Duration>,
+        ttl: Option<Duration>,
+        deadline: Instant,
     ) -> Result<(), Fault> {
         let cmds: Vec<Cmd> = items
             .iter()
@@ -469,7 +517,7 @@ impl Client {
                 c
             })
             .collect();
-        let _: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
+        let _: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
         Ok(())
     }
 
@@ -477,7 +525,8 @@ impl Client {
     pub(crate) fn expire(
         &mut self,
         keys: &[String],
-        ttl: std::time::Duration,
+        ttl: Duration,
+        deadline: Instant,
     ) -> Result<(), Fault> {
         let cmds: Vec<Cmd> = keys
             .iter()
@@ -488,19 +537,17 @@ impl Client {
                     .clone()
             })
             .collect();
-        let _: Vec<Value> = self.run(cmds).map_err(|e| Fault::of(&e))?;
+        let _: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
         Ok(())
     }
 
     /// Every node of the slot map (or the one node), on a fresh connection:
     /// the round trip of a `PING` and figures from `INFO`, or the error.
     pub(crate) fn nodes(&self, opts: &RemoteOptions) -> Vec<NodeReport> {
-        let mut nodes: Vec<String> = self.slots.iter().map(|r| r.2.clone()).collect();
+        let mut nodes = self.slot_nodes();
         if nodes.is_empty() {
             nodes.push(self.single_node.clone());
         }
-        nodes.sort();
-        nodes.dedup();
         nodes
             .into_iter()
             .map(|n| {
@@ -537,22 +584,17 @@ const INFO_FIELDS: &[&str] = &[
     "db0",
 ];
 
+/// `PING` and `INFO` of `node`, each within the timeout.
 fn node_report(opts: &RemoteOptions, tls: &Tls, node: &str, rep: &mut NodeReport) -> Result<()> {
-    let info = info_for(opts, tls, node)?;
-    let mut c = tls
-        .client(info)
-        .and_then(|c| c.get_connection_with_timeout(opts.timeout))
+    let deadline = || Instant::now() + opts.timeout;
+    let mut c = Wire::connect(&tls.target(opts, node)?, deadline())
         .map_err(|e| open_error(opts, node, "unreachable", &e))?;
-    c.set_read_timeout(Some(opts.timeout))
-        .and_then(|()| c.set_write_timeout(Some(opts.timeout)))
-        .map_err(|e| open_error(opts, node, "socket options", &e))?;
-    let t0 = std::time::Instant::now();
-    redis::cmd("PING")
-        .query::<String>(&mut c)
+    let t0 = Instant::now();
+    c.query::<String>(&redis::cmd("PING"), deadline())
         .map_err(|e| open_error(opts, node, "PING", &e))?;
     rep.rtt = Some(t0.elapsed());
     // INFO may be refused to a user without the permission: the round trip stands.
-    if let Ok(text) = redis::cmd("INFO").query::<String>(&mut c) {
+    if let Ok(text) = c.query::<String>(&redis::cmd("INFO"), deadline()) {
         for line in text.lines() {
             if let Some((k, v)) = line.split_once(':') {
                 if INFO_FIELDS.contains(&k) {
@@ -562,6 +604,36 @@ fn node_report(opts: &RemoteOptions, tls: &Tls, node: &str, rep: &mut NodeReport
         }
     }
     Ok(())
+}
+
+/// The client configuration of this client's TLS connections: trusting the
+/// CA of `tls_ca`, or the system's roots.
+fn tls_config(
+    opts: &RemoteOptions,
+    certs: Option<&TlsCertificates>,
+) -> Result<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    match certs.and_then(|c| c.root_cert.as_deref()) {
+        Some(pem) => {
+            let bad = |e: &dyn std::fmt::Display| {
+                let path = opts.tls_ca.as_deref().unwrap_or(std::path::Path::new(""));
+                Error::Remote(format!("remote tls_ca {}: {e}", path.display()))
+            };
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                roots.add(cert.map_err(|e| bad(&e))?).map_err(|e| bad(&e))?;
+            }
+        }
+        None => {
+            // Unreadable system certificates are left out: a server's
+            // certificate they would have trusted fails its handshake.
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        }
+    }
+    Ok(rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 type RedisResult<T> = redis::RedisResult<T>;
@@ -589,36 +661,24 @@ fn cluster_connection(opts: &RemoteOptions, tls: &Tls) -> RedisResult<ClusterCon
     b.build()?.get_connection()
 }
 
-/// A plain connection to `info`'s node, made within `timeout`, whose reads
-/// and writes give up after it.
-fn connect(
-    tls: &Tls,
-    info: ConnectionInfo,
-    timeout: std::time::Duration,
-) -> RedisResult<redis::Connection> {
-    let c = tls.client(info)?.get_connection_with_timeout(timeout)?;
-    c.set_read_timeout(Some(timeout))?;
-    c.set_write_timeout(Some(timeout))?;
-    Ok(c)
-}
-
-/// Runs pipeline `p` on `c`, its replies read one at a time up to the first
-/// failure of the connection: `Pipeline::query` goes on reading every reply
-/// after a timeout, a timeout each (16 EXISTS, 8 s at a timeout of 0.5 s).
-/// A server's error (a redirect, a refusal) leaves the connection in step:
-/// the other replies are read, the first error returned; but `WRONGTYPE` (a
-/// key of another type, which only a foreign writer leaves under a block's
-/// key) stays in its place as that command's reply, so the rest of the
-/// group is still read.
+/// Runs pipeline `p` on `c` by `deadline`, its replies read one at a time
+/// up to the first failure of the connection: `Pipeline::query` goes on
+/// reading every reply after a timeout, a timeout each (16 EXISTS, 8 s at a
+/// timeout of 0.5 s). A server's error (a redirect, a refusal) leaves the
+/// connection in step: the other replies are read, the first error
+/// returned; but `WRONGTYPE` (a key of another type, which only a foreign
+/// writer leaves under a block's key) stays in its place as that command's
+/// reply, so the rest of the group is still read.
 fn pipeline<T: redis::FromRedisValue>(
-    c: &mut redis::Connection,
+    c: &mut Wire,
     p: &redis::Pipeline,
+    deadline: Instant,
 ) -> RedisResult<Vec<T>> {
-    c.send_packed_command(&p.get_packed_pipeline())?;
+    let replies = c.replies(&p.get_packed_pipeline(), p.len(), deadline)?;
     let mut values = Vec::with_capacity(p.len());
     let mut refused = None;
-    for _ in 0..p.len() {
-        match c.recv_response()? {
+    for v in replies {
+        match v {
             Value::ServerError(e) if e.code() != "WRONGTYPE" => refused = refused.or(Some(e)),
             v => values.push(v),
         }
@@ -636,6 +696,7 @@ fn pipeline<T: redis::FromRedisValue>(
 /// would answer the next request): then it is made afresh.
 fn out_of_step(e: &RedisError) -> bool {
     matches!(Fault::of(e), Fault::Timeout | Fault::Connection)
+        || e.kind() == redis::ErrorKind::Parse
 }
 
 /// The key of a one-key command (its first argument).
@@ -661,9 +722,12 @@ fn redirected(e: &RedisError) -> bool {
     })
 }
 
-/// `(first, last, "host:port")` of every slot range, sorted.
-fn cluster_slots(conn: &mut impl ConnectionLike) -> RedisResult<Vec<(u16, u16, String)>> {
-    let v: Vec<Value> = redis::cmd("CLUSTER").arg("SLOTS").query(conn)?;
+/// `(first, last, "host:port")` of every slot range of a `CLUSTER SLOTS`
+/// reply, sorted.
+fn parse_slots(v: Value) -> Vec<(u16, u16, String)> {
+    let Value::Array(v) = v else {
+        return Vec::new();
+    };
     let mut out = Vec::new();
     for r in v {
         let Value::Array(r) = r else { continue };
@@ -682,5 +746,5 @@ fn cluster_slots(conn: &mut impl ConnectionLike) -> RedisResult<Vec<(u16, u16, S
         out.push((*a as u16, *b as u16, format!("{host}:{port}")));
     }
     out.sort();
-    Ok(out)
+    out
 }

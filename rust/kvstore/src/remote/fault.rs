@@ -18,17 +18,26 @@ impl Fault {
         // A failed pipeline may carry the server's code only in its text.
         let text = e.to_string();
         let code = e.code().unwrap_or_else(|| {
-            ["NOPERM", "WRONGPASS", "OOM", "CLUSTERDOWN", "MASTERDOWN"]
-                .into_iter()
-                .find(|c| {
-                    // `OOM command…`, or a pipeline's `(Index 0, error: "OOM": command…)`.
-                    text.starts_with(&format!("{c} ")) || text.contains(&format!("\"{c}\""))
-                })
-                .unwrap_or("")
+            [
+                "NOPERM",
+                "WRONGPASS",
+                "NOAUTH",
+                "OOM",
+                "CLUSTERDOWN",
+                "MASTERDOWN",
+            ]
+            .into_iter()
+            .find(|c| {
+                // `OOM command…`, or a pipeline's `(Index 0, error: "OOM": command…)`.
+                text.starts_with(&format!("{c} ")) || text.contains(&format!("\"{c}\""))
+            })
+            .unwrap_or("")
         });
         if e.is_timeout() {
             Fault::Timeout
-        } else if code == "NOPERM" || code == "WRONGPASS" || e.kind() == K::AuthenticationFailed {
+        } else if matches!(code, "NOPERM" | "WRONGPASS" | "NOAUTH")
+            || e.kind() == K::AuthenticationFailed
+        {
             Fault::Permission
         } else if code == "OOM" {
             Fault::OutOfMemory

@@ -4,7 +4,8 @@
 //!
 //! - [`keys`]: key names (tenant tag, hash tags grouping a chain's blocks)
 //!   and the MAC sealing each value.
-//! - `client`: the connection (the `redis` crate's sync clients).
+//! - `client`: the connection (the `redis` crate's sync clients; `wire`: a
+//!   node's connection, with one deadline per call).
 //! - [`queue`]: the bounded queue of the background uploader.
 //! - [`breaker`]: skips a node that timed out, for a while.
 //!
@@ -20,6 +21,8 @@ mod client;
 mod fault;
 pub(crate) mod keys;
 mod queue;
+#[cfg(feature = "remote")]
+mod wire;
 
 use crate::error::{Error, Result};
 use crate::id::BlockId;
@@ -32,6 +35,7 @@ use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -263,7 +267,9 @@ pub(crate) struct Remote {
     pub(crate) keys: Keys,
     shared: Arc<Shared>,
     reader: Mutex<Client>,
-    uploader: Mutex<Option<JoinHandle<()>>>,
+    /// The uploader thread, and what tells that it ended (its sender is
+    /// dropped when it returns).
+    uploader: Mutex<Option<(JoinHandle<()>, Receiver<()>)>>,
 }
 
 impl Remote {
@@ -301,15 +307,18 @@ impl Remote {
         });
         let uploader = (opts.write == WriteMode::Behind).then(|| {
             let s = shared.clone();
-            std::thread::Builder::new()
+            let (ended, ends) = mpsc::channel::<()>();
+            let t = std::thread::Builder::new()
                 .name("kvstore-remote".into())
                 .spawn(move || {
+                    let _ended = ended;
                     while let Some(batch) = s.queue.pop() {
                         s.write(batch);
                         s.queue.done();
                     }
                 })
-                .expect("spawn remote uploader")
+                .expect("spawn remote uploader");
+            (t, ends)
         });
         Ok(Remote {
             keys,
@@ -353,7 +362,7 @@ impl Remote {
     pub(crate) fn fetch(&self, keys: &[String], max: usize) -> Vec<Option<Vec<u8>>> {
         let s = &self.shared;
         let mut c = self.reader.lock().expect("remote reader");
-        let res = s.call(&mut c, &keys[0], |c| c.get_upto(keys, max));
+        let res = s.call(&mut c, &keys[0], |c, d| c.get_upto(keys, max, d));
         let vals = res.unwrap_or_else(|| vec![None; keys.len()]);
         let got: usize = vals.iter().flatten().map(Vec::len).sum();
         add(&s.counters.bytes_read, got);
@@ -364,7 +373,7 @@ impl Remote {
                 .filter(|(_, v)| v.is_some())
                 .map(|(k, _)| k.clone())
                 .collect();
-            let _ = s.call(&mut c, &hit[0], |c| c.expire(&hit, ttl));
+            let _ = s.call(&mut c, &hit[0], |c, d| c.expire(&hit, ttl, d));
         }
         vals
     }
@@ -376,7 +385,7 @@ impl Remote {
         let keys = [key.to_string()];
         let v = self
             .shared
-            .call(&mut c, key, |c| c.get_upto(&keys, max))
+            .call(&mut c, key, |c, d| c.get_upto(&keys, max, d))
             .and_then(|mut v| v.pop().flatten());
         add(
             &self.shared.counters.bytes_read,
@@ -410,14 +419,14 @@ impl Remote {
         self.shared.queue.drain(Instant::now() + timeout)
     }
 
-    /// Drains within the close timeout, drops what is left, stops the uploader.
+    /// Drains within the close timeout, drops what is left, stops the
+    /// uploader: returns within the close timeout and one call's timeout.
     pub(crate) fn close(&self) {
         self.flush(self.shared.opts.close_timeout);
         let dropped = self.shared.queue.close(true);
         add(&self.shared.counters.writes_dropped, dropped);
-        if let Some(t) = self.uploader.lock().expect("uploader lock").take() {
-            let _ = t.join();
-        }
+        let uploader = self.uploader.lock().expect("uploader lock").take();
+        self.shared.stop(uploader);
     }
 
     /// Every node: round trip and server figures, or the error.
@@ -475,9 +484,8 @@ impl Remote {
 impl Drop for Remote {
     fn drop(&mut self) {
         self.shared.queue.close(true);
-        if let Some(t) = self.uploader.get_mut().ok().and_then(Option::take) {
-            let _ = t.join();
-        }
+        let uploader = self.uploader.get_mut().ok().and_then(Option::take);
+        self.shared.stop(uploader);
     }
 }
 
@@ -496,33 +504,88 @@ impl Shared {
         }
     }
 
-    /// Runs `f` on `c` unless the breaker of `key`'s node is open; counts
-    /// failures and trips the breaker on timeouts and unreachable nodes.
+    /// Waits for the uploader (its queue closed) to end, for at most one
+    /// call's timeout: the batch in flight ends within its calls' deadlines,
+    /// and a server must not hold `close` past them. Where it has not ended
+    /// by then it is left to end on its own (it holds what it uses).
+    fn stop(&self, uploader: Option<(JoinHandle<()>, Receiver<()>)>) {
+        let Some((t, ends)) = uploader else { return };
+        match ends.recv_timeout(self.opts.timeout) {
+            Err(RecvTimeoutError::Timeout) => drop(t),
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
+                let _ = t.join();
+            }
+        }
+    }
+
+    /// Runs `f` on `c` with the call's deadline (one timeout from now)
+    /// unless the breaker of `key`'s node is open; counts failures and trips
+    /// the breaker on timeouts and unreachable nodes. A call that fails, or
+    /// is skipped while the slot map may be out of date, reads the map again
+    /// within the same deadline (`refresh`), so that a slot moved off a
+    /// failed node is not blamed on it: the whole costs one timeout at most.
     fn call<T>(
         &self,
         c: &mut Client,
         key: &str,
-        f: impl FnOnce(&mut Client) -> Result<T, Fault>,
+        f: impl FnOnce(&mut Client, Instant) -> Result<T, Fault>,
     ) -> Option<T> {
-        let node = c.node_of(key).to_string();
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut node = c.node_of(key).to_string();
         if !self.breaker.allow(&node) {
-            add(&self.counters.breaker_skips, 1);
-            return None;
+            // The key's slot may have moved to a live node (a failover).
+            if c.stale() {
+                self.refresh(c, deadline);
+            }
+            let now = c.node_of(key);
+            if now == node || !self.breaker.allow(now) {
+                add(&self.counters.breaker_skips, 1);
+                return None;
+            }
+            node = now.to_string();
         }
-        match f(c) {
+        match f(c, deadline) {
             Ok(v) => {
                 self.breaker.reset(&node);
+                if c.stale() {
+                    // A redirect was followed: send the next calls to the
+                    // slot's node directly.
+                    self.refresh(c, deadline);
+                }
                 Some(v)
             }
             Err(fault) => {
                 add(&self.counters.faults[fault as usize], 1);
                 if matches!(fault, Fault::Timeout | Fault::Connection) {
                     self.breaker.trip(&node);
-                    // Slots may have moved off the node (the client follows a
-                    // redirect silently): blame the right node from now on.
-                    c.refresh_slots(&self.opts, &node, |n| !self.breaker.is_open(n));
+                    c.mark_stale();
+                    self.refresh(c, deadline);
                 }
                 None
+            }
+        }
+    }
+
+    /// Reads the slot map again from the first node that answers, by
+    /// `deadline`, skipping nodes whose breaker is open; a node that fails
+    /// here trips its breaker too (it costs the next call nothing). With no
+    /// time left the map stays marked out of date, for a later call.
+    fn refresh(&self, c: &mut Client, deadline: Instant) {
+        for n in c.slot_nodes() {
+            if Instant::now() >= deadline {
+                return;
+            }
+            if self.breaker.is_open(&n) {
+                continue;
+            }
+            match c.refresh_from(&n, deadline) {
+                Ok(()) => return,
+                Err(fault) => {
+                    add(&self.counters.faults[fault as usize], 1);
+                    if matches!(fault, Fault::Timeout | Fault::Connection) {
+                        self.breaker.trip(&n);
+                    }
+                }
             }
         }
     }
@@ -558,7 +621,7 @@ impl Shared {
         let there = if asked.is_empty() {
             Some(Vec::new())
         } else {
-            self.call(c, asked[0], |c| c.present(&asked))
+            self.call(c, asked[0], |c, d| c.present(&asked, d))
         };
         let Some(there) = there else {
             rep.failed = keys.len() as u64;
@@ -601,7 +664,7 @@ impl Shared {
         let ttl = self.opts.ttl;
         let sent = todo.iter().filter_map(|(k, _)| ids[*k].as_ref());
         if self
-            .call(c, pairs[0].0, |c| c.set_all(&pairs, ttl))
+            .call(c, pairs[0].0, |c, d| c.set_all(&pairs, ttl, d))
             .is_some()
         {
             rep.uploaded = todo.len() as u64;

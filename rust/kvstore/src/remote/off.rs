@@ -4,7 +4,7 @@
 use super::{NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use std::convert::Infallible;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub(crate) use super::fault::Fault;
 
@@ -24,7 +24,16 @@ impl Client {
     pub(crate) fn node_of(&self, _: &str) -> &str {
         match self.0 {}
     }
-    pub(crate) fn refresh_slots(&mut self, _: &RemoteOptions, _: &str, _: impl Fn(&str) -> bool) {
+    pub(crate) fn stale(&self) -> bool {
+        match self.0 {}
+    }
+    pub(crate) fn mark_stale(&mut self) {
+        match self.0 {}
+    }
+    pub(crate) fn slot_nodes(&self) -> Vec<String> {
+        match self.0 {}
+    }
+    pub(crate) fn refresh_from(&mut self, _: &str, _: Instant) -> Result<(), Fault> {
         match self.0 {}
     }
     pub(crate) fn max_value(&self) -> u64 {
@@ -34,20 +43,22 @@ impl Client {
         &mut self,
         _: &[String],
         _: usize,
+        _: Instant,
     ) -> Result<Vec<Option<Vec<u8>>>, Fault> {
         match self.0 {}
     }
-    pub(crate) fn present(&mut self, _: &[&str]) -> Result<Vec<bool>, Fault> {
+    pub(crate) fn present(&mut self, _: &[&str], _: Instant) -> Result<Vec<bool>, Fault> {
         match self.0 {}
     }
     pub(crate) fn set_all(
         &mut self,
         _: &[(&str, &[u8])],
         _: Option<Duration>,
+        _: Instant,
     ) -> Result<(), Fault> {
         match self.0 {}
     }
-    pub(crate) fn expire(&mut self, _: &[String], _: Duration) -> Result<(), Fault> {
+    pub(crate) fn expire(&mut self, _: &[String], _: Duration, _: Instant) -> Result<(), Fault> {
         match self.0 {}
     }
     pub(crate) fn nodes(&self, _: &RemoteOptions) -> Vec<NodeReport> {

@@ -453,7 +453,6 @@ impl Store {
         // Taking the write lock waits for every call in flight on this handle.
         let inner = self.inner.write().expect("store lock").take();
         let Some(inner) = inner else { return Ok(()) };
-        inner.remote_close();
         inner.closing.store(true, Ordering::SeqCst);
         inner.wake.notify_all();
         if let Some(t) = self.flusher.lock().expect("flusher lock").take() {
@@ -465,6 +464,10 @@ impl Store {
         w.active = None;
         drop(w);
         inner.save_advisory();
+        // The remote tier last: its drain waits on a server (up to
+        // close_timeout), which must not hold back the local commit, or
+        // lose it if the process is killed meanwhile.
+        inner.remote_close();
         res
     }
 }

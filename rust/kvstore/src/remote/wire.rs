@@ -1,0 +1,239 @@
+//! A connection to one node whose every call has one deadline: connecting,
+//! the TLS handshake, writing the request and reading all its replies stop
+//! when it passes. The `redis` crate's sync connection applies its timeout
+//! to each socket read, so a server that trickled a reply (each byte inside
+//! the timeout) held a call, and every thread queued behind it, for as long
+//! as it liked; here each read and write is given only the time left. The
+//! crate still packs the commands and parses the replies (its `Parser`).
+
+use redis::{ErrorKind, Parser, RedisError, RedisResult, Value};
+use rustls::pki_types::ServerName;
+use rustls::{ClientConnection, StreamOwned};
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One node and how to reach it.
+#[derive(Clone)]
+pub(crate) struct Target {
+    host: String,
+    port: u16,
+    tls: Option<Arc<rustls::ClientConfig>>,
+    username: Option<String>,
+    password: Option<String>,
+}
+
+impl Target {
+    /// `node` is `host:port` (an IPv6 host in brackets).
+    pub(crate) fn new(
+        node: &str,
+        tls: Option<Arc<rustls::ClientConfig>>,
+        username: Option<String>,
+        password: Option<String>,
+    ) -> Option<Target> {
+        let (host, port) = node.rsplit_once(':')?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        Some(Target {
+            host: host.to_string(),
+            port: port.parse().ok()?,
+            tls,
+            username,
+            password,
+        })
+    }
+}
+
+fn deadline_passed() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "the call's deadline passed")
+}
+
+/// The socket, each read and write bounded by the time left to `deadline`.
+struct Sock {
+    tcp: TcpStream,
+    deadline: Instant,
+}
+
+impl Sock {
+    fn left(&self) -> io::Result<Duration> {
+        self.deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(deadline_passed)
+    }
+}
+
+/// A socket timeout reads as `WouldBlock` on Unix: the call's deadline.
+fn timed_out(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::WouldBlock {
+        deadline_passed()
+    } else {
+        e
+    }
+}
+
+impl Read for Sock {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.tcp.set_read_timeout(Some(self.left()?))?;
+        self.tcp.read(buf).map_err(timed_out)
+    }
+}
+
+impl Write for Sock {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.tcp.set_write_timeout(Some(self.left()?))?;
+        self.tcp.write(buf).map_err(timed_out)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.tcp.flush()
+    }
+}
+
+enum Stream {
+    Plain(Sock),
+    Tls(Box<StreamOwned<ClientConnection, Sock>>),
+}
+
+impl Stream {
+    fn set_deadline(&mut self, deadline: Instant) {
+        match self {
+            Stream::Plain(s) => s.deadline = deadline,
+            Stream::Tls(t) => t.sock.deadline = deadline,
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(buf),
+            Stream::Tls(t) => t.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.write(buf),
+            Stream::Tls(t) => t.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Plain(s) => s.flush(),
+            Stream::Tls(t) => t.flush(),
+        }
+    }
+}
+
+/// A connection to one node. After a failed read or write it is out of
+/// step (a late reply would answer the next request): the caller drops it.
+pub(crate) struct Wire {
+    stream: Stream,
+    parser: Parser,
+}
+
+impl Wire {
+    /// Connects, shakes hands (TLS) and authenticates, all by `deadline`.
+    /// A refused `AUTH` is `ErrorKind::AuthenticationFailed`.
+    pub(crate) fn connect(t: &Target, deadline: Instant) -> RedisResult<Wire> {
+        let mut last = None;
+        let mut tcp = None;
+        for a in (t.host.as_str(), t.port).to_socket_addrs()? {
+            let left = deadline
+                .checked_duration_since(Instant::now())
+                .filter(|d| !d.is_zero())
+                .ok_or_else(deadline_passed)?;
+            match TcpStream::connect_timeout(&a, left) {
+                Ok(s) => {
+                    tcp = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let tcp = match (tcp, last) {
+            (Some(s), _) => s,
+            (None, Some(e)) => return Err(e.into()),
+            (None, None) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    "the address resolves to nothing",
+                )
+                .into())
+            }
+        };
+        tcp.set_nodelay(true)?;
+        let mut sock = Sock { tcp, deadline };
+        let stream = match &t.tls {
+            None => Stream::Plain(sock),
+            Some(config) => {
+                let name = ServerName::try_from(t.host.clone())
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                let mut conn =
+                    ClientConnection::new(config.clone(), name).map_err(io::Error::other)?;
+                // Here, not at the first command: a failed handshake is a
+                // TLS failure of the connection, reported as such.
+                while conn.is_handshaking() {
+                    conn.complete_io(&mut sock)?;
+                }
+                Stream::Tls(Box::new(StreamOwned::new(conn, sock)))
+            }
+        };
+        let mut w = Wire {
+            stream,
+            parser: Parser::new(),
+        };
+        if let Some(p) = &t.password {
+            let mut auth = redis::cmd("AUTH");
+            if let Some(u) = &t.username {
+                auth.arg(u);
+            }
+            auth.arg(p);
+            let mut v = w.replies(&auth.get_packed_command(), 1, deadline)?;
+            if let Some(Value::ServerError(e)) = v.pop() {
+                // The server's words only: the password is never echoed.
+                let why = RedisError::from(e).to_string();
+                return Err(RedisError::from((
+                    ErrorKind::AuthenticationFailed,
+                    "authentication failed",
+                    why,
+                )));
+            }
+        }
+        Ok(w)
+    }
+
+    /// Sends `packed` (`n` commands) and reads their `n` replies (a server's
+    /// error among them as `Value::ServerError`), all by `deadline`; stops
+    /// at the first failure of the connection.
+    pub(crate) fn replies(
+        &mut self,
+        packed: &[u8],
+        n: usize,
+        deadline: Instant,
+    ) -> RedisResult<Vec<Value>> {
+        self.stream.set_deadline(deadline);
+        self.stream.write_all(packed)?;
+        self.stream.flush()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(self.parser.parse_value(&mut self.stream)?);
+        }
+        Ok(out)
+    }
+
+    /// Runs one command by `deadline`; a server's error is an `Err`.
+    pub(crate) fn query<T: redis::FromRedisValue>(
+        &mut self,
+        cmd: &redis::Cmd,
+        deadline: Instant,
+    ) -> RedisResult<T> {
+        match self.replies(&cmd.get_packed_command(), 1, deadline)?.pop() {
+            Some(Value::ServerError(e)) => Err(e.into()),
+            Some(v) => T::from_redis_value(v).map_err(RedisError::from),
+            None => Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+        }
+    }
+}

@@ -40,6 +40,7 @@ from test_ops import (  # noqa: E402
     gpu,
     needs_cuda,
     reference,
+    run_check,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -261,21 +262,8 @@ def check_every_byte_exact(capability: str | None = None) -> None:
 
 
 def run_in_fresh_process(check: str, capability: str | None) -> None:
-    """Runs check(capability), a function of this module, in a new interpreter: under
-    ATEN_CPU_CAPABILITY=capability (the kernel is chosen once per process), or the
-    host's own kernel for None; what the check sets in os.environ stays there."""
-    code = textwrap.dedent(
-        f"""
-        import os, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_ops_fp8 import {check}
-        {check}({capability!r})
-        print("ok")
-        """
-    )
-    env = dict(os.environ) if capability is None else capability_env(capability)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    """test_ops.run_check of a check of this module."""
+    run_check("test_ops_fp8", check, capability)
 
 
 @pytest.mark.parametrize("capability", [None, "default", "avx2", "avx512"])

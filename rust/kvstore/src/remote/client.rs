@@ -201,7 +201,7 @@ impl Client {
             .ok()
             .and_then(|kv| kv.get(1)?.parse().ok())
             .unwrap_or(DEFAULT_MAX_BULK);
-        let mut me = if info_text.contains("cluster_enabled:1") {
+        let (conn, slots) = if info_text.contains("cluster_enabled:1") {
             let slots = match conn.query(redis::cmd("CLUSTER").arg("SLOTS"), deadline()) {
                 Ok(v) => parse_slots(v),
                 Err(e) => return fail(Some("CLUSTER SLOTS"), &e),
@@ -210,30 +210,23 @@ impl Client {
                 Ok(c) => c,
                 Err(e) => return fail(Some("cluster connection"), &e),
             };
-            Client {
-                conn: Conn::Cluster(Some(Box::new(cluster))),
-                slots,
-                single_node: addr(node).to_string(),
-                tls: tls.clone(),
-                max_value,
-                opts: opts.clone(),
-                direct: HashMap::new(),
-                stale: false,
-            }
+            (Conn::Cluster(Some(Box::new(cluster))), slots)
         } else {
-            Client {
-                conn: Conn::Single {
-                    target,
-                    conn: Some(conn),
-                },
-                slots: Vec::new(),
-                single_node: addr(node).to_string(),
-                tls: tls.clone(),
-                max_value,
-                opts: opts.clone(),
-                direct: HashMap::new(),
-                stale: false,
-            }
+            let single = Conn::Single {
+                target,
+                conn: Some(conn),
+            };
+            (single, Vec::new())
+        };
+        let mut me = Client {
+            conn,
+            slots,
+            single_node: addr(node).to_string(),
+            tls: tls.clone(),
+            max_value,
+            opts: opts.clone(),
+            direct: HashMap::new(),
+            stale: false,
         };
         let probe: RedisResult<Vec<i64>> = me.run(
             vec![redis::cmd("EXISTS").arg(probe_key).clone()],

@@ -409,6 +409,10 @@ def test_generate_restores_prefills_the_rest_and_saves(tmp_path: Path, model: An
         out4 = hf.generate(model, store, turn, save=False, **kw)
         assert info["restored_tokens"] == 96
         assert torch.equal(out4[0, 128:], greedy(model, turn, 8))
+        # Generated tokens that fill a block past the prompt's last one are stored too.
+        short = prompt(90, seed=5)
+        out5 = hf.generate(model, store, short, **kw)
+        assert info["stored_tokens"] == 96 and store.lookup(out5[0]) == 96
         # Beam search expands the cache to several rows: the prompt's blocks are kept.
         fresh = prompt(50, seed=6)
         hf.generate(model, store, fresh, num_beams=2, **kw)

@@ -711,7 +711,7 @@ def generate(
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         cached = cache.get_seq_length()
         if extra is None:  # KV past a media token is keyed by that media only via extra
-            cached = min(cached, media)
+            cached = _before_media(model.config, sequences[0, :cached].cpu())
         rows = _layer_kv(cache)[0][0].shape[0]
         if sequences.shape[0] == 1 and rows == 1:
             stored = _save(store, sequences[0, :cached], cache, extra=extra)

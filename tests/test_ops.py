@@ -395,17 +395,24 @@ def check_minus_inf_scores(capability: str | None = None) -> None:
                 assert info["isa"] == expected_isa(dtype, False, head_dim, capability), info
                 assert (info["partitions"] > 1) == (split == "32"), info
                 where = (dtype, head_dim, overflow, first, last, info)
-                if last - first == 70:
-                    assert torch.equal(got, torch.zeros_like(got)), where
-                    continue
-                ref = reference(*args, scale)
-                assert not got.isnan().any(), where
-                tol = TOL[dtype]
-                torch.testing.assert_close(
-                    got.double(), ref, atol=tol, rtol=tol, msg=lambda m, w=where: f"{w}: {m}"
-                )
+                every = last - first == 70
+                assert_minus_inf_output(got, (*args, scale), dtype, where, every)
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_minus_inf_output(
+    got: torch.Tensor, reference_args: tuple, dtype: torch.dtype, where: tuple, every_token: bool
+) -> None:
+    """The verdict of the -inf checks: zeros where every token's score is -inf (as for a
+    sequence of length 0), else no NaN and the float64 `reference(*reference_args)`."""
+    if every_token:
+        assert torch.equal(got, torch.zeros_like(got)), where
+        return
+    ref = reference(*reference_args)
+    assert not got.isnan().any(), where
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol, msg=lambda m: f"{where}: {m}")
 
 
 def run_check(module: str, check: str, capability: str | None) -> None:

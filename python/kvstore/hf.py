@@ -22,6 +22,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from ._convert import is_torch
 from .errors import InvalidInput
 from .layout import Layout, dtype_name
 from .store import Store
@@ -248,13 +249,15 @@ def _layer_kv(past_key_values: Any) -> list[tuple[Any, Any, int]]:
                         f"({rest[0]!r}); only full-attention layers keep the KV of every "
                         "token of a prefix"
                     )
+            layer_kv = []
             for i, (k, v, *_) in enumerate(past_key_values):
-                if not (_is_tensor(k) and _is_tensor(v)) or k.ndim != 4 or v.ndim != 4:
+                if not (is_torch(k) and is_torch(v)) or k.ndim != 4 or v.ndim != 4:
                     raise InvalidInput(
                         f"past_key_values: layer {i}: expected (keys, values) torch tensors of "
                         f"shape [1, H, T, D], got ({type(k).__name__}, {type(v).__name__})"
                     )
-            return [(k, v, min(int(k.shape[-2]), int(v.shape[-2]))) for k, v, *_ in past_key_values]
+                layer_kv.append((k, v, min(int(k.shape[-2]), int(v.shape[-2]))))
+            return layer_kv
         raise InvalidInput(
             "past_key_values: expected a transformers Cache (e.g. DynamicCache) or a tuple "
             f"of (key, value) per layer, got {type(past_key_values).__name__}"
@@ -275,12 +278,6 @@ def _layer_kv(past_key_values: Any) -> list[tuple[Any, Any, int]]:
             t = min(int(layer.get_seq_length()), int(layer.values.shape[-2]))
             out.append((layer.keys, layer.values, t))
     return out
-
-
-def _is_tensor(x: Any) -> bool:
-    import torch
-
-    return isinstance(x, torch.Tensor)
 
 
 def cache_to_kv(past_key_values: Any, tokens: int | None = None) -> torch.Tensor:
@@ -457,7 +454,7 @@ def load(
     possibly 0: then the cache is empty). Feed the model `input_ids[n:]` next.
 
     `config`: the model's config (or the model), so the cache has the model's layer
-    types, the store's layout is checked against it, and a model that takes images,
+    types (and a store of another layer count is refused), and a model that takes images,
     video or audio restores nothing from its first such token on unless `extra`
     names that media (see `save`); `device`: where the cache lives (default CPU).
     `out`: a contiguous CPU `[L, 2, T, H, D]` tensor to restore into (at most T

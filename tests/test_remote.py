@@ -431,6 +431,81 @@ def test_two_handles_on_one_store_load_the_newer_save(single, tmp_path):
         assert session_len(s, "chat") == len(t2)
 
 
+def test_a_late_upload_of_an_older_session_keeps_the_newer_one(single, tmp_path):
+    """Host B's save reaches the server only after host A's later save of the same
+    session (B's requests held up in the network): the server keeps A's newer
+    version, so a third host loads A's tokens. Before, B's late SET replaced it,
+    and every host without a newer copy of its own loaded B's older tokens."""
+    from support.held_proxy import HeldProxy
+
+    old, new = seq(100, 2 * B), seq(300, 5 * B)
+    proxy = HeldProxy(single.ports[0])
+    try:
+        with kvstore.open(tmp_path / "b", LAYOUT, MODEL, durability="none",
+                          remote=kvstore.Remote([proxy.node], timeout=5)) as b:  # fmt: skip
+            proxy.hold()
+            b.save_session("chat", old, kv_for(LAYOUT, old))  # its upload waits
+            with open_host(tmp_path / "a", single, remote={"write": "through"}) as a:
+                a.save_session("chat", new, kv_for(LAYOUT, new))
+            proxy.release()
+            b.flush()
+            r = remote_stats(b)
+            assert r["write_failures"] == 0 and r["writes_dropped"] == 0, r
+        with open_host(tmp_path / "c", single) as c:
+            assert list(c.load_session("chat")[0]) == new
+    finally:
+        proxy.close()
+
+
+def test_a_raced_session_upload_reads_the_key_again(tmp_path):
+    """A session is set in an optimistic transaction (WATCH, GETRANGE, then MULTI,
+    SET, EXEC): where another client changed the key in between, EXEC sets
+    nothing, and the upload reads the key again and sets it then."""
+    from support.fake_resp import FakeServer
+
+    seen: list[bytes] = []
+
+    def handler(c, a):
+        seen.append(a[0].upper())
+        if seen[-1] == b"EXEC":
+            return b"*-1\r\n" if seen.count(b"EXEC") == 1 else b"*1\r\n+OK\r\n"
+        return None
+
+    fake = FakeServer(handler)
+    try:
+        with _fake_store(tmp_path / "s", fake, write="through") as s:
+            tokens = seq(5, 2 * B)
+            s.save_session("chat", tokens, kv_for(LAYOUT, tokens))
+            r = remote_stats(s)
+            assert r["write_failures"] == 0, r
+        assert seen.count(b"WATCH") == 2 and seen.count(b"EXEC") == 2, seen
+    finally:
+        fake.close()
+
+
+def test_sessions_travel_for_a_user_without_transactions(tmp_path_factory, tmp_path, monkeypatch):
+    """A user refused WATCH and MULTI (an ACL without @transaction) still uploads
+    its sessions: set without asking, counted as no failure."""
+    secret = "tx-Pa55"
+    single = _start(tmp_path_factory, 1, False, ["--requirepass", secret])
+    try:
+        cmd(single.ports[0], "ACL", "SETUSER", "kv", "on", ">" + secret, "~kvstore:*",
+            "+@all", "-@transaction", password=secret)  # fmt: skip
+        monkeypatch.setenv("KV_TX_PW", secret)
+        remote = kvstore.Remote(single.nodes, username="kv", password_env="KV_TX_PW")
+        tokens = seq(7, 3 * B)
+        with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none", remote=remote) as a:
+            for n in (B, 3 * B):
+                a.save_session("chat", tokens[:n], kv_for(LAYOUT, tokens[:n]))
+                a.flush()
+            r = remote_stats(a)
+            assert r["write_failures"] == 0 and r["errors_permission"] == 0, r
+        with kvstore.open(tmp_path / "b", LAYOUT, MODEL, durability="none", remote=remote) as b:
+            assert list(b.load_session("chat")[0]) == tokens
+    finally:
+        single.stop()
+
+
 def test_another_hosts_newer_save_wins_over_a_failed_one(single, tmp_path):
     """A's save failed to upload; host B then loads the session (A's earlier copy)
     and saves a newer one: A's handle, and A's store after a restart, load B's."""

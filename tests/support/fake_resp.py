@@ -54,6 +54,17 @@ def _read_cmd(f) -> list[bytes] | None:
     return out
 
 
+def accept_each(s: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+    """Serves each connection to the listening `s` on a thread of its own, until
+    `s` is closed."""
+    while True:
+        try:
+            c, _ = s.accept()
+        except OSError:
+            return
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+
 class FakeServer:
     def __init__(self, handler: Callable[[socket.socket, list[bytes]], bytes | bool | None]):
         self.handler = handler
@@ -61,15 +72,7 @@ class FakeServer:
         self.s.bind(("127.0.0.1", 0))
         self.s.listen(64)
         self.node = f"127.0.0.1:{self.s.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.s.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+        threading.Thread(target=accept_each, args=(self.s, self._serve), daemon=True).start()
 
     def _serve(self, c: socket.socket) -> None:
         f = c.makefile("rb")

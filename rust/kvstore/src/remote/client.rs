@@ -50,6 +50,9 @@ pub(crate) struct Client {
     /// The slot map may be out of date: a node failed, or a key was
     /// redirected. Read again (`refresh_from`) when a call has time left.
     stale: bool,
+    /// The server refused `WATCH` or `MULTI` (a user without
+    /// `@transaction`): sessions are set without asking (`set_unless_newer`).
+    no_transactions: bool,
 }
 
 /// Redis's default `proto-max-bulk-len`, assumed when `CONFIG GET` is refused.
@@ -227,6 +230,7 @@ impl Client {
             opts: opts.clone(),
             direct: HashMap::new(),
             stale: false,
+            no_transactions: false,
         };
         let probe: RedisResult<Vec<i64>> = me.run(
             vec![redis::cmd("EXISTS").arg(probe_key).clone()],
@@ -259,6 +263,7 @@ impl Client {
             opts: self.opts.clone(),
             direct: HashMap::new(),
             stale: false,
+            no_transactions: false,
         })
     }
 
@@ -499,19 +504,82 @@ impl Client {
         ttl: Option<Duration>,
         deadline: Instant,
     ) -> Result<(), Fault> {
-        let cmds: Vec<Cmd> = items
-            .iter()
-            .map(|(k, v)| {
-                let mut c = redis::cmd("SET");
-                c.arg(*k).arg(*v);
-                if let Some(t) = ttl {
-                    c.arg("PX").arg(t.as_millis() as u64);
-                }
-                c
-            })
-            .collect();
+        let cmds: Vec<Cmd> = items.iter().map(|(k, v)| set_cmd(k, v, ttl)).collect();
         let _: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
         Ok(())
+    }
+
+    /// Sets `key` to `value` (with a time to live if given) unless the value
+    /// there, read up to `max + 1` bytes, is `newer`: then `Ok(false)`. One
+    /// optimistic transaction on the key's node (`WATCH`, `GETRANGE`, then
+    /// `MULTI`, `SET`, `EXEC`), tried again while other clients change the
+    /// key in between, by `deadline`. Set without asking where the server
+    /// refuses `WATCH` or `MULTI` (a user without `@transaction`), the key's
+    /// slot moved (a reshard), or this client has no connection of its own
+    /// to the node (no slot map).
+    pub(crate) fn set_unless_newer(
+        &mut self,
+        (key, value): (&str, &[u8]),
+        ttl: Option<Duration>,
+        max: usize,
+        newer: &dyn Fn(&[u8]) -> bool,
+        deadline: Instant,
+    ) -> Result<bool, Fault> {
+        let set = set_cmd(key, value, ttl);
+        while !self.no_transactions {
+            let tried = self.on_key(key, deadline, |w| {
+                watched_set(w, key, &set, max, newer, deadline)
+            });
+            match tried {
+                Some(Ok(Some(set))) => return Ok(set),
+                // Another client changed the key meanwhile: read it again.
+                Some(Ok(None)) if Instant::now() < deadline => {}
+                Some(Ok(None)) => return Err(Fault::Timeout),
+                Some(Err(e)) if Fault::of(&e) == Fault::Permission => {
+                    self.no_transactions = true;
+                }
+                Some(Err(e)) if redirected(&e) => {
+                    self.stale = true;
+                    break;
+                }
+                Some(Err(e)) => return Err(Fault::of(&e)),
+                None => break,
+            }
+        }
+        self.set_all(&[(key, value)], ttl, deadline).map(|()| true)
+    }
+
+    /// Runs `f` on this client's own connection to the node of `key`, made
+    /// on first use (within `deadline` too) and dropped where it fails out
+    /// of step; `None` for a cluster whose slot map is not known (the
+    /// crate's connection routes for it).
+    fn on_key<T>(
+        &mut self,
+        key: &str,
+        deadline: Instant,
+        f: impl FnOnce(&mut Wire) -> RedisResult<T>,
+    ) -> Option<RedisResult<T>> {
+        if matches!(self.conn, Conn::Cluster(_)) {
+            if self.slots.is_empty() {
+                return None;
+            }
+            let node = self.node_of(key).to_string();
+            return Some(self.on_node(&node, deadline, f));
+        }
+        let Conn::Single { target, conn } = &mut self.conn else {
+            return None;
+        };
+        if conn.is_none() {
+            match Wire::connect(target, deadline) {
+                Ok(w) => *conn = Some(w),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        let res = f(conn.as_mut().expect("connection"));
+        if res.as_ref().is_err_and(out_of_step) {
+            *conn = None;
+        }
+        Some(res)
     }
 
     /// Renews the time to live of `keys` (one slot).
@@ -683,6 +751,73 @@ fn pipeline<T: redis::FromRedisValue>(
         .into_iter()
         .map(|v| T::from_redis_value(v).map_err(RedisError::from))
         .collect()
+}
+
+/// `SET key value [PX ttl]`.
+fn set_cmd(key: &str, value: &[u8], ttl: Option<Duration>) -> Cmd {
+    let mut c = redis::cmd("SET");
+    c.arg(key).arg(value);
+    if let Some(t) = ttl {
+        c.arg("PX").arg(t.as_millis() as u64);
+    }
+    c
+}
+
+/// One try of `set_unless_newer` on `w`: whether it set (`Some(false)`: the
+/// value there is newer), or `None` where another client changed the key
+/// between the `WATCH` and the `EXEC` (which then set nothing).
+fn watched_set(
+    w: &mut Wire,
+    key: &str,
+    set: &Cmd,
+    max: usize,
+    newer: &dyn Fn(&[u8]) -> bool,
+    deadline: Instant,
+) -> RedisResult<Option<bool>> {
+    let refused = |v: &Value| match v {
+        Value::ServerError(e) => Some(RedisError::from(e.clone())),
+        _ => None,
+    };
+    let mut read = redis::pipe();
+    read.cmd("WATCH").arg(key);
+    read.cmd("GETRANGE").arg(key).arg(0).arg(max);
+    let got = w.replies(&read.get_packed_pipeline(), 2, deadline)?;
+    if let Some(e) = refused(&got[0]) {
+        return Err(e);
+    }
+    let there: &[u8] = match &got[1] {
+        Value::BulkString(b) => b,
+        // A key of another type holds no session: set over it.
+        Value::ServerError(e) if e.code() == "WRONGTYPE" => &[],
+        v => {
+            let _: Value = w.query(&redis::cmd("UNWATCH"), deadline)?;
+            return Err(refused(v).unwrap_or_else(|| {
+                RedisError::from((redis::ErrorKind::Parse, "GETRANGE: not a string"))
+            }));
+        }
+    };
+    if !there.is_empty() && newer(there) {
+        let _: Value = w.query(&redis::cmd("UNWATCH"), deadline)?;
+        return Ok(Some(false));
+    }
+    let mut tx = redis::pipe();
+    tx.cmd("MULTI").add_command(set.clone()).cmd("EXEC");
+    let got = w.replies(&tx.get_packed_pipeline(), 3, deadline)?;
+    // A refused MULTI ran the SET alone; it is set again without asking.
+    if let Some(e) = got.iter().find_map(refused) {
+        return Err(e);
+    }
+    match &got[2] {
+        Value::Nil => Ok(None),
+        Value::Array(done) => match done.first().and_then(refused) {
+            Some(e) => Err(e),
+            None => Ok(Some(true)),
+        },
+        _ => Err(RedisError::from((
+            redis::ErrorKind::Parse,
+            "EXEC: not an array",
+        ))),
+    }
 }
 
 /// Whether a failed request left its connection out of step (a late reply

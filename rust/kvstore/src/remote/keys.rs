@@ -27,6 +27,7 @@ const SESSION_MAGIC: &[u8; 4] = b"KVSV";
 const SESSION_MAGIC_V0: &[u8; 4] = b"KVSS";
 
 /// Names keys for one tenant under one prefix and seals values.
+#[derive(Clone)]
 pub(crate) struct Keys {
     base: String,
     mac_key: [u8; 32],
@@ -114,6 +115,16 @@ pub(crate) fn encode_session(name: &str, version: u64, tokens: Option<&[u32]>) -
         v.extend_from_slice(&t.to_le_bytes());
     }
     v
+}
+
+/// The version a session payload (either format) was saved or deleted at;
+/// `None` if it is not one. (Its MAC, checked first, says whose it is.)
+pub(crate) fn session_version(p: &[u8]) -> Option<u64> {
+    match p.get(..4)? {
+        m if m == SESSION_MAGIC => Some(u64::from_le_bytes(p.get(4..12)?.try_into().ok()?)),
+        m if m == SESSION_MAGIC_V0 => Some(0),
+        _ => None,
+    }
 }
 
 /// Session `name`'s frame from its payload (either format); `None` if it
@@ -279,5 +290,11 @@ mod tests {
         );
         assert_eq!(decode_session("ab", &old[..old.len() - 1]), None);
         assert_eq!(decode_session("ac", &old), None);
+        // The version alone, as the conditional upload compares it.
+        assert_eq!(session_version(&p), Some(0x0102_0304_0506_0708));
+        assert_eq!(session_version(&encode_session("ab", 1, None)), Some(1));
+        assert_eq!(session_version(&old), Some(0));
+        assert_eq!(session_version(&p[..11]), None);
+        assert_eq!(session_version(b"KVSX\x01\0\0\0\0\0\0\0"), None);
     }
 }

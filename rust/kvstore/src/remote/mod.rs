@@ -28,9 +28,9 @@ use crate::error::{Error, Result};
 use crate::id::BlockId;
 use breaker::Breaker;
 use client::{Client, Fault};
-use keys::Keys;
+use keys::{session_version, Keys, SESSION_VALUE_MAX};
 use queue::Queue;
-pub(crate) use queue::{Item, Sent};
+pub(crate) use queue::{Item, Kind, Sent};
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -254,6 +254,7 @@ const INVALID_MAX: usize = 4096;
 /// What the uploader thread and the callers share.
 struct Shared {
     opts: RemoteOptions,
+    keys: Keys,
     breaker: Breaker,
     counters: Counters,
     queue: Queue,
@@ -264,7 +265,6 @@ struct Shared {
 
 /// An open remote tier (one per store handle).
 pub(crate) struct Remote {
-    pub(crate) keys: Keys,
     shared: Arc<Shared>,
     reader: Mutex<Client>,
     /// The uploader thread, and what tells that it ended (its sender is
@@ -298,6 +298,7 @@ impl Remote {
         let writer = reader.connect_again(opts)?;
         let shared = Arc::new(Shared {
             opts: opts.clone(),
+            keys,
             breaker: Breaker::new(opts.breaker),
             counters: Counters::default(),
             queue: Queue::new(opts.queue_bytes),
@@ -321,11 +322,15 @@ impl Remote {
             (t, ends)
         });
         Ok(Remote {
-            keys,
             shared,
             reader: Mutex::new(reader),
             uploader: Mutex::new(uploader),
         })
+    }
+
+    /// Key names and value seals of this tier.
+    pub(crate) fn keys(&self) -> &Keys {
+        &self.shared.keys
     }
 
     /// Whether the server is believed to hold block `id` already.
@@ -344,7 +349,7 @@ impl Remote {
         if batch.is_empty() {
             return;
         }
-        let ids: Vec<BlockId> = batch.iter().filter_map(|i| i.id).collect();
+        let ids: Vec<BlockId> = batch.iter().filter_map(|i| i.kind.block()).collect();
         self.shared.mark(ids.iter(), true);
         if self.shared.opts.write == WriteMode::Through {
             self.shared.write(batch);
@@ -449,9 +454,8 @@ impl Remote {
         let s = &self.shared;
         let mut c = s.writer.lock().expect("remote writer");
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let ids: Vec<Option<BlockId>> = ids.iter().copied().map(Some).collect();
-        s.send(&mut c, &keys, &ids, |k| {
-            record(k).map(|v| Cow::Owned(self.keys.seal(keys[k], v)))
+        s.send(&mut c, &keys, ids, |k| {
+            record(k).map(|v| Cow::Owned(s.keys.seal(keys[k], v)))
         })
     }
 
@@ -592,26 +596,20 @@ impl Shared {
 
     /// Uploads the values of one hash-tag group (one slot) that the server
     /// lacks (no non-empty string under the key), or that this handle found
-    /// invalid there, and every session (these overwritten without asking):
-    /// `keys[k]` for block `ids[k]` (`None`: a session), whose value
-    /// `value(k)` makes only for those sent (`None`: unreadable, not sent).
+    /// invalid there: `keys[k]` for block `ids[k]`, whose value `value(k)`
+    /// makes only for those sent (`None`: unreadable, not sent).
     /// Counts and remembers what happened; a failure is counted, never raised.
     fn send<'v>(
         &self,
         c: &mut Client,
         keys: &[&str],
-        ids: &[Option<BlockId>],
+        ids: &[BlockId],
         mut value: impl FnMut(usize) -> Option<Cow<'v, [u8]>>,
     ) -> PushReport {
         let mut rep = PushReport::default();
-        let blocks = |ks: &mut dyn Iterator<Item = usize>| ks.filter(|&k| ids[k].is_some()).count();
-        // A session's value changes with each save: always set.
         let forced: Vec<bool> = {
             let bad = self.invalid.lock().expect("invalid lock");
-            keys.iter()
-                .zip(ids)
-                .map(|(k, id)| id.is_none() || bad.contains(*k))
-                .collect()
+            keys.iter().map(|k| bad.contains(*k)).collect()
         };
         // Which the server has (`None`: the call failed, counted).
         let asked: Vec<&str> = (0..keys.len())
@@ -626,7 +624,7 @@ impl Shared {
         let Some(there) = there else {
             rep.failed = keys.len() as u64;
             add(&self.counters.write_failures, keys.len());
-            self.mark(ids.iter().flatten(), false);
+            self.mark(ids.iter(), false);
             return rep;
         };
         let mut there = there.into_iter();
@@ -645,24 +643,21 @@ impl Shared {
                     rep.failed += 1;
                     add(&self.counters.too_large, 1);
                     add(&self.counters.write_failures, 1);
-                    self.mark(ids[k].iter(), false);
+                    self.mark(std::iter::once(&ids[k]), false);
                 }
             } else {
                 rep.unreadable += 1;
             }
         }
         rep.present = present.len() as u64;
-        add(
-            &self.counters.blocks_present,
-            blocks(&mut present.iter().copied()),
-        );
-        self.mark(present.iter().filter_map(|&k| ids[k].as_ref()), true);
+        add(&self.counters.blocks_present, present.len());
+        self.mark(present.iter().map(|&k| &ids[k]), true);
         if todo.is_empty() {
             return rep;
         }
         let pairs: Vec<(&str, &[u8])> = todo.iter().map(|(k, v)| (keys[*k], &v[..])).collect();
         let ttl = self.opts.ttl;
-        let sent = todo.iter().filter_map(|(k, _)| ids[*k].as_ref());
+        let sent = todo.iter().map(|(k, _)| &ids[*k]);
         if self
             .call(c, pairs[0].0, |c, d| c.set_all(&pairs, ttl, d))
             .is_some()
@@ -670,10 +665,7 @@ impl Shared {
             rep.uploaded = todo.len() as u64;
             rep.bytes_written = pairs.iter().map(|(_, v)| v.len() as u64).sum();
             add(&self.counters.bytes_written, rep.bytes_written as usize);
-            add(
-                &self.counters.blocks_uploaded,
-                blocks(&mut todo.iter().map(|(k, _)| *k)),
-            );
+            add(&self.counters.blocks_uploaded, todo.len());
             self.mark(sent.clone(), true);
             let mut bad = self.invalid.lock().expect("invalid lock");
             if !bad.is_empty() {
@@ -689,19 +681,66 @@ impl Shared {
         rep
     }
 
-    /// Uploads one batch of the queue (one slot).
+    /// Uploads a session's value at `version` unless the server holds a
+    /// valid one at least as new (a later save or delete from another host,
+    /// which a late upload of an older one must not replace). Whether the
+    /// server now holds this version or a newer one; a failure is counted.
+    fn send_session(&self, c: &mut Client, key: &str, value: &[u8], version: u64) -> bool {
+        if value.len() as u64 > c.max_value() {
+            add(&self.counters.too_large, 1);
+            add(&self.counters.write_failures, 1);
+            return false;
+        }
+        let newer = |there: &[u8]| {
+            self.keys
+                .open(key, there)
+                .and_then(session_version)
+                .is_some_and(|v| v >= version)
+        };
+        let ttl = self.opts.ttl;
+        let set = self.call(c, key, |c, d| {
+            c.set_unless_newer((key, value), ttl, SESSION_VALUE_MAX, &newer, d)
+        });
+        match set {
+            Some(true) => {
+                add(&self.counters.bytes_written, value.len());
+                true
+            }
+            Some(false) => true,
+            None => {
+                add(&self.counters.write_failures, 1);
+                false
+            }
+        }
+    }
+
+    /// Uploads one batch of the queue: a hash-tag group's blocks, or a
+    /// session.
     fn write(&self, batch: Vec<Item>) {
         let mut c = self.writer.lock().expect("remote writer");
-        let keys: Vec<&str> = batch.iter().map(|i| i.key.as_str()).collect();
-        let ids: Vec<Option<BlockId>> = batch.iter().map(|i| i.id).collect();
-        let rep = self.send(&mut c, &keys, &ids, |k| {
-            Some(Cow::Borrowed(&batch[k].value[..]))
-        });
+        let mut blocks = Vec::with_capacity(batch.len());
+        let mut done = Vec::new();
+        for item in batch {
+            match item.kind {
+                Kind::Block(id) => blocks.push((item.key, item.value, id)),
+                Kind::Session { version, sent } => {
+                    if self.send_session(&mut c, &item.key, &item.value, version) {
+                        done.extend(sent);
+                    }
+                }
+            }
+        }
+        if !blocks.is_empty() {
+            let keys: Vec<&str> = blocks.iter().map(|(k, _, _)| k.as_str()).collect();
+            let ids: Vec<BlockId> = blocks.iter().map(|(_, _, id)| *id).collect();
+            self.send(&mut c, &keys, &ids, |k| {
+                Some(Cow::Borrowed(&blocks[k].1[..]))
+            });
+        }
         drop(c);
-        // A session's upload is a batch of its own: sent, or not at all.
-        // (Not under the writer lock: a tombstone's takes the index's.)
-        if rep.failed == 0 {
-            batch.into_iter().filter_map(|i| i.sent).for_each(|f| f());
+        // Not under the writer lock: a tombstone's takes the index's.
+        for f in done {
+            f();
         }
     }
 }

@@ -58,6 +58,16 @@ impl Client {
     ) -> Result<(), Fault> {
         match self.0 {}
     }
+    pub(crate) fn set_unless_newer(
+        &mut self,
+        _: (&str, &[u8]),
+        _: Option<Duration>,
+        _: usize,
+        _: &dyn Fn(&[u8]) -> bool,
+        _: Instant,
+    ) -> Result<bool, Fault> {
+        match self.0 {}
+    }
     pub(crate) fn expire(&mut self, _: &[String], _: Duration, _: Instant) -> Result<(), Fault> {
         match self.0 {}
     }

@@ -9,11 +9,32 @@ use std::time::Instant;
 pub(crate) struct Item {
     pub(crate) key: String,
     pub(crate) value: Vec<u8>,
-    /// Its block id, to forget it as uploaded when the write fails.
-    pub(crate) id: Option<crate::id::BlockId>,
-    /// Run once the value is on the server (never if the upload fails or
-    /// is dropped).
-    pub(crate) sent: Option<Sent>,
+    pub(crate) kind: Kind,
+}
+
+/// What a value is, which decides how it is set.
+pub(crate) enum Kind {
+    /// Block `id`'s record: set where the server lacks it; forgotten as
+    /// uploaded when the write fails.
+    Block(crate::id::BlockId),
+    /// A session's frame, saved or deleted at `version`: set unless the
+    /// server holds one at least as new. A session is a batch of its own.
+    Session {
+        version: u64,
+        /// Run once the server holds this version or a newer one (never if
+        /// the upload fails or is dropped).
+        sent: Option<Sent>,
+    },
+}
+
+impl Kind {
+    /// The block id, for a block.
+    pub(crate) fn block(&self) -> Option<crate::id::BlockId> {
+        match self {
+            Kind::Block(id) => Some(*id),
+            Kind::Session { .. } => None,
+        }
+    }
 }
 
 /// What to do once an item is on the server (a session's tombstone: drop
@@ -141,8 +162,10 @@ mod tests {
         vec![Item {
             key: String::new(),
             value: vec![0; n],
-            id: None,
-            sent: None,
+            kind: Kind::Session {
+                version: 1,
+                sent: None,
+            },
         }]
     }
 

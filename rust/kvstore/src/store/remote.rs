@@ -13,7 +13,7 @@ use crate::record::{self, Mismatch};
 use crate::remote::keys::{
     decode_session, encode_session, SessionFrame, GROUP, MAC_LEN, SESSION_VALUE_MAX,
 };
-use crate::remote::{Item, PushReport, Remote, Sent};
+use crate::remote::{Item, Kind, PushReport, Remote, Sent};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -125,13 +125,12 @@ impl Inner {
             for s in rec.slices() {
                 value.extend_from_slice(&s);
             }
-            let key = r.keys.block(ids, i);
-            let value = r.keys.seal(&key, value);
+            let key = r.keys().block(ids, i);
+            let value = r.keys().seal(&key, value);
             batch.push(Item {
                 key,
                 value,
-                id: Some(ids[i]),
-                sent: None,
+                kind: Kind::Block(ids[i]),
             });
         }
         r.upload(batch);
@@ -157,7 +156,7 @@ impl Inner {
         let mut at = from;
         while at < ids.len() {
             let end = (at - at % GROUP + GROUP).min(ids.len());
-            let keys: Vec<String> = (at..end).map(|j| r.keys.block(ids, j)).collect();
+            let keys: Vec<String> = (at..end).map(|j| r.keys().block(ids, j)).collect();
             let vals = r.fetch(&keys, block_value_max(&self.layout));
             // Without `out`, the group lands in a scratch buffer of its own.
             let mut scratch = Vec::new();
@@ -174,7 +173,7 @@ impl Inner {
                 let j = at + k;
                 let Some(v) = v else { break };
                 let mut dst = self.layout.block_runs_mut(buf, total, j - base);
-                let ok = r.keys.open(&keys[k], v).is_some_and(|p| {
+                let ok = r.keys().open(&keys[k], v).is_some_and(|p| {
                     land(
                         &self.layout,
                         p,
@@ -253,8 +252,8 @@ impl Inner {
     /// its own copy).
     pub(super) fn remote_save_session(&self, name: &str, version: u64, tokens: Option<&[u32]>) {
         let Some(r) = self.remote() else { return };
-        let key = r.keys.session(name);
-        let mut value = r.keys.seal(&key, encode_session(name, version, tokens));
+        let key = r.keys().session(name);
+        let mut value = r.keys().seal(&key, encode_session(name, version, tokens));
         if value.len() > SESSION_VALUE_MAX {
             value = Vec::new();
         }
@@ -275,8 +274,7 @@ impl Inner {
         r.upload(vec![Item {
             key,
             value,
-            id: None,
-            sent,
+            kind: Kind::Session { version, sent },
         }]);
     }
 
@@ -284,9 +282,12 @@ impl Inner {
     /// server has none (or an empty value), or could not be asked.
     pub(super) fn remote_session(&self, name: &str) -> Option<SessionFrame> {
         let r = self.remote()?;
-        let key = r.keys.session(name);
+        let key = r.keys().session(name);
         let v = r.get(&key, SESSION_VALUE_MAX)?;
-        let frame = r.keys.open(&key, &v).and_then(|p| decode_session(name, p));
+        let frame = r
+            .keys()
+            .open(&key, &v)
+            .and_then(|p| decode_session(name, p));
         if frame.is_none() {
             r.found_invalid(&key, None);
         }
@@ -372,7 +373,10 @@ impl Inner {
             for part in group.chunks(4 * GROUP) {
                 let head = &blocks[part[0].0].0;
                 let ids: Vec<BlockId> = part.iter().map(|&(_, _, i)| blocks[i].0).collect();
-                let keys: Vec<String> = ids.iter().map(|id| r.keys.block_under(head, id)).collect();
+                let keys: Vec<String> = ids
+                    .iter()
+                    .map(|id| r.keys().block_under(head, id))
+                    .collect();
                 let got = r.push_group(&keys, &ids, |k| {
                     let (id, loc) = &blocks[part[k].2];
                     self.record_bytes(id, loc)

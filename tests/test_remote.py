@@ -483,6 +483,36 @@ def test_a_raced_session_upload_reads_the_key_again(tmp_path):
         fake.close()
 
 
+def test_a_refused_key_does_not_turn_off_the_session_transaction(tmp_path):
+    """WATCH refused for the key (a key pattern revoked, then given back), not for
+    the command: the plain SET is refused too, so the next save still compares
+    versions (WATCH) instead of setting without asking from then on."""
+    from support.fake_resp import FakeServer
+
+    seen: list[bytes] = []
+    noperm = b"-NOPERM No permissions to access a key\r\n"
+
+    def handler(c, a):
+        seen.append(a[0].upper())
+        if seen.count(b"WATCH") <= 1 and seen[-1] in (b"WATCH", b"SET", b"STRLEN"):
+            return noperm  # the first save: the key is refused
+        if seen[-1] == b"EXEC":
+            return b"*1\r\n+OK\r\n"
+        return None
+
+    fake = FakeServer(handler)
+    try:
+        with _fake_store(tmp_path / "s", fake, write="through") as s:
+            tokens = seq(5, 2 * B)
+            s.save_session("chat", tokens, kv_for(LAYOUT, tokens))
+            assert remote_stats(s)["errors_permission"] >= 1
+            s.save_session("chat", tokens, kv_for(LAYOUT, tokens))
+            r = remote_stats(s)
+        assert seen.count(b"WATCH") == 2 and seen.count(b"EXEC") == 1, (seen, r)
+    finally:
+        fake.close()
+
+
 def test_sessions_travel_for_a_user_without_transactions(tmp_path_factory, tmp_path, monkeypatch):
     """A user refused WATCH and MULTI (an ACL without @transaction) still uploads
     its sessions: set without asking, counted as no failure."""

@@ -536,7 +536,11 @@ impl Client {
                 Some(Ok(None)) if Instant::now() < deadline => {}
                 Some(Ok(None)) => return Err(Fault::Timeout),
                 Some(Err(e)) if Fault::of(&e) == Fault::Permission => {
-                    self.no_transactions = true;
+                    // The command refused (no `@transaction`) or the key: a
+                    // plain SET tells which, and only the first is kept.
+                    let set = self.set_all(&[(key, value)], ttl, deadline);
+                    self.no_transactions = set.is_ok();
+                    return set.map(|()| true);
                 }
                 Some(Err(e)) if redirected(&e) => {
                     self.stale = true;

@@ -4,6 +4,7 @@ failure after open is a miss plus a counter; failures at open are RemoteError.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -457,83 +458,179 @@ def test_a_late_upload_of_an_older_session_keeps_the_newer_one(single, tmp_path)
         proxy.close()
 
 
+EXEC_DONE = b"*1\r\n+OK\r\n"  # the reply of a transaction that set its one key
+
+
+@contextlib.contextmanager
+def _on_fake(path, handler, **remote):
+    """A store whose only node is a fake server answering through `handler`
+    (`support.fake_resp`), writing through."""
+    from support.fake_resp import FakeServer
+
+    fake = FakeServer(handler)
+    try:
+        with _fake_store(path, fake, write="through", **remote) as s:
+            yield s
+    finally:
+        fake.close()
+
+
+def _save_chat(s, n: int = 2 * B) -> dict:
+    """Saves session "chat" of `n` tokens; the remote counters after it."""
+    tokens = seq(5, n)
+    s.save_session("chat", tokens, kv_for(LAYOUT, tokens))
+    return remote_stats(s)
+
+
 def test_a_raced_session_upload_reads_the_key_again(tmp_path):
     """A session is set in an optimistic transaction (WATCH, GETRANGE, then MULTI,
     SET, EXEC): where another client changed the key in between, EXEC sets
     nothing, and the upload reads the key again and sets it then."""
-    from support.fake_resp import FakeServer
-
     seen: list[bytes] = []
 
     def handler(c, a):
         seen.append(a[0].upper())
         if seen[-1] == b"EXEC":
-            return b"*-1\r\n" if seen.count(b"EXEC") == 1 else b"*1\r\n+OK\r\n"
+            return b"*-1\r\n" if seen.count(b"EXEC") == 1 else EXEC_DONE
         return None
 
-    fake = FakeServer(handler)
-    try:
-        with _fake_store(tmp_path / "s", fake, write="through") as s:
-            tokens = seq(5, 2 * B)
-            s.save_session("chat", tokens, kv_for(LAYOUT, tokens))
-            r = remote_stats(s)
-            assert r["write_failures"] == 0, r
-        assert seen.count(b"WATCH") == 2 and seen.count(b"EXEC") == 2, seen
-    finally:
-        fake.close()
+    with _on_fake(tmp_path / "s", handler) as s:
+        r = _save_chat(s)
+    assert r["write_failures"] == 0, r
+    assert seen.count(b"WATCH") == 2 and seen.count(b"EXEC") == 2, seen
 
 
 def test_a_refused_key_does_not_turn_off_the_session_transaction(tmp_path):
     """WATCH refused for the key (a key pattern revoked, then given back), not for
     the command: the plain SET is refused too, so the next save still compares
     versions (WATCH) instead of setting without asking from then on."""
-    from support.fake_resp import FakeServer
-
     seen: list[bytes] = []
-    noperm = b"-NOPERM No permissions to access a key\r\n"
 
     def handler(c, a):
         seen.append(a[0].upper())
         if seen.count(b"WATCH") <= 1 and seen[-1] in (b"WATCH", b"SET", b"STRLEN"):
-            return noperm  # the first save: the key is refused
-        if seen[-1] == b"EXEC":
-            return b"*1\r\n+OK\r\n"
-        return None
+            return b"-NOPERM No permissions to access a key\r\n"  # the first save's
+        return EXEC_DONE if seen[-1] == b"EXEC" else None
 
-    fake = FakeServer(handler)
-    try:
-        with _fake_store(tmp_path / "s", fake, write="through") as s:
-            tokens = seq(5, 2 * B)
-            s.save_session("chat", tokens, kv_for(LAYOUT, tokens))
-            assert remote_stats(s)["errors_permission"] >= 1
-            s.save_session("chat", tokens, kv_for(LAYOUT, tokens))
-            r = remote_stats(s)
-        assert seen.count(b"WATCH") == 2 and seen.count(b"EXEC") == 1, (seen, r)
-    finally:
-        fake.close()
+    with _on_fake(tmp_path / "s", handler) as s:
+        assert _save_chat(s)["errors_permission"] >= 1
+        r = _save_chat(s)
+    assert seen.count(b"WATCH") == 2 and seen.count(b"EXEC") == 1, (seen, r)
 
 
-def test_sessions_travel_for_a_user_without_transactions(tmp_path_factory, tmp_path, monkeypatch):
-    """A user refused WATCH and MULTI (an ACL without @transaction) still uploads
-    its sessions: set without asking, counted as no failure."""
+@pytest.mark.parametrize("deny", ["-@transaction", "-watch", "-multi", "-exec"])
+def test_sessions_travel_for_a_user_without_transactions(
+    tmp_path_factory, tmp_path, monkeypatch, deny
+):
+    """A user refused WATCH, MULTI or EXEC (an ACL without them) still uploads its
+    sessions: set without asking, counted as no failure; its blocks upload too. A
+    refused EXEC (EXECABORT) failed every session upload before."""
     secret = "tx-Pa55"
     single = _start(tmp_path_factory, 1, False, ["--requirepass", secret])
     try:
         cmd(single.ports[0], "ACL", "SETUSER", "kv", "on", ">" + secret, "~kvstore:*",
-            "+@all", "-@transaction", password=secret)  # fmt: skip
+            "+@all", deny, password=secret)  # fmt: skip
         monkeypatch.setenv("KV_TX_PW", secret)
         remote = kvstore.Remote(single.nodes, username="kv", password_env="KV_TX_PW")
-        tokens = seq(7, 3 * B)
+        tokens, other = seq(7, 3 * B), seq(900, 4 * B)
         with kvstore.open(tmp_path / "a", LAYOUT, MODEL, durability="none", remote=remote) as a:
             for n in (B, 3 * B):
                 a.save_session("chat", tokens[:n], kv_for(LAYOUT, tokens[:n]))
                 a.flush()
+            a.put(other, kv_for(LAYOUT, other))
+            a.flush()
             r = remote_stats(a)
             assert r["write_failures"] == 0 and r["errors_permission"] == 0, r
         with kvstore.open(tmp_path / "b", LAYOUT, MODEL, durability="none", remote=remote) as b:
             assert list(b.load_session("chat")[0]) == tokens
+            assert b.lookup(other) == len(other)
     finally:
         single.stop()
+
+
+def test_sessions_travel_where_watch_is_unknown(tmp_path_factory, tmp_path):
+    """A server whose WATCH is renamed away (or a proxy that lacks it) answers
+    `unknown command`: sessions are set without asking, as before versions were
+    compared, instead of failing every upload."""
+    single = _start(tmp_path_factory, 1, False, ["--rename-command", "WATCH", ""])
+    try:
+        tokens = seq(7, 3 * B)
+        with open_host(tmp_path / "a", single) as a:
+            a.save_session("chat", tokens, kv_for(LAYOUT, tokens))
+            a.flush()
+            assert remote_stats(a)["write_failures"] == 0
+        with open_host(tmp_path / "b", single) as b:
+            assert list(b.load_session("chat")[0]) == tokens
+    finally:
+        single.stop()
+
+
+def _session_head(version: int) -> bytes:
+    return b"KVSV" + version.to_bytes(8, "little")
+
+
+def test_a_session_upload_reads_only_the_head_of_an_older_copy(tmp_path):
+    """The server's copy is read whole (up to 64 MiB, to check its MAC) only where
+    its head names a version at least as new: an older copy costs 12 bytes, and a
+    copy whose head claims a newer version but fails its check is set over (a
+    forged version cannot hold a session's uploads back)."""
+    from support.fake_resp import bulk
+
+    head = {"version": 1}  # older than any save's (the wall clock in ns)
+    ranges: list[int] = []
+
+    def handler(c, a):
+        if a[0].upper() == b"GETRANGE" and b":session:" in a[1]:
+            ranges.append(int(a[3]))
+            value = _session_head(head["version"]) + b"\x01" + b"x" * 100
+            return bulk(value[: int(a[3]) + 1])
+        return EXEC_DONE if a[0].upper() == b"EXEC" else None
+
+    with _on_fake(tmp_path / "s", handler) as s:
+        _save_chat(s)
+        assert ranges == [11], ranges  # the head only, then set
+        head["version"] = 2**64 - 1  # a forged, newer head over no valid frame
+        ranges.clear()
+        r = _save_chat(s)
+        assert ranges == [11, 64 << 20], ranges  # read whole, checked, set over
+        assert r["write_failures"] == 0 and r["bytes_written"] > 0, r
+
+
+def test_a_contended_session_key_gives_up_without_blaming_the_node(tmp_path):
+    """Other clients change the key between every WATCH and EXEC: the upload
+    gives up after a few tries, counted as a failed write (not a timeout), and the
+    node's breaker stays closed, so the next read still goes to the server."""
+    seen: list[bytes] = []
+
+    def handler(c, a):
+        seen.append(a[0].upper())
+        return b"*-1\r\n" if seen[-1] == b"EXEC" else None
+
+    with _on_fake(tmp_path / "s", handler, timeout=0.3) as s:
+        _save_chat(s)
+        assert s.lookup(seq(900, 4 * B)) == 0
+        r = remote_stats(s)
+    assert 1 < seen.count(b"EXEC") <= 5, seen
+    assert r["write_failures"] == 1 and r["errors_timeout"] == 0, r
+    assert r["breaker_skips"] == 0, r
+
+
+def test_a_refused_auth_does_not_turn_off_the_session_transaction(tmp_path, monkeypatch):
+    """The uploader's first connection is refused at AUTH (a password rotating):
+    that counts as a failed upload, and later uploads still compare versions."""
+    seen: list[bytes] = []
+
+    def handler(c, a):
+        seen.append(a[0].upper())
+        if seen[-1] == b"AUTH" and seen.count(b"AUTH") == 2:  # the uploader's first
+            return b"-WRONGPASS invalid username-password pair\r\n"
+        return EXEC_DONE if seen[-1] == b"EXEC" else None
+
+    monkeypatch.setenv("KV_ROT_PW", "pw")
+    with _on_fake(tmp_path / "s", handler, password_env="KV_ROT_PW") as s:
+        for n in (1, 2, 3):  # under a block: the session is each save's only upload
+            _save_chat(s, n)
+    assert seen.count(b"WATCH") >= 2 and seen.count(b"EXEC") >= 2, seen
 
 
 def test_another_hosts_newer_save_wins_over_a_failed_one(single, tmp_path):

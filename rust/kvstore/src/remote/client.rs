@@ -10,7 +10,7 @@
 
 use super::keys::slot;
 use super::wire::{Target, Wire};
-use super::{addr, NodeReport, RemoteOptions};
+use super::{addr, Newer, NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use redis::cluster::{ClusterClientBuilder, ClusterConnection};
 use redis::{Cmd, RedisError, TlsCertificates, Value};
@@ -510,44 +510,51 @@ impl Client {
     }
 
     /// Sets `key` to `value` (with a time to live if given) unless the value
-    /// there, read up to `max + 1` bytes, is `newer`: then `Ok(false)`. One
-    /// optimistic transaction on the key's node (`WATCH`, `GETRANGE`, then
-    /// `MULTI`, `SET`, `EXEC`), tried again while other clients change the
-    /// key in between, by `deadline`. Set without asking where the server
-    /// refuses `WATCH` or `MULTI` (a user without `@transaction`), the key's
-    /// slot moved (a reshard), or this client has no connection of its own
-    /// to the node (no slot map).
+    /// there is newer (`newer`): then `Ok(false)`. One optimistic
+    /// transaction on the key's node: `WATCH` and the value's head, its
+    /// whole (up to `newer.max + 1` bytes) only where the head says it may
+    /// be newer, then `MULTI`, `SET`, `EXEC`; tried again (up to
+    /// [`RACE_TRIES`] times) where another client changed the key in
+    /// between. Where the server refuses the transaction (a user without
+    /// `@transaction`, the commands renamed or unknown behind a proxy, the
+    /// key's slot moved) or this client has no connection of its own to the
+    /// node (no slot map), a plain `SET` instead; a refusal whose `SET`
+    /// goes through turns the transaction off for this client.
     pub(crate) fn set_unless_newer(
         &mut self,
         (key, value): (&str, &[u8]),
         ttl: Option<Duration>,
-        max: usize,
-        newer: &dyn Fn(&[u8]) -> bool,
+        newer: &Newer<'_>,
         deadline: Instant,
     ) -> Result<bool, Fault> {
         let set = set_cmd(key, value, ttl);
+        let mut races = 0;
         while !self.no_transactions {
-            let tried = self.on_key(key, deadline, |w| {
-                watched_set(w, key, &set, max, newer, deadline)
-            });
-            match tried {
-                Some(Ok(Some(set))) => return Ok(set),
-                // Another client changed the key meanwhile: read it again.
-                Some(Ok(None)) if Instant::now() < deadline => {}
-                Some(Ok(None)) => return Err(Fault::Timeout),
-                Some(Err(e)) if Fault::of(&e) == Fault::Permission => {
-                    // The command refused (no `@transaction`) or the key: a
-                    // plain SET tells which, and only the first is kept.
+            let Some(tried) = self.on_key(key, deadline, |w| {
+                watched_set(w, key, &set, newer, deadline)
+            }) else {
+                break;
+            };
+            match tried.map_err(|e| Fault::of(&e))? {
+                Tried::Done(set) => return Ok(set),
+                // Another client changed the key meanwhile: read it again;
+                // where others keep writing it, give up (counted, but no
+                // failure of the node).
+                Tried::Raced => {
+                    races += 1;
+                    if races == RACE_TRIES {
+                        return Err(Fault::Other);
+                    }
+                }
+                Tried::Refused(e) => {
+                    let moved = redirected(&e);
+                    self.stale |= moved;
                     let set = self.set_all(&[(key, value)], ttl, deadline);
-                    self.no_transactions = set.is_ok();
+                    // A refused key (no permission, out of memory) fails the
+                    // SET too, and a moved slot is no refusal of the commands.
+                    self.no_transactions = set.is_ok() && !moved;
                     return set.map(|()| true);
                 }
-                Some(Err(e)) if redirected(&e) => {
-                    self.stale = true;
-                    break;
-                }
-                Some(Err(e)) => return Err(Fault::of(&e)),
-                None => break,
             }
         }
         self.set_all(&[(key, value)], ttl, deadline).map(|()| true)
@@ -767,60 +774,104 @@ fn set_cmd(key: &str, value: &[u8], ttl: Option<Duration>) -> Cmd {
     c
 }
 
-/// One try of `set_unless_newer` on `w`: whether it set (`Some(false)`: the
-/// value there is newer), or `None` where another client changed the key
-/// between the `WATCH` and the `EXEC` (which then set nothing).
+/// Tries of `set_unless_newer` while other clients keep changing the key.
+const RACE_TRIES: usize = 3;
+
+/// What one try of `set_unless_newer` came to.
+enum Tried {
+    /// Set (`true`), or not: the value there is newer.
+    Done(bool),
+    /// Another client changed the key between the `WATCH` and the `EXEC`,
+    /// which then set nothing.
+    Raced,
+    /// The server refused a command of the transaction (its error reply).
+    Refused(RedisError),
+}
+
+/// One try of `set_unless_newer` on `w`. Whatever the replies, the
+/// connection is left in step, outside any transaction and watching
+/// nothing.
 fn watched_set(
     w: &mut Wire,
     key: &str,
     set: &Cmd,
-    max: usize,
-    newer: &dyn Fn(&[u8]) -> bool,
+    newer: &Newer<'_>,
     deadline: Instant,
-) -> RedisResult<Option<bool>> {
-    let refused = |v: &Value| match v {
-        Value::ServerError(e) => Some(RedisError::from(e.clone())),
-        _ => None,
+) -> RedisResult<Tried> {
+    // Its reply does not matter (a user without `@transaction` is refused
+    // UNWATCH too, and then watches nothing).
+    let unwatch = |w: &mut Wire, t: Tried| -> RedisResult<Tried> {
+        w.replies(&redis::cmd("UNWATCH").get_packed_command(), 1, deadline)?;
+        Ok(t)
     };
-    let mut read = redis::pipe();
-    read.cmd("WATCH").arg(key);
-    read.cmd("GETRANGE").arg(key).arg(0).arg(max);
-    let got = w.replies(&read.get_packed_pipeline(), 2, deadline)?;
-    if let Some(e) = refused(&got[0]) {
-        return Err(e);
-    }
-    let there: &[u8] = match &got[1] {
-        Value::BulkString(b) => b,
-        // A key of another type holds no session: set over it.
-        Value::ServerError(e) if e.code() == "WRONGTYPE" => &[],
-        v => {
-            let _: Value = w.query(&redis::cmd("UNWATCH"), deadline)?;
-            return Err(refused(v).unwrap_or_else(|| {
-                RedisError::from((redis::ErrorKind::Parse, "GETRANGE: not a string"))
-            }));
+    let head = match read_value(w, key, true, newer.head, deadline)? {
+        Ok(h) => h,
+        Err(e) => return unwatch(w, Tried::Refused(e)),
+    };
+    if !head.is_empty() && (newer.may_be)(&head) {
+        match read_value(w, key, false, newer.max + 1, deadline)? {
+            Ok(whole) if (newer.is)(&whole) => return unwatch(w, Tried::Done(false)),
+            Ok(_) => {}
+            Err(e) => return unwatch(w, Tried::Refused(e)),
         }
-    };
-    if !there.is_empty() && newer(there) {
-        let _: Value = w.query(&redis::cmd("UNWATCH"), deadline)?;
-        return Ok(Some(false));
     }
     let mut tx = redis::pipe();
     tx.cmd("MULTI").add_command(set.clone()).cmd("EXEC");
     let got = w.replies(&tx.get_packed_pipeline(), 3, deadline)?;
-    // A refused MULTI ran the SET alone; it is set again without asking.
-    if let Some(e) = got.iter().find_map(refused) {
-        return Err(e);
+    // A refused MULTI ran the SET alone, and a refused EXEC (EXECABORT)
+    // discarded it; either way it is set again, without the transaction.
+    // DISCARD and UNWATCH leave the connection outside any transaction and
+    // watching nothing, whichever was refused (their replies do not matter).
+    if let Some(e) = got.iter().find_map(refusal) {
+        let mut end = redis::pipe();
+        end.cmd("DISCARD").cmd("UNWATCH");
+        w.replies(&end.get_packed_pipeline(), 2, deadline)?;
+        return Ok(Tried::Refused(e));
     }
     match &got[2] {
-        Value::Nil => Ok(None),
-        Value::Array(done) => match done.first().and_then(refused) {
-            Some(e) => Err(e),
-            None => Ok(Some(true)),
-        },
+        Value::Nil => Ok(Tried::Raced),
+        Value::Array(done) => Ok(match done.first().and_then(refusal) {
+            Some(e) => Tried::Refused(e),
+            None => Tried::Done(true),
+        }),
         _ => Err(RedisError::from((
             redis::ErrorKind::Parse,
             "EXEC: not an array",
         ))),
+    }
+}
+
+/// After `WATCH key` (with `watch`), the first `len` bytes of the value
+/// under `key` (empty where it is missing or of another type), or the
+/// server's refusal of either command.
+fn read_value(
+    w: &mut Wire,
+    key: &str,
+    watch: bool,
+    len: usize,
+    deadline: Instant,
+) -> RedisResult<Result<Vec<u8>, RedisError>> {
+    let mut p = redis::pipe();
+    if watch {
+        p.cmd("WATCH").arg(key);
+    }
+    p.cmd("GETRANGE").arg(key).arg(0).arg(len.saturating_sub(1));
+    let mut got = w.replies(&p.get_packed_pipeline(), p.len(), deadline)?;
+    let wrong_type = |v: &Value| matches!(v, Value::ServerError(e) if e.code() == "WRONGTYPE");
+    if let Some(e) = got.iter().filter(|v| !wrong_type(v)).find_map(refusal) {
+        return Ok(Err(e));
+    }
+    Ok(Ok(match got.pop() {
+        Some(Value::BulkString(b)) => b,
+        _ => Vec::new(),
+    }))
+}
+
+/// A server's error reply, as an error.
+fn refusal(v: &Value) -> Option<RedisError> {
+    match v {
+        Value::ServerError(e) => Some(RedisError::from(e.clone())),
+        _ => None,
     }
 }
 

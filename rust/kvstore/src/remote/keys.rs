@@ -117,39 +117,52 @@ pub(crate) fn encode_session(name: &str, version: u64, tokens: Option<&[u32]>) -
     v
 }
 
-/// The version a session payload (either format) was saved or deleted at;
-/// `None` if it is not one. (Its MAC, checked first, says whose it is.)
-pub(crate) fn session_version(p: &[u8]) -> Option<u64> {
-    match p.get(..4)? {
-        m if m == SESSION_MAGIC => Some(u64::from_le_bytes(p.get(4..12)?.try_into().ok()?)),
+/// Bytes of a session payload that hold its version (magic and version):
+/// what is read of the server's copy before deciding whether to read it all.
+pub(crate) const SESSION_HEAD: usize = 12;
+
+/// The version a payload's first [`SESSION_HEAD`] bytes name; 0 for the
+/// older format, `None` if they are not a session's. Unchecked: only a
+/// cheap "may be newer" before the whole value is read and checked.
+pub(crate) fn session_head_version(head: &[u8]) -> Option<u64> {
+    match head.get(..4)? {
+        m if m == SESSION_MAGIC => Some(u64::from_le_bytes(head.get(4..12)?.try_into().ok()?)),
         m if m == SESSION_MAGIC_V0 => Some(0),
         _ => None,
     }
 }
 
+/// The version of a whole session payload (either format, any name), if it
+/// is one.
+pub(crate) fn session_version(p: &[u8]) -> Option<u64> {
+    parse_session(p).map(|(_, f)| f.version)
+}
+
 /// Session `name`'s frame from its payload (either format); `None` if it
 /// is not one.
 pub(crate) fn decode_session(name: &str, p: &[u8]) -> Option<SessionFrame> {
-    let (version, live, rest) = match p.get(..4)? {
-        m if m == SESSION_MAGIC => {
-            let version = u64::from_le_bytes(p.get(4..12)?.try_into().ok()?);
-            let live = match *p.get(12)? {
-                0 => false,
-                1 => true,
-                _ => return None,
-            };
-            (version, live, &p[13..])
-        }
-        m if m == SESSION_MAGIC_V0 => (0, true, &p[4..]),
-        _ => return None,
+    let (n, frame) = parse_session(p)?;
+    (n == name.as_bytes()).then_some(frame)
+}
+
+/// A session payload's name and frame.
+fn parse_session(p: &[u8]) -> Option<(&[u8], SessionFrame)> {
+    let version = session_head_version(p)?;
+    let (live, rest) = if p.get(..4)? == SESSION_MAGIC {
+        let live = match *p.get(12)? {
+            0 => false,
+            1 => true,
+            _ => return None,
+        };
+        (live, &p[13..])
+    } else {
+        (true, &p[4..])
     };
     let u32_at = |at: usize| -> Option<u32> {
         Some(u32::from_le_bytes(rest.get(at..at + 4)?.try_into().ok()?))
     };
     let n = u32_at(0)? as usize;
-    if rest.get(4..4 + n)? != name.as_bytes() {
-        return None;
-    }
+    let name = rest.get(4..4 + n)?;
     let count = u32_at(4 + n)? as usize;
     let body = rest.get(8 + n..)?;
     if body.len() != count.checked_mul(4)? || (!live && count != 0) {
@@ -159,10 +172,13 @@ pub(crate) fn decode_session(name: &str, p: &[u8]) -> Option<SessionFrame> {
         .chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
-    Some(SessionFrame {
-        version,
-        tokens: live.then_some(tokens),
-    })
+    Some((
+        name,
+        SessionFrame {
+            version,
+            tokens: live.then_some(tokens),
+        },
+    ))
 }
 
 /// The cluster slot of a key: CRC16 (XMODEM) of its hash tag, mod 16384.
@@ -290,11 +306,20 @@ mod tests {
         );
         assert_eq!(decode_session("ab", &old[..old.len() - 1]), None);
         assert_eq!(decode_session("ac", &old), None);
-        // The version alone, as the conditional upload compares it.
+        // The version alone, as the conditional upload compares it: from the
+        // head (unchecked), and from the whole frame (any name; checked).
+        assert_eq!(
+            session_head_version(&p[..SESSION_HEAD]),
+            Some(0x0102_0304_0506_0708)
+        );
+        assert_eq!(session_head_version(&old[..SESSION_HEAD]), Some(0));
+        assert_eq!(session_head_version(&p[..11]), None);
+        assert_eq!(session_head_version(b"KVSX\x01\0\0\0\0\0\0\0"), None);
         assert_eq!(session_version(&p), Some(0x0102_0304_0506_0708));
         assert_eq!(session_version(&encode_session("ab", 1, None)), Some(1));
         assert_eq!(session_version(&old), Some(0));
-        assert_eq!(session_version(&p[..11]), None);
-        assert_eq!(session_version(b"KVSX\x01\0\0\0\0\0\0\0"), None);
+        // A head that names a version over a body that is no frame: none.
+        assert_eq!(session_version(&p[..p.len() - 1]), None);
+        assert_eq!(session_version(&p[..SESSION_HEAD]), None);
     }
 }

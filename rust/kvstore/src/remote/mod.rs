@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::id::BlockId;
 use breaker::Breaker;
 use client::{Client, Fault};
-use keys::{session_version, Keys, SESSION_VALUE_MAX};
+use keys::{session_head_version, session_version, Keys, SESSION_HEAD, SESSION_VALUE_MAX};
 use queue::Queue;
 pub(crate) use queue::{Item, Kind, Sent};
 use std::borrow::Cow;
@@ -250,6 +250,23 @@ const KNOWN_MAX: usize = 1 << 20;
 /// Keys whose value on the server this handle found invalid, bounded: their
 /// next upload overwrites the value instead of taking it for present.
 const INVALID_MAX: usize = 4096;
+
+/// How `Client::set_unless_newer` tells whether the value on the server is
+/// newer than the one to set. (Only the client of the `remote` feature
+/// reads it.)
+#[cfg_attr(not(feature = "remote"), allow(dead_code))]
+pub(crate) struct Newer<'a> {
+    /// Bytes read of it first.
+    pub(crate) head: usize,
+    /// Whether a value that begins with these (unchecked) bytes may be
+    /// newer; if not, it is set over without reading the rest.
+    pub(crate) may_be: &'a dyn Fn(&[u8]) -> bool,
+    /// Whether the whole value, read up to `max + 1` bytes, is newer (and
+    /// valid: an invalid one is set over).
+    pub(crate) is: &'a dyn Fn(&[u8]) -> bool,
+    /// The longest valid value.
+    pub(crate) max: usize,
+}
 
 /// What the uploader thread and the callers share.
 struct Shared {
@@ -691,27 +708,33 @@ impl Shared {
             add(&self.counters.write_failures, 1);
             return false;
         }
-        let newer = |there: &[u8]| {
+        let may_be = |head: &[u8]| session_head_version(head).is_some_and(|v| v >= version);
+        let is = |there: &[u8]| {
             self.keys
                 .open(key, there)
                 .and_then(session_version)
                 .is_some_and(|v| v >= version)
         };
+        let newer = Newer {
+            head: SESSION_HEAD,
+            may_be: &may_be,
+            is: &is,
+            max: SESSION_VALUE_MAX,
+        };
         let ttl = self.opts.ttl;
         let set = self.call(c, key, |c, d| {
-            c.set_unless_newer((key, value), ttl, SESSION_VALUE_MAX, &newer, d)
+            c.set_unless_newer((key, value), ttl, &newer, d)
         });
-        match set {
-            Some(true) => {
-                add(&self.counters.bytes_written, value.len());
-                true
-            }
-            Some(false) => true,
-            None => {
-                add(&self.counters.write_failures, 1);
-                false
-            }
+        if set.is_none() {
+            add(&self.counters.write_failures, 1);
+            return false;
         }
+        if set == Some(true) {
+            add(&self.counters.bytes_written, value.len());
+        }
+        // The server holds a valid value under the key again.
+        self.invalid.lock().expect("invalid lock").remove(key);
+        true
     }
 
     /// Uploads one batch of the queue: a hash-tag group's blocks, or a

@@ -1,7 +1,7 @@
 //! The remote tier in a build without the `remote` feature: opening a store
 //! with one is an error, so nothing else here can run.
 
-use super::{NodeReport, RemoteOptions};
+use super::{Newer, NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use std::convert::Infallible;
 use std::time::{Duration, Instant};
@@ -62,8 +62,7 @@ impl Client {
         &mut self,
         _: (&str, &[u8]),
         _: Option<Duration>,
-        _: usize,
-        _: &dyn Fn(&[u8]) -> bool,
+        _: &Newer<'_>,
         _: Instant,
     ) -> Result<bool, Fault> {
         match self.0 {}

@@ -50,8 +50,9 @@ pub(crate) struct Client {
     /// The slot map may be out of date: a node failed, or a key was
     /// redirected. Read again (`refresh_from`) when a call has time left.
     stale: bool,
-    /// The server refused `WATCH` or `MULTI` (a user without
-    /// `@transaction`): sessions are set without asking (`set_unless_newer`).
+    /// The server refused the commands of a transaction (a user without
+    /// `@transaction`, or they are unknown): sessions are set without
+    /// asking (`set_unless_newer`).
     no_transactions: bool,
 }
 
@@ -514,12 +515,13 @@ impl Client {
     /// transaction on the key's node: `WATCH` and the value's head, its
     /// whole (up to `newer.max + 1` bytes) only where the head says it may
     /// be newer, then `MULTI`, `SET`, `EXEC`; tried again (up to
-    /// [`RACE_TRIES`] times) where another client changed the key in
-    /// between. Where the server refuses the transaction (a user without
-    /// `@transaction`, the commands renamed or unknown behind a proxy, the
-    /// key's slot moved) or this client has no connection of its own to the
-    /// node (no slot map), a plain `SET` instead; a refusal whose `SET`
-    /// goes through turns the transaction off for this client.
+    /// [`RACE_TRIES`] times, while the call has time) where another client
+    /// changed the key in between. Where the server refuses the transaction
+    /// (a user without `@transaction`, the commands renamed or unknown
+    /// behind a proxy), the key's slot moved, or this client has no
+    /// connection of its own to the node (no slot map), a plain `SET`
+    /// instead; a refusal whose `SET` goes through turns the transaction off
+    /// for this client. Any other error reply is a fault.
     pub(crate) fn set_unless_newer(
         &mut self,
         (key, value): (&str, &[u8]),
@@ -530,6 +532,7 @@ impl Client {
         let set = set_cmd(key, value, ttl);
         let mut races = 0;
         while !self.no_transactions {
+            let began = Instant::now();
             let Some(tried) = self.on_key(key, deadline, |w| {
                 watched_set(w, key, &set, newer, deadline)
             }) else {
@@ -537,24 +540,31 @@ impl Client {
             };
             match tried.map_err(|e| Fault::of(&e))? {
                 Tried::Done(set) => return Ok(set),
-                // Another client changed the key meanwhile: read it again;
-                // where others keep writing it, give up (counted, but no
-                // failure of the node).
+                // Another client changed the key meanwhile: read it again,
+                // while the call has time for another try; where others keep
+                // writing it, give up (counted, but no failure of the node).
                 Tried::Raced => {
                     races += 1;
-                    if races == RACE_TRIES {
+                    if races == RACE_TRIES || Instant::now() + began.elapsed() > deadline {
                         return Err(Fault::Other);
                     }
                 }
-                Tried::Refused(e) => {
-                    let moved = redirected(&e);
-                    self.stale |= moved;
+                Tried::Refused(e) if redirected(&e) => {
+                    self.stale = true;
+                    break;
+                }
+                // The commands refused (no `@transaction`, renamed or unknown
+                // behind a proxy) or the key (no permission, out of memory):
+                // a plain SET tells which, and only the first turns the
+                // transaction off for this client.
+                Tried::Refused(e) if refuses_transactions(&e) => {
                     let set = self.set_all(&[(key, value)], ttl, deadline);
-                    // A refused key (no permission, out of memory) fails the
-                    // SET too, and a moved slot is no refusal of the commands.
-                    self.no_transactions = set.is_ok() && !moved;
+                    self.no_transactions = set.is_ok();
                     return set.map(|()| true);
                 }
+                // Anything else (a node loading, busy, or down) is the fault
+                // it is; the next upload tries the transaction again.
+                Tried::Refused(e) => return Err(Fault::of(&e)),
             }
         }
         self.set_all(&[(key, value)], ttl, deadline).map(|()| true)
@@ -865,6 +875,17 @@ fn read_value(
         Some(Value::BulkString(b)) => b,
         _ => Vec::new(),
     }))
+}
+
+/// Whether a server's error reply refuses the commands of a transaction,
+/// or may: `NOPERM` (an ACL without them, or without the key), an unknown
+/// command (renamed away, or behind a proxy that lacks it), `EXECABORT` (a
+/// refused `EXEC`, or a `SET` refused while queued).
+fn refuses_transactions(e: &RedisError) -> bool {
+    matches!(e.code(), Some("NOPERM" | "EXECABORT"))
+        || e.to_string()
+            .to_ascii_lowercase()
+            .contains("unknown command")
 }
 
 /// A server's error reply, as an error.

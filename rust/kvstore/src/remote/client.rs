@@ -410,18 +410,11 @@ impl Client {
                 }
             }
             Conn::Single { target, conn } => {
-                if conn.is_none() {
-                    *conn = Some(Wire::connect(target, deadline)?);
-                }
                 let mut p = redis::pipe();
                 for cmd in cmds {
                     p.add_command(cmd);
                 }
-                let res = pipeline(conn.as_mut().expect("connection"), &p, deadline);
-                if res.as_ref().is_err_and(out_of_step) {
-                    *conn = None;
-                }
-                res
+                on_single(target, conn, deadline, |w| pipeline(w, &p, deadline))
             }
         }
     }
@@ -529,9 +522,12 @@ impl Client {
         newer: &Newer<'_>,
         deadline: Instant,
     ) -> Result<bool, Fault> {
+        if self.no_transactions {
+            return self.set_all(&[(key, value)], ttl, deadline).map(|()| true);
+        }
         let set = set_cmd(key, value, ttl);
         let mut races = 0;
-        while !self.no_transactions {
+        loop {
             let began = Instant::now();
             let Some(tried) = self.on_key(key, deadline, |w| {
                 watched_set(w, key, &set, newer, deadline)
@@ -587,20 +583,10 @@ impl Client {
             let node = self.node_of(key).to_string();
             return Some(self.on_node(&node, deadline, f));
         }
-        let Conn::Single { target, conn } = &mut self.conn else {
-            return None;
-        };
-        if conn.is_none() {
-            match Wire::connect(target, deadline) {
-                Ok(w) => *conn = Some(w),
-                Err(e) => return Some(Err(e)),
-            }
+        match &mut self.conn {
+            Conn::Single { target, conn } => Some(on_single(target, conn, deadline, f)),
+            Conn::Cluster(_) => None,
         }
-        let res = f(conn.as_mut().expect("connection"));
-        if res.as_ref().is_err_and(out_of_step) {
-            *conn = None;
-        }
-        Some(res)
     }
 
     /// Renews the time to live of `keys` (one slot).
@@ -772,6 +758,24 @@ fn pipeline<T: redis::FromRedisValue>(
         .into_iter()
         .map(|v| T::from_redis_value(v).map_err(RedisError::from))
         .collect()
+}
+
+/// Runs `f` on a single node's connection `conn` to `target`, made on first
+/// use (within `deadline` too) and dropped where it fails out of step.
+fn on_single<T>(
+    target: &Target,
+    conn: &mut Option<Wire>,
+    deadline: Instant,
+    f: impl FnOnce(&mut Wire) -> RedisResult<T>,
+) -> RedisResult<T> {
+    if conn.is_none() {
+        *conn = Some(Wire::connect(target, deadline)?);
+    }
+    let res = f(conn.as_mut().expect("connection"));
+    if res.as_ref().is_err_and(out_of_step) {
+        *conn = None;
+    }
+    res
 }
 
 /// `SET key value [PX ttl]`.

@@ -651,15 +651,10 @@ impl Shared {
             if !forced[k] && there.next().unwrap_or(false) {
                 present.push(k);
             } else if let Some(v) = value(k) {
-                // Over the server's bulk limit (`proto-max-bulk-len`) the
-                // server would drop the connection, and the node look dead
-                // to the breaker: not sent, counted.
-                if v.len() as u64 <= c.max_value() {
+                if self.fits(c, &v) {
                     todo.push((k, v));
                 } else {
                     rep.failed += 1;
-                    add(&self.counters.too_large, 1);
-                    add(&self.counters.write_failures, 1);
                     self.mark(std::iter::once(&ids[k]), false);
                 }
             } else {
@@ -698,14 +693,25 @@ impl Shared {
         rep
     }
 
+    /// Whether `value` is within the server's bulk limit
+    /// (`proto-max-bulk-len`): over it the server would drop the connection,
+    /// and the node look dead to the breaker, so it is not sent (counted as
+    /// too large and as a failed write).
+    fn fits(&self, c: &Client, value: &[u8]) -> bool {
+        let fits = value.len() as u64 <= c.max_value();
+        if !fits {
+            add(&self.counters.too_large, 1);
+            add(&self.counters.write_failures, 1);
+        }
+        fits
+    }
+
     /// Uploads a session's value at `version` unless the server holds a
     /// valid one at least as new (a later save or delete from another host,
     /// which a late upload of an older one must not replace). Whether the
     /// server now holds this version or a newer one; a failure is counted.
     fn send_session(&self, c: &mut Client, key: &str, value: &[u8], version: u64) -> bool {
-        if value.len() as u64 > c.max_value() {
-            add(&self.counters.too_large, 1);
-            add(&self.counters.write_failures, 1);
+        if !self.fits(c, value) {
             return false;
         }
         let may_be = |head: &[u8]| session_head_version(head).is_some_and(|v| v >= version);

@@ -199,16 +199,34 @@ class Cluster:
         """Reshards one slot from node `src` to node `dst` as `redis-cli --cluster
         reshard` does (IMPORTING/MIGRATING, MIGRATE of its keys, SETSLOT NODE on
         every node); the keys moved."""
+        self.start_move(slot, src, dst)
+        moved = self.migrate(slot, src, dst)
+        self.end_move(slot, dst)
+        return moved
+
+    def start_move(self, slot: int, src: int, dst: int) -> None:
+        """Marks `slot` as migrating from `src` and importing into `dst`: `src`
+        answers for the keys it still has and sends the rest to `dst` (`ASK`)."""
         src_id, dst_id = cmd(src, "CLUSTER", "MYID"), cmd(dst, "CLUSTER", "MYID")
         cmd(dst, "CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
         cmd(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+
+    def migrate(self, slot: int, src: int, dst: int, most: int | None = None) -> int:
+        """MIGRATEs the keys of `slot` (at most `most`) from `src` to `dst`; how
+        many."""
         moved = 0
-        while keys := cmd(src, "CLUSTER", "GETKEYSINSLOT", slot, 100):
+        while True:
+            batch = 100 if most is None else min(100, most - moved)
+            if batch == 0 or not (keys := cmd(src, "CLUSTER", "GETKEYSINSLOT", slot, batch)):
+                return moved
             cmd(src, "MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *keys)
             moved += len(keys)
+
+    def end_move(self, slot: int, dst: int) -> None:
+        """Gives `slot` to `dst` on every node (ends a `start_move`)."""
+        dst_id = cmd(dst, "CLUSTER", "MYID")
         for p in self.ports:
             cmd(p, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
-        return moved
 
     def keys(self, pattern: str = "*") -> list[bytes]:
         out: list[bytes] = []

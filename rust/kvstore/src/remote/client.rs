@@ -1,54 +1,51 @@
 //! The connection to the server: one node or a cluster. Commands are packed
 //! and replies parsed by the `redis` crate, and sent over connections of our
 //! own (`wire`), one per node, where every call has one deadline for
-//! connecting, writing and reading all its replies. The crate's sync cluster
-//! client (its async one stalled after a node died; see the notes) only
-//! follows redirects. Which node serves a key is read from `CLUSTER SLOTS`
-//! at open (and again when it may have changed), for the circuit breaker and
-//! to send a pipeline to its node. TLS: rustls with ring, trusting the CA of
-//! `tls_ca` (or the system's roots for a `rediss://` node without one).
+//! connecting, writing, reading all its replies and following redirects.
+//! Which node serves a key is read from `CLUSTER SLOTS` at open (and again
+//! when it may have changed), for the circuit breaker and to send a pipeline
+//! to its node; a command that reaches the wrong one is redirected (`MOVED`,
+//! or `ASK` while its slot migrates) and sent on (`run`). TLS: rustls with
+//! ring, trusting the CA of `tls_ca` (or the system's roots for a
+//! `rediss://` node without one).
 
 use super::keys::slot;
 use super::wire::{Target, Wire};
 use super::{addr, Newer, NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
-use redis::cluster::{ClusterClientBuilder, ClusterConnection};
-use redis::{Cmd, RedisError, TlsCertificates, Value};
+use redis::{Cmd, RedisError, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub(crate) use super::fault::Fault;
 
-// Two per store handle: their size does not matter.
-#[allow(clippy::large_enum_variant)]
-enum Conn {
-    Single {
-        target: Target,
-        conn: Option<Wire>,
-    },
-    /// The crate's cluster connection, which follows redirects (`run`);
-    /// `None` after the slot map changed, made again on its next use (making
-    /// it reaches every node, which a call's deadline cannot bound).
-    Cluster(Option<Box<ClusterConnection>>),
-}
-
-/// One connection (a reader's or the uploader's) and the slot map.
+/// One client (a reader's or the uploader's): its connections and the slot
+/// map.
 pub(crate) struct Client {
-    conn: Conn,
     /// `(first slot, last slot, node)`, sorted; empty for one node.
     slots: Vec<(u16, u16, String)>,
+    /// The node of `opts.nodes` that answered at open: the one node, or
+    /// where a key goes whose slot the map lacks.
     single_node: String,
     tls: Tls,
     /// The server's bulk limit (`proto-max-bulk-len`) in bytes.
     max_value: u64,
-    /// How to reach a node (user and password), for `direct`.
+    /// How to reach a node (user and password), for `conns`.
     opts: RemoteOptions,
-    /// A cluster's pipelines go to the node of their slot over these, one per
-    /// node of `slots` (see `run`).
-    direct: HashMap<String, Wire>,
+    /// Whether the server is a cluster: only a cluster's redirects are
+    /// followed (a single server has no others to send a client to).
+    cluster: bool,
+    /// One connection per node of the map (and `single_node`) this client
+    /// talks to, made on first use; of other nodes (a redirect's target not
+    /// in the map) one at a time.
+    conns: HashMap<String, Wire>,
+    /// The node whose connection failed (timed out or dropped) in the last
+    /// call, which may be a redirect's target: the one to blame.
+    failed: Option<String>,
     /// The slot map may be out of date: a node failed, or a key was
-    /// redirected. Read again (`refresh_from`) when a call has time left.
+    /// redirected (`MOVED`). Read again (`refresh_from`) when a call has time
+    /// left.
     stale: bool,
     /// The server refused the commands of a transaction (a user without
     /// `@transaction`, or they are unknown): sessions are set without
@@ -59,50 +56,41 @@ pub(crate) struct Client {
 /// Redis's default `proto-max-bulk-len`, assumed when `CONFIG GET` is refused.
 const DEFAULT_MAX_BULK: u64 = 512 << 20;
 
-/// How connections are made: plain TCP, or TLS trusting `certs` (the CA of
-/// `tls_ca`; `None`: the system's roots).
+/// How connections are made: plain TCP, or TLS (`config`) trusting the CA
+/// of `tls_ca` or the system's roots.
 #[derive(Clone)]
 struct Tls {
     on: bool,
-    /// For the crate's cluster connection.
-    certs: Option<TlsCertificates>,
-    /// For this client's own connections (`wire`); `Some` when `on`.
+    /// `Some` when `on`.
     config: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl Tls {
     /// TLS when `tls_ca` is given or a node is a `rediss://` URL.
     fn of(opts: &RemoteOptions) -> Result<Tls> {
+        // rustls needs one process-wide crypto provider; the first wins (a
+        // host program may have installed its own).
+        static PROVIDER: std::sync::Once = std::sync::Once::new();
         let on = opts.tls_ca.is_some() || opts.nodes.iter().any(|n| n.starts_with("rediss://"));
-        if on {
-            // rustls needs one process-wide crypto provider; the first wins
-            // (a host program may have installed its own).
-            static PROVIDER: std::sync::Once = std::sync::Once::new();
-            PROVIDER.call_once(|| {
-                let _ = rustls::crypto::ring::default_provider().install_default();
-            });
+        if !on {
+            return Ok(Tls { on, config: None });
         }
-        let certs = opts
+        PROVIDER.call_once(|| {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        });
+        let ca = opts
             .tls_ca
             .as_ref()
             .map(|path| {
                 std::fs::read(path)
-                    .map(|pem| TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(pem),
-                    })
                     .map_err(|e| Error::Remote(format!("remote tls_ca {}: {e}", path.display())))
             })
             .transpose()?;
-        let config = if on {
-            Some(Arc::new(tls_config(opts, certs.as_ref())?))
-        } else {
-            None
-        };
-        Ok(Tls { on, certs, config })
+        let config = Some(Arc::new(tls_config(opts, ca.as_deref())?));
+        Ok(Tls { on, config })
     }
 
-    /// How this client's own connections reach `node` (`host:port` or a URL).
+    /// How this client's connections reach `node` (`host:port` or a URL).
     fn target(&self, opts: &RemoteOptions, node: &str) -> Result<Target> {
         Target::new(
             addr(node),
@@ -111,13 +99,6 @@ impl Tls {
             opts.password.clone(),
         )
         .ok_or_else(|| Error::Remote(format!("remote node {:?}: not an address", addr(node))))
-    }
-
-    /// `redis://` or `rediss://` URL of `node` (`host:port` or a URL; a user
-    /// or password in it was refused when the options were checked).
-    fn url(&self, node: &str) -> String {
-        let scheme = if self.on { "rediss" } else { "redis" };
-        format!("{scheme}://{}", addr(node))
     }
 }
 
@@ -170,8 +151,8 @@ impl Client {
     }
 
     /// `connect` on one node: `Err` for a failure that ends the search,
-    /// `Ok(Err)` for one that moves on to the next node. Each step has the
-    /// timeout.
+    /// `Ok(Err)` for one that moves on to the next node. All its steps
+    /// share one timeout.
     fn connect_to(
         opts: &RemoteOptions,
         tls: &Tls,
@@ -179,7 +160,7 @@ impl Client {
         probe_key: &str,
     ) -> Result<Result<Client>> {
         let target = tls.target(opts, node)?;
-        let deadline = || Instant::now() + opts.timeout;
+        let deadline = Instant::now() + opts.timeout;
         let fail = |step: Option<&str>, e: &RedisError| -> Result<Result<Client>> {
             let err = open_error(opts, node, &open_what(tls, step, probe_key, e), e);
             if Fault::of(e) == Fault::Permission {
@@ -188,11 +169,11 @@ impl Client {
                 Ok(Err(err))
             }
         };
-        let mut conn = match Wire::connect(&target, deadline()) {
+        let mut conn = match Wire::connect(&target, deadline) {
             Ok(c) => c,
             Err(e) => return fail(None, &e),
         };
-        let info_text: String = match conn.query(redis::cmd("INFO").arg("cluster"), deadline()) {
+        let info_text: String = match conn.query(redis::cmd("INFO").arg("cluster"), deadline) {
             Ok(t) => t,
             Err(e) => return fail(Some("INFO cluster"), &e),
         };
@@ -200,72 +181,62 @@ impl Client {
         let max_value = conn
             .query::<Vec<String>>(
                 redis::cmd("CONFIG").arg("GET").arg("proto-max-bulk-len"),
-                deadline(),
+                deadline,
             )
             .ok()
             .and_then(|kv| kv.get(1)?.parse().ok())
             .unwrap_or(DEFAULT_MAX_BULK);
-        let (conn, slots) = if info_text.contains("cluster_enabled:1") {
-            let slots = match conn.query(redis::cmd("CLUSTER").arg("SLOTS"), deadline()) {
-                Ok(v) => parse_slots(v),
+        let single_node = addr(node).to_string();
+        let cluster = info_text.contains("cluster_enabled:1");
+        let slots = if cluster {
+            match conn.query(redis::cmd("CLUSTER").arg("SLOTS"), deadline) {
+                Ok(v) => parse_slots(v, &single_node),
                 Err(e) => return fail(Some("CLUSTER SLOTS"), &e),
-            };
-            let cluster = match cluster_connection(opts, tls) {
-                Ok(c) => c,
-                Err(e) => return fail(Some("cluster connection"), &e),
-            };
-            (Conn::Cluster(Some(Box::new(cluster))), slots)
+            }
         } else {
-            let single = Conn::Single {
-                target,
-                conn: Some(conn),
-            };
-            (single, Vec::new())
+            Vec::new()
         };
         let mut me = Client {
-            conn,
             slots,
-            single_node: addr(node).to_string(),
+            cluster,
+            conns: HashMap::from([(single_node.clone(), conn)]),
+            failed: None,
+            single_node,
             tls: tls.clone(),
             max_value,
             opts: opts.clone(),
-            direct: HashMap::new(),
             stale: false,
             no_transactions: false,
         };
-        let probe: RedisResult<Vec<i64>> = me.run(
-            vec![redis::cmd("EXISTS").arg(probe_key).clone()],
-            deadline(),
-        );
+        let probe: RedisResult<Vec<i64>> =
+            me.run(&[redis::cmd("EXISTS").arg(probe_key).clone()], deadline);
         match probe {
             Ok(_) => Ok(Ok(me)),
             Err(e) => fail(Some("EXISTS"), &e),
         }
     }
 
-    /// A second connection with the same settings (for the uploader).
-    pub(crate) fn connect_again(&self, opts: &RemoteOptions) -> Result<Client> {
-        let conn = match &self.conn {
-            Conn::Single { target, .. } => Conn::Single {
-                target: target.clone(),
-                conn: None,
-            },
-            Conn::Cluster(_) => Conn::Cluster(Some(Box::new(
-                cluster_connection(opts, &self.tls)
-                    .map_err(|e| open_error(opts, &self.single_node, "cluster connection", &e))?,
-            ))),
-        };
-        Ok(Client {
-            conn,
+    /// A second client with the same settings and slot map (for the
+    /// uploader); it connects on first use.
+    pub(crate) fn connect_again(&self) -> Client {
+        Client {
             slots: self.slots.clone(),
+            cluster: self.cluster,
             single_node: self.single_node.clone(),
             tls: self.tls.clone(),
             max_value: self.max_value,
             opts: self.opts.clone(),
-            direct: HashMap::new(),
-            stale: false,
+            conns: HashMap::new(),
+            failed: None,
+            stale: self.stale,
             no_transactions: false,
-        })
+        }
+    }
+
+    /// The node whose connection failed in the calls since the last
+    /// `take_failed`, if one did.
+    pub(crate) fn take_failed(&mut self) -> Option<String> {
+        self.failed.take()
     }
 
     /// Whether the slot map may be out of date (see `refresh_from`).
@@ -274,25 +245,26 @@ impl Client {
     }
 
     /// A node of the map failed: slots may have moved off it (a replica
-    /// promoted in its place), and the crate follows a redirect of a single
-    /// command silently, without telling this map.
+    /// promoted in its place, which sends no redirect for a dead master).
     pub(crate) fn mark_stale(&mut self) {
-        self.stale = !self.slots.is_empty();
+        self.stale = self.cluster;
     }
 
-    /// The nodes of the slot map (none for one node).
+    /// The nodes of the slot map, or the node given at open where the map
+    /// is empty (one node, or a cluster that listed no slots).
     pub(crate) fn slot_nodes(&self) -> Vec<String> {
         let mut nodes: Vec<String> = self.slots.iter().map(|r| r.2.clone()).collect();
         nodes.sort();
         nodes.dedup();
+        if nodes.is_empty() {
+            nodes.push(self.single_node.clone());
+        }
         nodes
     }
 
     /// Reads the slot map from `node` by `deadline` (over this client's
-    /// connection to it, made if need be). Where the map changed, the crate's
-    /// cluster connection is made again on its next use: it learns a new map
-    /// only from a redirect, and a dead master sends none, so it kept sending
-    /// that master's slots to its address for the life of the handle.
+    /// connection to it, made if need be), and drops the connections to
+    /// nodes no longer in it.
     pub(crate) fn refresh_from(&mut self, node: &str, deadline: Instant) -> Result<(), Fault> {
         let v = self
             .on_node(node, deadline, |w| {
@@ -307,17 +279,12 @@ impl Client {
                 }
                 fault
             })?;
-        let slots = parse_slots(v);
+        let slots = parse_slots(v, node);
         if slots.is_empty() {
             self.stale = false;
             return Err(Fault::Other);
         }
-        if slots != self.slots {
-            if let Conn::Cluster(c) = &mut self.conn {
-                *c = None;
-            }
-        }
-        self.direct.retain(|n, _| slots.iter().any(|r| &r.2 == n));
+        self.conns.retain(|n, _| slots.iter().any(|r| &r.2 == n));
         self.slots = slots;
         self.stale = false;
         Ok(())
@@ -341,82 +308,67 @@ impl Client {
         }
     }
 
-    /// Runs `cmds` (keys of one slot) as one pipeline by `deadline`; one
-    /// result each. (The commands move into the pipeline: a `SET`'s value is
-    /// not copied once more.)
+    /// Runs `cmds` (keys of one slot) as one pipeline on the node of their
+    /// slot, all by `deadline`; one result each. A command that reaches the
+    /// wrong node is sent on where the node redirects it: `MOVED` (the slot
+    /// has moved: the map is read again after the call) or `ASK` (the slot
+    /// is migrating and the key has gone: sent after `ASKING`, the map
+    /// stays), up to [`MAX_REDIRECTS`] times. Replies as `settle` makes them.
     fn run<T: redis::FromRedisValue>(
         &mut self,
-        cmds: Vec<Cmd>,
+        cmds: &[Cmd],
         deadline: Instant,
     ) -> RedisResult<Vec<T>> {
-        // A cluster's pipeline goes to the node of its slot (this map's) over
-        // a connection of this client's (`pipeline`): the crate's cluster
-        // pipeline reads a reply for every command after a timeout. A
-        // redirect (a reshard) goes through the crate's connection, which
-        // follows it.
-        let by_slot = matches!(self.conn, Conn::Cluster(_)) && !self.slots.is_empty();
-        let node = by_slot
-            .then(|| cmds.first().and_then(first_key))
-            .flatten()
-            .map(|k| self.node_of(&k).to_string());
-        let cmds = match node {
-            Some(node) => {
-                let mut p = redis::pipe();
-                for cmd in cmds {
-                    p.add_command(cmd);
-                }
-                match self.on_node(&node, deadline, |w| pipeline(w, &p, deadline)) {
-                    Err(e) if redirected(&e) => {
-                        self.stale = true;
-                        p.cmd_iter().cloned().collect()
-                    }
-                    r => return r,
-                }
-            }
-            None => cmds,
+        let mut node = match cmds.first().and_then(first_key) {
+            Some(k) => self.node_of(&k).to_string(),
+            None => self.single_node.clone(),
         };
-        match &mut self.conn {
-            Conn::Cluster(c) => {
-                if c.is_none() {
-                    *c = Some(Box::new(cluster_connection(&self.opts, &self.tls)?));
+        let mut replies: Vec<Option<Value>> = vec![None; cmds.len()];
+        // The commands to send to `node`: index, and whether after `ASKING`.
+        let mut todo: Vec<(usize, bool)> = (0..cmds.len()).map(|i| (i, false)).collect();
+        for hop in 0..=MAX_REDIRECTS {
+            let size = todo.iter().map(|&(i, _)| packed_len(&cmds[i]) + 32).sum();
+            let mut packed = Vec::with_capacity(size);
+            for &(i, asking) in &todo {
+                if asking {
+                    redis::cmd("ASKING").write_packed_command(&mut packed);
                 }
-                let c = c.as_mut().expect("cluster connection");
-                let mut p = redis::cluster::cluster_pipe();
-                for cmd in cmds {
-                    p.add_command(cmd);
-                }
-                match p.query(c) {
-                    Err(e) if redirected(&e) => {
-                        // The crate's cluster pipeline returns MOVED/ASK (after a
-                        // reshard) as failures instead of following them; one
-                        // command at a time follows them. Each command has its
-                        // own timeout: the call's deadline bounds them all.
-                        let out = p
-                            .cmd_iter()
-                            .map(|cmd| {
-                                if Instant::now() >= deadline {
-                                    return Err(RedisError::from(std::io::Error::new(
-                                        std::io::ErrorKind::TimedOut,
-                                        "the call's deadline passed while following a reshard",
-                                    )));
-                                }
-                                cmd.query(&mut **c)
-                            })
-                            .collect::<RedisResult<Vec<T>>>()?;
-                        self.stale = true;
-                        Ok(out)
-                    }
-                    r => r,
-                }
+                cmds[i].write_packed_command(&mut packed);
             }
-            Conn::Single { target, conn } => {
-                let mut p = redis::pipe();
-                for cmd in cmds {
-                    p.add_command(cmd);
+            let n = todo
+                .iter()
+                .map(|&(_, asking)| 1 + usize::from(asking))
+                .sum();
+            let mut got = self
+                .on_node(&node, deadline, |w| w.replies(&packed, n, deadline))?
+                .into_iter();
+            let mut next = Vec::new();
+            let mut to: Option<String> = None;
+            for &(i, asking) in &todo {
+                if asking {
+                    got.next(); // ASKING's reply; a refused one leaves a redirect below
                 }
-                on_single(target, conn, deadline, |w| pipeline(w, &p, deadline))
+                let v = got.next().expect("one reply per command");
+                match redirect(&v, &node).filter(|_| self.cluster) {
+                    // One slot moves to one node at a time; a command sent
+                    // elsewhere meanwhile keeps its redirect, a refusal.
+                    Some((at, ask))
+                        if hop < MAX_REDIRECTS && to.as_ref().is_none_or(|t| *t == at) =>
+                    {
+                        self.stale |= !ask;
+                        to = Some(at);
+                        next.push((i, ask));
+                    }
+                    _ => {}
+                }
+                replies[i] = Some(v);
+            }
+            match to {
+                Some(at) => (node, todo) = (at, next),
+                None => break,
             }
         }
+        settle(replies.into_iter().map(|v| v.expect("a reply")).collect())
     }
 
     /// Runs `f` on this client's connection to `node` (made on first use,
@@ -427,19 +379,32 @@ impl Client {
         deadline: Instant,
         f: impl FnOnce(&mut Wire) -> RedisResult<T>,
     ) -> RedisResult<T> {
-        if !self.direct.contains_key(node) {
+        if !self.conns.contains_key(node) {
             let target = self.tls.target(&self.opts, node).map_err(|e| {
                 RedisError::from(std::io::Error::new(
                     std::io::ErrorKind::InvalidInput,
                     e.to_string(),
                 ))
             })?;
-            let c = Wire::connect(&target, deadline)?;
-            self.direct.insert(node.to_string(), c);
+            // Bounded whatever the nodes a server redirects to: one
+            // connection outside the map at a time.
+            let known = |n: &str| n == self.single_node || self.slots.iter().any(|r| r.2 == n);
+            let strays: Vec<String> = self.conns.keys().filter(|n| !known(n)).cloned().collect();
+            for n in strays {
+                self.conns.remove(&n);
+            }
+            match Wire::connect(&target, deadline) {
+                Ok(c) => self.conns.insert(node.to_string(), c),
+                Err(e) => {
+                    self.failed = Some(node.to_string());
+                    return Err(e);
+                }
+            };
         }
-        let res = f(self.direct.get_mut(node).expect("connection"));
+        let res = f(self.conns.get_mut(node).expect("connection"));
         if res.as_ref().is_err_and(out_of_step) {
-            self.direct.remove(node);
+            self.conns.remove(node);
+            self.failed = Some(node.to_string());
         }
         res
     }
@@ -462,7 +427,7 @@ impl Client {
             .iter()
             .map(|k| redis::cmd("GETRANGE").arg(k).arg(0).arg(max).clone())
             .collect();
-        let v: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
+        let v: Vec<Value> = self.run(&cmds, deadline).map_err(|e| Fault::of(&e))?;
         v.into_iter()
             .map(|v| match v {
                 Value::BulkString(b) if b.is_empty() => Ok(None),
@@ -481,7 +446,7 @@ impl Client {
             .iter()
             .map(|k| redis::cmd("STRLEN").arg(*k).clone())
             .collect();
-        let v: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
+        let v: Vec<Value> = self.run(&cmds, deadline).map_err(|e| Fault::of(&e))?;
         v.into_iter()
             .map(|v| match v {
                 Value::Int(n) => Ok(n > 0),
@@ -499,7 +464,7 @@ impl Client {
         deadline: Instant,
     ) -> Result<(), Fault> {
         let cmds: Vec<Cmd> = items.iter().map(|(k, v)| set_cmd(k, v, ttl)).collect();
-        let _: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
+        let _: Vec<Value> = self.run(&cmds, deadline).map_err(|e| Fault::of(&e))?;
         Ok(())
     }
 
@@ -511,9 +476,8 @@ impl Client {
     /// [`RACE_TRIES`] times, while the call has time) where another client
     /// changed the key in between. Where the server refuses the transaction
     /// (a user without `@transaction`, the commands renamed or unknown
-    /// behind a proxy), the key's slot moved, or this client has no
-    /// connection of its own to the node (no slot map), a plain `SET`
-    /// instead; a refusal whose `SET` goes through turns the transaction off
+    /// behind a proxy) or the key's slot moved (or migrates), a plain `SET`
+    /// instead, which follows the redirect; a refusal whose `SET` goes through turns the transaction off
     /// for this client. Any other error reply is a fault.
     pub(crate) fn set_unless_newer(
         &mut self,
@@ -527,13 +491,13 @@ impl Client {
         }
         let set = set_cmd(key, value, ttl);
         let mut races = 0;
+        let mut node = self.node_of(key).to_string();
+        let mut hops = 0;
         loop {
             let began = Instant::now();
-            let Some(tried) = self.on_key(key, deadline, |w| {
+            let tried = self.on_node(&node, deadline, |w| {
                 watched_set(w, key, &set, newer, deadline)
-            }) else {
-                break;
-            };
+            });
             match tried.map_err(|e| Fault::of(&e))? {
                 Tried::Done(set) => return Ok(set),
                 // Another client changed the key meanwhile: read it again,
@@ -545,9 +509,20 @@ impl Client {
                         return Err(Fault::Other);
                     }
                 }
+                // A moved slot: the transaction goes to its new node (and the
+                // map is read again after the call). A migrating one (`ASK`)
+                // is set without it: the transaction would need `ASKING`
+                // before each of its commands, on a node that may not have
+                // the key's value yet.
                 Tried::Refused(e) if redirected(&e) => {
-                    self.stale = true;
-                    break;
+                    match redirect_of(e.code(), e.detail(), &node).filter(|_| self.cluster) {
+                        Some((at, false)) if hops < MAX_REDIRECTS => {
+                            self.stale = true;
+                            node = at;
+                            hops += 1;
+                        }
+                        _ => break,
+                    }
                 }
                 // The commands refused (no `@transaction`, renamed or unknown
                 // behind a proxy) or the key (no permission, out of memory):
@@ -566,29 +541,6 @@ impl Client {
         self.set_all(&[(key, value)], ttl, deadline).map(|()| true)
     }
 
-    /// Runs `f` on this client's own connection to the node of `key`, made
-    /// on first use (within `deadline` too) and dropped where it fails out
-    /// of step; `None` for a cluster whose slot map is not known (the
-    /// crate's connection routes for it).
-    fn on_key<T>(
-        &mut self,
-        key: &str,
-        deadline: Instant,
-        f: impl FnOnce(&mut Wire) -> RedisResult<T>,
-    ) -> Option<RedisResult<T>> {
-        if matches!(self.conn, Conn::Cluster(_)) {
-            if self.slots.is_empty() {
-                return None;
-            }
-            let node = self.node_of(key).to_string();
-            return Some(self.on_node(&node, deadline, f));
-        }
-        match &mut self.conn {
-            Conn::Single { target, conn } => Some(on_single(target, conn, deadline, f)),
-            Conn::Cluster(_) => None,
-        }
-    }
-
     /// Renews the time to live of `keys` (one slot).
     pub(crate) fn expire(
         &mut self,
@@ -605,18 +557,14 @@ impl Client {
                     .clone()
             })
             .collect();
-        let _: Vec<Value> = self.run(cmds, deadline).map_err(|e| Fault::of(&e))?;
+        let _: Vec<Value> = self.run(&cmds, deadline).map_err(|e| Fault::of(&e))?;
         Ok(())
     }
 
     /// Every node of the slot map (or the one node), on a fresh connection:
     /// the round trip of a `PING` and figures from `INFO`, or the error.
     pub(crate) fn nodes(&self, opts: &RemoteOptions) -> Vec<NodeReport> {
-        let mut nodes = self.slot_nodes();
-        if nodes.is_empty() {
-            nodes.push(self.single_node.clone());
-        }
-        nodes
+        self.slot_nodes()
             .into_iter()
             .map(|n| {
                 let mut rep = NodeReport {
@@ -676,14 +624,11 @@ fn node_report(opts: &RemoteOptions, tls: &Tls, node: &str, rep: &mut NodeReport
 
 /// The client configuration of this client's TLS connections: trusting the
 /// CA of `tls_ca`, or the system's roots.
-fn tls_config(
-    opts: &RemoteOptions,
-    certs: Option<&TlsCertificates>,
-) -> Result<rustls::ClientConfig> {
+fn tls_config(opts: &RemoteOptions, ca: Option<&[u8]>) -> Result<rustls::ClientConfig> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::CertificateDer;
     let mut roots = rustls::RootCertStore::empty();
-    match certs.and_then(|c| c.root_cert.as_deref()) {
+    match ca {
         Some(pem) => {
             let bad = |e: &dyn std::fmt::Display| {
                 let path = opts.tls_ca.as_deref().unwrap_or(std::path::Path::new(""));
@@ -706,44 +651,15 @@ fn tls_config(
 
 type RedisResult<T> = redis::RedisResult<T>;
 
-fn cluster_connection(opts: &RemoteOptions, tls: &Tls) -> RedisResult<ClusterConnection> {
-    let mut b = ClusterClientBuilder::new(opts.nodes.iter().map(|n| tls.url(n)))
-        .connection_timeout(opts.timeout)
-        .response_timeout(opts.timeout)
-        .retries(1)
-        // The one retry after CLUSTERDOWN, TRYAGAIN, MASTERDOWN or LOADING
-        // waits a random 0 to 10 ms, at most a tenth of the timeout: the
-        // crate's default wait, 1.28 s or more whatever the timeout, made
-        // every call on a cluster that lost a master take 1.3 s.
-        .min_retry_wait(0)
-        .max_retry_wait(retry_wait_ms(opts.timeout));
-    if let Some(u) = &opts.username {
-        b = b.username(u);
-    }
-    if let Some(p) = &opts.password {
-        b = b.password(p);
-    }
-    if let Some(c) = &tls.certs {
-        b = b.certs(c.clone());
-    }
-    b.build()?.get_connection()
-}
-
-/// Runs pipeline `p` on `c` by `deadline`, its replies read one at a time
-/// up to the first failure of the connection: `Pipeline::query` goes on
-/// reading every reply after a timeout, a timeout each (16 EXISTS, 8 s at a
-/// timeout of 0.5 s). A server's error (a redirect, a refusal) leaves the
-/// connection in step: the other replies are read, the first error
-/// returned; but `WRONGTYPE` (a key of another type, which only a foreign
+/// The results of a pipeline's `replies`: a server's error (a refusal, or
+/// a redirect not followed) among them makes the whole the first such
+/// error; but `WRONGTYPE` (a key of another type, which only a foreign
 /// writer leaves under a block's key) stays in its place as that command's
-/// reply, so the rest of the group is still read.
-fn pipeline<T: redis::FromRedisValue>(
-    c: &mut Wire,
-    p: &redis::Pipeline,
-    deadline: Instant,
-) -> RedisResult<Vec<T>> {
-    let replies = c.replies(&p.get_packed_pipeline(), p.len(), deadline)?;
-    let mut values = Vec::with_capacity(p.len());
+/// reply. (The replies are read one at a time up to the first failure of
+/// the connection: the crate's `Pipeline::query` went on reading every reply
+/// after a timeout, a timeout each: 16 EXISTS, 8 s at a timeout of 0.5 s.)
+fn settle<T: redis::FromRedisValue>(replies: Vec<Value>) -> RedisResult<Vec<T>> {
+    let mut values = Vec::with_capacity(replies.len());
     let mut refused = None;
     for v in replies {
         match v {
@@ -758,24 +674,6 @@ fn pipeline<T: redis::FromRedisValue>(
         .into_iter()
         .map(|v| T::from_redis_value(v).map_err(RedisError::from))
         .collect()
-}
-
-/// Runs `f` on a single node's connection `conn` to `target`, made on first
-/// use (within `deadline` too) and dropped where it fails out of step.
-fn on_single<T>(
-    target: &Target,
-    conn: &mut Option<Wire>,
-    deadline: Instant,
-    f: impl FnOnce(&mut Wire) -> RedisResult<T>,
-) -> RedisResult<T> {
-    if conn.is_none() {
-        *conn = Some(Wire::connect(target, deadline)?);
-    }
-    let res = f(conn.as_mut().expect("connection"));
-    if res.as_ref().is_err_and(out_of_step) {
-        *conn = None;
-    }
-    res
 }
 
 /// `SET key value [PX ttl]`.
@@ -907,6 +805,20 @@ fn out_of_step(e: &RedisError) -> bool {
         || e.kind() == redis::ErrorKind::Parse
 }
 
+/// At least the length of `cmd` packed (RESP: `*n`, then `$len`, the bytes
+/// and CRLF for each argument), so that a group's values are copied into
+/// the request once, not again each time it grows.
+fn packed_len(cmd: &Cmd) -> usize {
+    let args: usize = cmd
+        .args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(b) => b.len() + 24,
+            _ => 48, // a scan's cursor
+        })
+        .sum();
+    args + 24
+}
+
 /// The key of a one-key command (its first argument).
 fn first_key(cmd: &Cmd) -> Option<String> {
     match cmd.args_iter().nth(1)? {
@@ -915,10 +827,36 @@ fn first_key(cmd: &Cmd) -> Option<String> {
     }
 }
 
-/// The longest wait before a cluster retry: a tenth of the timeout, at
-/// least 1 ms.
-fn retry_wait_ms(timeout: std::time::Duration) -> u64 {
-    u64::try_from(timeout.as_millis() / 10).map_or(u64::MAX, |ms| ms.max(1))
+/// Redirects one call follows: a slot that moves while the call runs sends
+/// one or two (`ASK`, then `MOVED` once its migration ends).
+const MAX_REDIRECTS: usize = 5;
+
+/// Where a reply redirects its command (`MOVED` or `ASK slot host:port`),
+/// and whether it asks (`ASK`). An empty host is `from`'s (a node that
+/// knows no address of its own for the other); an unknown one (`?`) is no
+/// redirect to follow.
+fn redirect(v: &Value, from: &str) -> Option<(String, bool)> {
+    match v {
+        Value::ServerError(e) => redirect_of(Some(e.code()), e.details(), from),
+        _ => None,
+    }
+}
+
+/// [`redirect`] of an error's `code` and `details`.
+fn redirect_of(code: Option<&str>, details: Option<&str>, from: &str) -> Option<(String, bool)> {
+    let ask = match code? {
+        "MOVED" => false,
+        "ASK" => true,
+        _ => return None,
+    };
+    let (host, port) = details?.split_whitespace().nth(1)?.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    let host = match host {
+        "" => from.rsplit_once(':')?.0,
+        "?" => return None,
+        h => h,
+    };
+    Some((format!("{host}:{port}"), ask))
 }
 
 /// Whether a pipeline failed for keys that moved to another node.
@@ -931,8 +869,12 @@ fn redirected(e: &RedisError) -> bool {
 }
 
 /// `(first, last, "host:port")` of every slot range of a `CLUSTER SLOTS`
-/// reply, sorted.
-fn parse_slots(v: Value) -> Vec<(u16, u16, String)> {
+/// reply (from node `from`), sorted. A master without an endpoint (NULL or
+/// empty: `cluster-preferred-endpoint-type unknown-endpoint`) is on
+/// `from`'s host; one whose endpoint is unknown (`?`) is left out (its
+/// slots go to the node given at open, which redirects).
+fn parse_slots(v: Value, from: &str) -> Vec<(u16, u16, String)> {
+    let from_host = from.rsplit_once(':').map_or(from, |(h, _)| h);
     let Value::Array(v) = v else {
         return Vec::new();
     };
@@ -945,7 +887,9 @@ fn parse_slots(v: Value) -> Vec<(u16, u16, String)> {
             continue;
         };
         let host = match m.first() {
-            Some(Value::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
+            Some(Value::BulkString(h)) if h.as_slice() == b"?" => continue,
+            Some(Value::BulkString(h)) if !h.is_empty() => String::from_utf8_lossy(h).into_owned(),
+            Some(Value::BulkString(_) | Value::Nil) => from_host.to_string(),
             _ => continue,
         };
         let Some(Value::Int(port)) = m.get(1) else {

@@ -43,11 +43,7 @@ impl Fault {
             Fault::OutOfMemory
         } else if code == "CLUSTERDOWN" || code == "MASTERDOWN" {
             Fault::ClusterDown
-        } else if e.is_io_error()
-            || e.is_connection_refusal()
-            || e.is_connection_dropped()
-            || e.kind() == K::ClusterConnectionNotFound
-        {
+        } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
             Fault::Connection
         } else {
             Fault::Other

@@ -4,8 +4,9 @@
 //!
 //! - [`keys`]: key names (tenant tag, hash tags grouping a chain's blocks)
 //!   and the MAC sealing each value.
-//! - `client`: the connection (the `redis` crate's sync clients; `wire`: a
-//!   node's connection, with one deadline per call).
+//! - `client`: the connections, one per node, and the slot map; redirects
+//!   followed (`wire`: a node's connection, with one deadline per call;
+//!   `lookup`: its addresses by that deadline).
 //! - [`queue`]: the bounded queue of the background uploader.
 //! - [`breaker`]: skips a node that timed out, for a while.
 //!
@@ -20,6 +21,8 @@ mod client;
 mod client;
 mod fault;
 pub(crate) mod keys;
+#[cfg(feature = "remote")]
+mod lookup;
 mod queue;
 #[cfg(feature = "remote")]
 mod wire;
@@ -312,7 +315,7 @@ impl Remote {
         }
         let keys = Keys::new(&opts.prefix, tag, mac_key);
         let reader = Client::connect(opts, &keys.session("kvstore-probe"))?;
-        let writer = reader.connect_again(opts)?;
+        let writer = reader.connect_again();
         let shared = Arc::new(Shared {
             opts: opts.clone(),
             keys,
@@ -541,10 +544,12 @@ impl Shared {
 
     /// Runs `f` on `c` with the call's deadline (one timeout from now)
     /// unless the breaker of `key`'s node is open; counts failures and trips
-    /// the breaker on timeouts and unreachable nodes. A call that fails, or
-    /// is skipped while the slot map may be out of date, reads the map again
-    /// within the same deadline (`refresh`), so that a slot moved off a
-    /// failed node is not blamed on it: the whole costs one timeout at most.
+    /// the breaker of the node that timed out or was unreachable (the key's,
+    /// or the one a redirect sent the call to). While the slot map may be
+    /// out of date (after a `MOVED` or a failed node) it is read again
+    /// first, within the same deadline (`refresh`), so that a slot moved off
+    /// a failed node is neither blamed on it nor skipped: the whole costs
+    /// one timeout at most.
     fn call<T>(
         &self,
         c: &mut Client,
@@ -552,35 +557,28 @@ impl Shared {
         f: impl FnOnce(&mut Client, Instant) -> Result<T, Fault>,
     ) -> Option<T> {
         let deadline = Instant::now() + self.opts.timeout;
-        let mut node = c.node_of(key).to_string();
-        if !self.breaker.allow(&node) {
-            // The key's slot may have moved to a live node (a failover).
-            if c.stale() {
-                self.refresh(c, deadline);
+        if c.stale() {
+            self.refresh(c, deadline);
+            if Instant::now() >= deadline {
+                return None; // the nodes that failed the refresh are counted
             }
-            let now = c.node_of(key);
-            if now == node || !self.breaker.allow(now) {
-                add(&self.counters.breaker_skips, 1);
-                return None;
-            }
-            node = now.to_string();
         }
+        let node = c.node_of(key).to_string();
+        if !self.breaker.allow(&node) {
+            add(&self.counters.breaker_skips, 1);
+            return None;
+        }
+        c.take_failed();
         match f(c, deadline) {
             Ok(v) => {
                 self.breaker.reset(&node);
-                if c.stale() {
-                    // A redirect was followed: send the next calls to the
-                    // slot's node directly.
-                    self.refresh(c, deadline);
-                }
                 Some(v)
             }
             Err(fault) => {
                 add(&self.counters.faults[fault as usize], 1);
                 if matches!(fault, Fault::Timeout | Fault::Connection) {
-                    self.breaker.trip(&node);
+                    self.breaker.trip(&c.take_failed().unwrap_or(node));
                     c.mark_stale();
-                    self.refresh(c, deadline);
                 }
                 None
             }

@@ -1,16 +1,18 @@
-//! A connection to one node whose every call has one deadline: connecting,
-//! the TLS handshake, writing the request and reading all its replies stop
-//! when it passes. The `redis` crate's sync connection applies its timeout
-//! to each socket read, so a server that trickled a reply (each byte inside
-//! the timeout) held a call, and every thread queued behind it, for as long
-//! as it liked; here each read and write is given only the time left. The
-//! crate still packs the commands and parses the replies (its `Parser`).
+//! A connection to one node whose every call has one deadline: the name
+//! lookup (`lookup`), connecting, the TLS handshake, writing the request
+//! and reading all its replies stop when it passes. The `redis` crate's
+//! sync connection applies its timeout to each socket read, so a server
+//! that trickled a reply (each byte inside the timeout) held a call, and
+//! every thread queued behind it, for as long as it liked; here each read
+//! and write is given only the time left. The crate still packs the
+//! commands and parses the replies (its `Parser`).
 
+use super::lookup;
 use redis::{ErrorKind, Parser, RedisError, RedisResult, Value};
 use rustls::pki_types::ServerName;
 use rustls::{ClientConnection, StreamOwned};
 use std::io::{self, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -187,7 +189,7 @@ impl Wire {
     pub(crate) fn connect(t: &Target, deadline: Instant) -> RedisResult<Wire> {
         let mut last = None;
         let mut tcp = None;
-        for a in (t.host.as_str(), t.port).to_socket_addrs()? {
+        for a in lookup::addresses(&t.host, t.port, deadline)? {
             let left = deadline
                 .checked_duration_since(Instant::now())
                 .filter(|d| !d.is_zero())

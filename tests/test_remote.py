@@ -1401,6 +1401,17 @@ def test_nodes_given_by_name(clean, tmp_path):
         assert_kv_equal(b.get(tokens), kv_for(LAYOUT, tokens))
 
 
+def _start_moving_group(c: Cluster, store, tokens) -> tuple[int, int, int]:
+    """Starts moving the slot of `tokens`' first hash-tag group (uploaded by
+    `store`) to another node: (slot, its node, the other)."""
+    first = block_key(c, store, tokens, 0)
+    src = c.port_of(first)
+    dst = next(p for p in c.ports if p != src)
+    slot = cmd(src, "CLUSTER", "KEYSLOT", first)
+    c.start_move(slot, src, dst)
+    return slot, src, dst
+
+
 def test_reads_and_writes_during_a_slot_migration(fresh_cluster, tmp_path):
     """A slot half migrated (MIGRATING on its old node, IMPORTING on the new):
     the old node answers for the keys it still has and sends the others on with
@@ -1412,11 +1423,7 @@ def test_reads_and_writes_during_a_slot_migration(fresh_cluster, tmp_path):
     with open_host(tmp_path / "a", c) as a:
         a.put(tokens[: 8 * B], kv_for(LAYOUT, tokens[: 8 * B]))
         a.flush()
-        first = block_key(c, a, tokens, 0)
-        src = c.port_of(first)
-        dst = next(p for p in c.ports if p != src)
-        slot = cmd(src, "CLUSTER", "KEYSLOT", first)
-        c.start_move(slot, src, dst)
+        slot, src, dst = _start_moving_group(c, a, tokens)
         try:
             assert c.migrate(slot, src, dst, most=4) == 4
             # Blocks 8..15 are new keys of the migrating slot: ASK sends them on.
@@ -1438,6 +1445,35 @@ def test_reads_and_writes_during_a_slot_migration(fresh_cluster, tmp_path):
     assert len(cmd(dst, "CLUSTER", "GETKEYSINSLOT", slot, 100)) == 16
     with open_host(tmp_path / "d", c) as d:
         assert_kv_equal(d.get(tokens), kv_for(LAYOUT, tokens))
+
+
+def test_a_user_refused_asking_reads_a_migrating_slot_as_refused(
+    fresh_cluster, tmp_path, monkeypatch
+):
+    """A user whose ACL lacks ASKING (`@connection`) reads a half-migrated slot:
+    the keys that moved are refused, counted as a permission error, and not sent
+    back and forth between the two nodes (the new one answers MOVED without
+    ASKING) until the redirects run out."""
+    c = fresh_cluster
+    secret = "ask-Pa55"
+    for p in c.ports:
+        cmd(p, "ACL", "SETUSER", "kv", "on", ">" + secret, "~kvstore:*", "+@all", "-asking")
+    monkeypatch.setenv("KV_ASK_PW", secret)
+    remote = {"username": "kv", "password_env": "KV_ASK_PW"}
+    tokens = seq(180000, 16 * B)
+    with open_host(tmp_path / "a", c) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        a.flush()
+        slot, src, dst = _start_moving_group(c, a, tokens)
+    try:
+        assert c.migrate(slot, src, dst, most=8) == 8
+        with open_host(tmp_path / "b", c, remote=remote) as b:
+            assert b.lookup(tokens) == 0
+            r = remote_stats(b)
+    finally:
+        c.migrate(slot, src, dst)
+        c.end_move(slot, dst)
+    assert r["errors_permission"] >= 1 and r["errors_other"] == 0, r
 
 
 def test_a_redirect_to_a_frozen_node_costs_one_timeout(tmp_path):
@@ -1708,6 +1744,19 @@ def _fake_store(path, fake, **remote):
     return kvstore.open(
         path, LAYOUT, MODEL, durability="none", remote=kvstore.Remote(nodes=[fake.node], **remote)
     )
+
+
+def test_a_name_that_does_not_resolve_fails_open_within_the_timeout(tmp_path):
+    """A node whose name does not resolve (`.invalid` never does): open fails
+    within the timeout, whether the resolver answers at once or not at all, and
+    says so (not a hint about TLS ports)."""
+    remote = kvstore.Remote(nodes=["kvstore-test.invalid:6379"], timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(kvstore.RemoteError, match="unreachable: name lookup failed") as e:
+        kvstore.open(tmp_path / "s", LAYOUT, MODEL, durability="none", remote=remote)
+    took = time.monotonic() - t0
+    assert "TLS" not in str(e.value), e.value
+    assert took < 1.5, took
 
 
 def test_open_gives_each_node_one_timeout(tmp_path):

@@ -10,6 +10,7 @@
 //! `rediss://` node without one).
 
 use super::keys::slot;
+use super::lookup;
 use super::wire::{Target, Wire};
 use super::{addr, Newer, NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
@@ -119,7 +120,9 @@ fn open_what(tls: &Tls, step: Option<&str>, probe_key: &str, e: &RedisError) -> 
     let fault = Fault::of(e);
     match (step, fault) {
         (None, Fault::Permission) => "authentication failed".into(),
-        (None, _) if e.is_connection_refusal() => "unreachable".into(),
+        (None, _) if e.is_connection_refusal() || e.to_string().contains(lookup::FAILED) => {
+            "unreachable".into()
+        }
         (None, _) if tls.on => "TLS connection failed (is tls_ca the CA of its certificate, and \
                                 the port a TLS port?)"
             .into(),
@@ -345,10 +348,17 @@ impl Client {
             let mut next = Vec::new();
             let mut to: Option<String> = None;
             for &(i, asking) in &todo {
-                if asking {
-                    got.next(); // ASKING's reply; a refused one leaves a redirect below
-                }
+                // A refused ASKING (a user without `@connection`) is the
+                // command's reply: the node would only send it back (MOVED).
+                let refused = asking
+                    .then(|| got.next())
+                    .flatten()
+                    .filter(|v| matches!(v, Value::ServerError(_)));
                 let v = got.next().expect("one reply per command");
+                if let Some(e) = refused {
+                    replies[i] = Some(e);
+                    continue;
+                }
                 match redirect(&v, &node).filter(|_| self.cluster) {
                     // One slot moves to one node at a time; a command sent
                     // elsewhere meanwhile keeps its redirect, a refusal.

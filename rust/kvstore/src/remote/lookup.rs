@@ -18,6 +18,10 @@ const MAX_RUNNING: usize = 4;
 /// Lookups of this process still running (waited for or not).
 static RUNNING: AtomicUsize = AtomicUsize::new(0);
 
+/// How every error of [`addresses`] begins (an open's message tells it
+/// from a node that did not answer).
+pub(crate) const FAILED: &str = "name lookup failed";
+
 /// The addresses of `host` (no brackets) and `port`, by `deadline`.
 pub(crate) fn addresses(host: &str, port: u16, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
     if let Ok(ip) = host.parse::<IpAddr>() {
@@ -26,6 +30,7 @@ pub(crate) fn addresses(host: &str, port: u16, deadline: Instant) -> io::Result<
     look_up(host, port, deadline, &RUNNING, |h, p| {
         (h, p).to_socket_addrs().map(Iterator::collect)
     })
+    .map_err(|e| io::Error::new(e.kind(), format!("{FAILED}: {e}")))
 }
 
 /// `resolve(host, port)` on a thread of its own, counted in `running`,

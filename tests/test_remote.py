@@ -1412,6 +1412,15 @@ def _start_moving_group(c: Cluster, store, tokens) -> tuple[int, int, int]:
     return slot, src, dst
 
 
+def _upload_and_start_moving(c: Cluster, path, tokens) -> tuple[int, int, int]:
+    """Uploads `tokens` (one hash-tag group) from a host at `path`, then
+    `_start_moving_group`."""
+    with open_host(path, c) as a:
+        a.put(tokens, kv_for(LAYOUT, tokens))
+        a.flush()
+        return _start_moving_group(c, a, tokens)
+
+
 def test_reads_and_writes_during_a_slot_migration(fresh_cluster, tmp_path):
     """A slot half migrated (MIGRATING on its old node, IMPORTING on the new):
     the old node answers for the keys it still has and sends the others on with
@@ -1461,10 +1470,7 @@ def test_a_user_refused_asking_reads_a_migrating_slot_as_refused(
     monkeypatch.setenv("KV_ASK_PW", secret)
     remote = {"username": "kv", "password_env": "KV_ASK_PW"}
     tokens = seq(180000, 16 * B)
-    with open_host(tmp_path / "a", c) as a:
-        a.put(tokens, kv_for(LAYOUT, tokens))
-        a.flush()
-        slot, src, dst = _start_moving_group(c, a, tokens)
+    slot, src, dst = _upload_and_start_moving(c, tmp_path / "a", tokens)
     try:
         assert c.migrate(slot, src, dst, most=8) == 8
         with open_host(tmp_path / "b", c, remote=remote) as b:
@@ -1477,8 +1483,10 @@ def test_a_user_refused_asking_reads_a_migrating_slot_as_refused(
 
 
 def test_a_redirect_to_a_frozen_node_costs_one_timeout(tmp_path):
-    """A node sends a group's reads on (MOVED) to a node that never answers:
-    the call ends when its one deadline passes, counted as one timeout."""
+    """A node sends every group's reads on (MOVED) to a node that never answers,
+    and its map keeps naming itself: the first call ends when its one deadline
+    passes, counted as one timeout; the later ones stop at the redirect (the
+    target's breaker is open), where each cost a timeout before."""
     from support.fake_resp import FakeServer, bulk
 
     frozen = FakeServer(lambda c, a: True)
@@ -1501,12 +1509,93 @@ def test_a_redirect_to_a_frozen_node_costs_one_timeout(tmp_path):
             t0 = time.monotonic()
             assert s.lookup(seq(800, 16 * B)) == 0
             took = time.monotonic() - t0
+            t1 = time.monotonic()
+            for k in range(1, 5):
+                assert s.lookup(seq(800 + 1000 * k, 16 * B)) == 0
+            later = time.monotonic() - t1
             r = remote_stats(s)
     finally:
         me.close()
         frozen.close()
     assert took < 2, (took, r)
-    assert r["errors_timeout"] == 1, r
+    assert later < 0.3, (later, r)
+    assert r["errors_timeout"] == 1 and r["breaker_skips"] >= 4, r
+
+
+def test_a_frozen_migration_target_costs_one_timeout(fresh_cluster, tmp_path):
+    """A slot migrates (every key moved, the move not ended), and the node it
+    migrates to freezes: the old node sends each read on (ASK) while the map
+    still names it; the first read costs a timeout, the next ones stop at the
+    redirect, since the target's breaker is open."""
+    c = fresh_cluster
+    tokens = seq(210000, 16 * B)
+    slot, src, dst = _upload_and_start_moving(c, tmp_path / "a", tokens)
+    try:
+        assert c.migrate(slot, src, dst) == 16
+        with open_host(tmp_path / "b", c, remote={"timeout": 0.5}) as b:
+            c.kill(dst, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                for _ in range(6):
+                    assert b.lookup(tokens) == 0
+                took = time.monotonic() - t0
+                r = remote_stats(b)
+            finally:
+                c.kill(dst, signal.SIGCONT)
+    finally:
+        c.end_move(slot, dst)
+    assert r["errors_timeout"] == 1 and r["breaker_skips"] >= 5, r
+    assert took < 2, (took, r)
+
+
+def test_slow_nodes_after_a_moved_keep_answering(tmp_path):
+    """Two nodes whose every reply takes 0.6 of the timeout, after one read was
+    redirected (MOVED: the map is read again before the next call). The map's
+    read and the call each get a whole timeout, so neither times out; the
+    call's time was spent on the read before, and the call then timed out and
+    tripped a healthy node, again and again."""
+    from support.fake_resp import FakeServer, bulk
+
+    timeout = 0.4
+    state = {"slow": 0.0, "move_once": False}
+    nodes: dict[str, FakeServer] = {}
+
+    def node(name: str):
+        def handler(c, a):
+            verb = a[0].upper()
+            if verb == b"INFO":
+                return bulk(b"# Cluster\r\ncluster_enabled:1\r\n")
+            if verb == b"CONFIG":
+                return None
+            time.sleep(state["slow"])
+            if verb == b"CLUSTER":
+                out = b"*2\r\n"
+                for lo, hi, n in ((0, 8191, "A"), (8192, 16383, "B")):
+                    host, port = nodes[n].node.split(":")
+                    ep = bulk(host.encode()) + b":%s\r\n" % port.encode()
+                    out += b"*3\r\n:%d\r\n:%d\r\n*2\r\n" % (lo, hi) + ep
+                return out
+            if verb == b"GETRANGE" and state["move_once"]:
+                state["move_once"] = False
+                return b"-MOVED 0 %s\r\n" % nodes["B" if name == "A" else "A"].node.encode()
+            return None
+
+        return handler
+
+    nodes["A"], nodes["B"] = FakeServer(node("A")), FakeServer(node("B"))
+    try:
+        with _fake_store(tmp_path / "s", nodes["A"], timeout=timeout) as s:
+            state["move_once"] = True
+            s.lookup(seq(100, B))  # one MOVED, followed: the map is out of date
+            state["slow"] = 0.6 * timeout
+            for k in range(4):
+                s.lookup(seq(5000 + 1000 * k, B))
+            r = remote_stats(s)
+    finally:
+        for n in nodes.values():
+            n.close()
+    assert r["errors_timeout"] == 0 and r["breaker_skips"] == 0, r
+    assert r["misses"] >= 4, r
 
 
 def test_a_frozen_redirect_target_is_blamed_not_the_node_that_redirected(fresh_cluster, tmp_path):

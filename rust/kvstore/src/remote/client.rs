@@ -9,6 +9,7 @@
 //! ring, trusting the CA of `tls_ca` (or the system's roots for a
 //! `rediss://` node without one).
 
+use super::breaker::Breaker;
 use super::keys::slot;
 use super::lookup;
 use super::wire::{Target, Wire};
@@ -19,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub(crate) use super::fault::Fault;
+pub(crate) use super::fault::{Blame, Fault};
 
 /// One client (a reader's or the uploader's): its connections and the slot
 /// map.
@@ -41,9 +42,11 @@ pub(crate) struct Client {
     /// talks to, made on first use; of other nodes (a redirect's target not
     /// in the map) one at a time.
     conns: HashMap<String, Wire>,
-    /// The node whose connection failed (timed out or dropped) in the last
-    /// call, which may be a redirect's target: the one to blame.
-    failed: Option<String>,
+    /// What the last failed call leaves its caller to act on.
+    blame: Option<Blame>,
+    /// The store's breakers, asked before following a redirect (the call's
+    /// own node is asked by the caller).
+    breaker: Arc<Breaker>,
     /// The slot map may be out of date: a node failed, or a key was
     /// redirected (`MOVED`). Read again (`refresh_from`) when a call has time
     /// left.
@@ -141,11 +144,15 @@ impl Client {
     /// `probe_key`. A node that fails (unreachable, frozen, loading) is
     /// passed over for the next; a refused password or permission fails at
     /// once, as every node would refuse it. Every failure is `Error::Remote`.
-    pub(crate) fn connect(opts: &RemoteOptions, probe_key: &str) -> Result<Client> {
+    pub(crate) fn connect(
+        opts: &RemoteOptions,
+        probe_key: &str,
+        breaker: &Arc<Breaker>,
+    ) -> Result<Client> {
         let tls = Tls::of(opts)?;
         let mut last = None;
         for node in &opts.nodes {
-            match Client::connect_to(opts, &tls, node, probe_key)? {
+            match Client::connect_to(opts, &tls, node, probe_key, breaker)? {
                 Ok(c) => return Ok(c),
                 Err(e) => last = Some(e),
             }
@@ -161,6 +168,7 @@ impl Client {
         tls: &Tls,
         node: &str,
         probe_key: &str,
+        breaker: &Arc<Breaker>,
     ) -> Result<Result<Client>> {
         let target = tls.target(opts, node)?;
         let deadline = Instant::now() + opts.timeout;
@@ -203,7 +211,8 @@ impl Client {
             slots,
             cluster,
             conns: HashMap::from([(single_node.clone(), conn)]),
-            failed: None,
+            blame: None,
+            breaker: breaker.clone(),
             single_node,
             tls: tls.clone(),
             max_value,
@@ -230,16 +239,27 @@ impl Client {
             max_value: self.max_value,
             opts: self.opts.clone(),
             conns: HashMap::new(),
-            failed: None,
+            blame: None,
+            breaker: self.breaker.clone(),
             stale: self.stale,
             no_transactions: false,
         }
     }
 
-    /// The node whose connection failed in the calls since the last
-    /// `take_failed`, if one did.
-    pub(crate) fn take_failed(&mut self) -> Option<String> {
-        self.failed.take()
+    /// Why the calls since the last `take_blame` failed, where a node's
+    /// connection failed or a redirect was not followed.
+    pub(crate) fn take_blame(&mut self) -> Option<Blame> {
+        self.blame.take()
+    }
+
+    /// Whether a redirect may be followed to `node`: its breaker is closed
+    /// (or lets this call probe it); else the call is a skip.
+    fn may_follow(&mut self, node: &str) -> bool {
+        let allowed = self.breaker.allow(node);
+        if !allowed {
+            self.blame = Some(Blame::Skipped);
+        }
+        allowed
     }
 
     /// Whether the slot map may be out of date (see `refresh_from`).
@@ -345,6 +365,9 @@ impl Client {
             let mut got = self
                 .on_node(&node, deadline, |w| w.replies(&packed, n, deadline))?
                 .into_iter();
+            if hop > 0 {
+                self.breaker.reset(&node); // a redirect's target answered
+            }
             let mut next = Vec::new();
             let mut to: Option<String> = None;
             for &(i, asking) in &todo {
@@ -374,8 +397,8 @@ impl Client {
                 replies[i] = Some(v);
             }
             match to {
-                Some(at) => (node, todo) = (at, next),
-                None => break,
+                Some(at) if self.may_follow(&at) => (node, todo) = (at, next),
+                _ => break,
             }
         }
         settle(replies.into_iter().map(|v| v.expect("a reply")).collect())
@@ -389,6 +412,13 @@ impl Client {
         deadline: Instant,
         f: impl FnOnce(&mut Wire) -> RedisResult<T>,
     ) -> RedisResult<T> {
+        if Instant::now() >= deadline {
+            // Spent on an earlier node (before a redirect): not this one's fault.
+            return Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the call's deadline passed",
+            )));
+        }
         if !self.conns.contains_key(node) {
             let target = self.tls.target(&self.opts, node).map_err(|e| {
                 RedisError::from(std::io::Error::new(
@@ -406,7 +436,7 @@ impl Client {
             match Wire::connect(&target, deadline) {
                 Ok(c) => self.conns.insert(node.to_string(), c),
                 Err(e) => {
-                    self.failed = Some(node.to_string());
+                    self.blame = Some(Blame::Failed(node.to_string()));
                     return Err(e);
                 }
             };
@@ -414,7 +444,7 @@ impl Client {
         let res = f(self.conns.get_mut(node).expect("connection"));
         if res.as_ref().is_err_and(out_of_step) {
             self.conns.remove(node);
-            self.failed = Some(node.to_string());
+            self.blame = Some(Blame::Failed(node.to_string()));
         }
         res
     }
@@ -528,6 +558,9 @@ impl Client {
                     match redirect_of(e.code(), e.detail(), &node).filter(|_| self.cluster) {
                         Some((at, false)) if hops < MAX_REDIRECTS => {
                             self.stale = true;
+                            if !self.may_follow(&at) {
+                                return Err(Fault::Other); // a skip (`take_blame`)
+                            }
                             node = at;
                             hops += 1;
                         }
@@ -909,4 +942,63 @@ fn parse_slots(v: Value, from: &str) -> Vec<(u16, u16, String)> {
     }
     out.sort();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_slots, redirect_of};
+    use redis::Value;
+
+    fn range(lo: i64, hi: i64, host: Value, port: i64) -> Value {
+        Value::Array(vec![
+            Value::Int(lo),
+            Value::Int(hi),
+            Value::Array(vec![host, Value::Int(port)]),
+        ])
+    }
+
+    #[test]
+    fn a_map_takes_a_missing_endpoint_from_the_node_that_listed_it() {
+        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        let reply = Value::Array(vec![
+            range(8192, 16383, bulk("10.0.0.2"), 7001),
+            range(0, 99, Value::Nil, 7002),
+            range(100, 199, bulk(""), 7003),
+            range(200, 299, bulk("?"), 7004),
+            range(300, 8191, bulk("::1"), 7005),
+        ]);
+        assert_eq!(
+            parse_slots(reply, "node-a:7000"),
+            vec![
+                (0, 99, "node-a:7002".to_string()),
+                (100, 199, "node-a:7003".to_string()),
+                (300, 8191, "::1:7005".to_string()),
+                (8192, 16383, "10.0.0.2:7001".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn redirects_name_their_node() {
+        let from = "10.0.0.1:7000";
+        let at = |code, details| redirect_of(Some(code), Some(details), from);
+        assert_eq!(
+            at("MOVED", "12 10.0.0.2:7001"),
+            Some(("10.0.0.2:7001".into(), false))
+        );
+        assert_eq!(
+            at("ASK", "12 host-b:7002"),
+            Some(("host-b:7002".into(), true))
+        );
+        assert_eq!(at("MOVED", "12 ::1:7003"), Some(("::1:7003".into(), false)));
+        assert_eq!(
+            at("MOVED", "12 :7004"),
+            Some(("10.0.0.1:7004".into(), false))
+        );
+        assert_eq!(at("MOVED", "12 ?:7005"), None);
+        assert_eq!(at("MOVED", "12 10.0.0.2:port"), None);
+        assert_eq!(at("MOVED", "12"), None);
+        assert_eq!(at("ERR", "12 10.0.0.2:7001"), None);
+        assert_eq!(redirect_of(None, Some("12 10.0.0.2:7001"), from), None);
+    }
 }

@@ -1,4 +1,4 @@
-//! Kinds of remote failure, for the counters.
+//! Kinds of remote failure, for the counters, and whom a failure blames.
 
 /// What went wrong with a call, for the counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -9,6 +9,17 @@ pub(crate) enum Fault {
     OutOfMemory,
     ClusterDown,
     Other,
+}
+
+/// Why a call failed, beyond its [`Fault`].
+#[cfg_attr(not(feature = "remote"), allow(dead_code))] // made by the client only
+pub(crate) enum Blame {
+    /// This node's connection failed (timed out or dropped); it may be a
+    /// redirect's target, not the key's node in the map.
+    Failed(String),
+    /// The call stopped at a redirect to a node whose breaker is open: a
+    /// skip, not a fault.
+    Skipped,
 }
 
 #[cfg(feature = "remote")]

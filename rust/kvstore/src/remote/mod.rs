@@ -30,7 +30,7 @@ mod wire;
 use crate::error::{Error, Result};
 use crate::id::BlockId;
 use breaker::Breaker;
-use client::{Client, Fault};
+use client::{Blame, Client, Fault};
 use keys::{session_head_version, session_version, Keys, SESSION_HEAD, SESSION_VALUE_MAX};
 use queue::Queue;
 pub(crate) use queue::{Item, Kind, Sent};
@@ -275,7 +275,8 @@ pub(crate) struct Newer<'a> {
 struct Shared {
     opts: RemoteOptions,
     keys: Keys,
-    breaker: Breaker,
+    /// Shared with the clients, which ask it before following a redirect.
+    breaker: Arc<Breaker>,
     counters: Counters,
     queue: Queue,
     writer: Mutex<Client>,
@@ -314,12 +315,13 @@ impl Remote {
             )));
         }
         let keys = Keys::new(&opts.prefix, tag, mac_key);
-        let reader = Client::connect(opts, &keys.session("kvstore-probe"))?;
+        let breaker = Arc::new(Breaker::new(opts.breaker));
+        let reader = Client::connect(opts, &keys.session("kvstore-probe"), &breaker)?;
         let writer = reader.connect_again();
         let shared = Arc::new(Shared {
             opts: opts.clone(),
             keys,
-            breaker: Breaker::new(opts.breaker),
+            breaker,
             counters: Counters::default(),
             queue: Queue::new(opts.queue_bytes),
             writer: Mutex::new(writer),
@@ -543,46 +545,50 @@ impl Shared {
     }
 
     /// Runs `f` on `c` with the call's deadline (one timeout from now)
-    /// unless the breaker of `key`'s node is open; counts failures and trips
-    /// the breaker of the node that timed out or was unreachable (the key's,
-    /// or the one a redirect sent the call to). While the slot map may be
-    /// out of date (after a `MOVED` or a failed node) it is read again
-    /// first, within the same deadline (`refresh`), so that a slot moved off
-    /// a failed node is neither blamed on it nor skipped: the whole costs
-    /// one timeout at most.
+    /// unless the breaker of `key`'s node is open (or of the node a redirect
+    /// sends it to); counts failures and trips the breaker of the node that
+    /// timed out or was unreachable (the key's, or the one a redirect sent
+    /// the call to). While the slot map may be out of date (after a `MOVED`
+    /// or a failed node) it is read again first, within a timeout of its own
+    /// (`refresh`), so that a slot moved off a failed node is neither blamed
+    /// on it nor skipped, and the call has its whole timeout: a frozen node
+    /// costs one timeout, and a call two at most.
     fn call<T>(
         &self,
         c: &mut Client,
         key: &str,
         f: impl FnOnce(&mut Client, Instant) -> Result<T, Fault>,
     ) -> Option<T> {
-        let deadline = Instant::now() + self.opts.timeout;
         if c.stale() {
-            self.refresh(c, deadline);
-            if Instant::now() >= deadline {
-                return None; // the nodes that failed the refresh are counted
-            }
+            self.refresh(c, Instant::now() + self.opts.timeout);
         }
         let node = c.node_of(key).to_string();
         if !self.breaker.allow(&node) {
             add(&self.counters.breaker_skips, 1);
             return None;
         }
-        c.take_failed();
-        match f(c, deadline) {
+        c.take_blame();
+        let fault = match f(c, Instant::now() + self.opts.timeout) {
             Ok(v) => {
                 self.breaker.reset(&node);
-                Some(v)
+                return Some(v);
             }
-            Err(fault) => {
-                add(&self.counters.faults[fault as usize], 1);
-                if matches!(fault, Fault::Timeout | Fault::Connection) {
-                    self.breaker.trip(&c.take_failed().unwrap_or(node));
-                    c.mark_stale();
-                }
-                None
+            Err(fault) => fault,
+        };
+        let failed = match c.take_blame() {
+            Some(Blame::Skipped) => {
+                add(&self.counters.breaker_skips, 1);
+                return None;
             }
+            Some(Blame::Failed(n)) => n,
+            None => node,
+        };
+        add(&self.counters.faults[fault as usize], 1);
+        if matches!(fault, Fault::Timeout | Fault::Connection) {
+            self.breaker.trip(&failed);
+            c.mark_stale();
         }
+        None
     }
 
     /// Reads the slot map again from the first node that answers, by

@@ -1,19 +1,21 @@
 //! The remote tier in a build without the `remote` feature: opening a store
 //! with one is an error, so nothing else here can run.
 
+use super::breaker::Breaker;
 use super::{Newer, NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub(crate) use super::fault::Fault;
+pub(crate) use super::fault::{Blame, Fault};
 
 /// Never made: `connect` fails.
 pub(crate) struct Client(Infallible);
 
 #[allow(clippy::unused_self, clippy::needless_pass_by_ref_mut)]
 impl Client {
-    pub(crate) fn connect(_: &RemoteOptions, _: &str) -> Result<Client> {
+    pub(crate) fn connect(_: &RemoteOptions, _: &str, _: &Arc<Breaker>) -> Result<Client> {
         Err(Error::Remote(
             "this build of kvstore has no remote tier (cargo feature `remote`)".into(),
         ))
@@ -24,7 +26,7 @@ impl Client {
     pub(crate) fn node_of(&self, _: &str) -> &str {
         match self.0 {}
     }
-    pub(crate) fn take_failed(&mut self) -> Option<String> {
+    pub(crate) fn take_blame(&mut self) -> Option<Blame> {
         match self.0 {}
     }
     pub(crate) fn stale(&self) -> bool {

@@ -1487,18 +1487,16 @@ def test_a_redirect_to_a_frozen_node_costs_one_timeout(tmp_path):
     and its map keeps naming itself: the first call ends when its one deadline
     passes, counted as one timeout; the later ones stop at the redirect (the
     target's breaker is open), where each cost a timeout before."""
-    from support.fake_resp import FakeServer, bulk
+    from support.fake_resp import CLUSTER_INFO, FakeServer, cluster_slots
 
     frozen = FakeServer(lambda c, a: True)
 
     def handler(c, a):
         verb = a[0].upper()
         if verb == b"INFO":
-            return bulk(b"# Cluster\r\ncluster_enabled:1\r\n")
+            return CLUSTER_INFO
         if verb == b"CLUSTER":
-            host, port = me.node.split(":")
-            node = bulk(host.encode()) + b":%s\r\n" % port.encode()
-            return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n" + node  # all slots here
+            return cluster_slots([(0, 16383, me.node)])  # all slots here
         if verb in (b"GETRANGE", b"STRLEN", b"EXISTS") and b":session:" not in a[1]:
             return b"-MOVED 0 %s\r\n" % frozen.node.encode()
         return None
@@ -1554,7 +1552,7 @@ def test_slow_nodes_after_a_moved_keep_answering(tmp_path):
     read and the call each get a whole timeout, so neither times out; the
     call's time was spent on the read before, and the call then timed out and
     tripped a healthy node, again and again."""
-    from support.fake_resp import FakeServer, bulk
+    from support.fake_resp import CLUSTER_INFO, FakeServer, cluster_slots
 
     timeout = 0.4
     state = {"slow": 0.0, "move_once": False}
@@ -1564,17 +1562,12 @@ def test_slow_nodes_after_a_moved_keep_answering(tmp_path):
         def handler(c, a):
             verb = a[0].upper()
             if verb == b"INFO":
-                return bulk(b"# Cluster\r\ncluster_enabled:1\r\n")
+                return CLUSTER_INFO
             if verb == b"CONFIG":
                 return None
             time.sleep(state["slow"])
             if verb == b"CLUSTER":
-                out = b"*2\r\n"
-                for lo, hi, n in ((0, 8191, "A"), (8192, 16383, "B")):
-                    host, port = nodes[n].node.split(":")
-                    ep = bulk(host.encode()) + b":%s\r\n" % port.encode()
-                    out += b"*3\r\n:%d\r\n:%d\r\n*2\r\n" % (lo, hi) + ep
-                return out
+                return cluster_slots([(0, 8191, nodes["A"].node), (8192, 16383, nodes["B"].node)])
             if verb == b"GETRANGE" and state["move_once"]:
                 state["move_once"] = False
                 return b"-MOVED 0 %s\r\n" % nodes["B" if name == "A" else "A"].node.encode()

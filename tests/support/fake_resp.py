@@ -15,6 +15,21 @@ def bulk(b: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
 
 
+CLUSTER_INFO = bulk(b"# Cluster\r\ncluster_enabled:1\r\n")
+"""The reply to `INFO` of a node that is in a cluster."""
+
+
+def cluster_slots(ranges: list[tuple[int, int, str]]) -> bytes:
+    """The reply to `CLUSTER SLOTS` for `(first slot, last slot, "host:port")`
+    ranges, each served by that node alone."""
+    out = b"*%d\r\n" % len(ranges)
+    for lo, hi, node in ranges:
+        host, port = node.rsplit(":", 1)
+        out += b"*3\r\n:%d\r\n:%d\r\n*2\r\n" % (lo, hi) + bulk(host.encode())
+        out += b":%s\r\n" % port.encode()
+    return out
+
+
 def default_reply(args: list[bytes]) -> bytes:
     c = args[0].upper()
     if c == b"INFO":

@@ -12,7 +12,7 @@
 use super::breaker::Breaker;
 use super::keys::slot;
 use super::lookup;
-use super::wire::{Target, Wire};
+use super::wire::{deadline_passed, Target, Wire};
 use super::{addr, Newer, NodeReport, RemoteOptions};
 use crate::error::{Error, Result};
 use redis::{Cmd, RedisError, Value};
@@ -48,8 +48,8 @@ pub(crate) struct Client {
     /// own node is asked by the caller).
     breaker: Arc<Breaker>,
     /// The slot map may be out of date: a node failed, or a key was
-    /// redirected (`MOVED`). Read again (`refresh_from`) when a call has time
-    /// left.
+    /// redirected (`MOVED`). Read again (`refresh_from`) before the next
+    /// call.
     stale: bool,
     /// The server refused the commands of a transaction (a user without
     /// `@transaction`, or they are unknown): sessions are set without
@@ -334,9 +334,10 @@ impl Client {
     /// Runs `cmds` (keys of one slot) as one pipeline on the node of their
     /// slot, all by `deadline`; one result each. A command that reaches the
     /// wrong node is sent on where the node redirects it: `MOVED` (the slot
-    /// has moved: the map is read again after the call) or `ASK` (the slot
-    /// is migrating and the key has gone: sent after `ASKING`, the map
-    /// stays), up to [`MAX_REDIRECTS`] times. Replies as `settle` makes them.
+    /// has moved: the map is read again before the next call) or `ASK` (the
+    /// slot is migrating and the key has gone: sent after `ASKING`, the map
+    /// stays), up to [`MAX_REDIRECTS`] times. Replies as `settle` makes
+    /// them.
     fn run<T: redis::FromRedisValue>(
         &mut self,
         cmds: &[Cmd],
@@ -414,10 +415,7 @@ impl Client {
     ) -> RedisResult<T> {
         if Instant::now() >= deadline {
             // Spent on an earlier node (before a redirect): not this one's fault.
-            return Err(RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "the call's deadline passed",
-            )));
+            return Err(deadline_passed().into());
         }
         if !self.conns.contains_key(node) {
             let target = self.tls.target(&self.opts, node).map_err(|e| {
@@ -428,11 +426,9 @@ impl Client {
             })?;
             // Bounded whatever the nodes a server redirects to: one
             // connection outside the map at a time.
-            let known = |n: &str| n == self.single_node || self.slots.iter().any(|r| r.2 == n);
-            let strays: Vec<String> = self.conns.keys().filter(|n| !known(n)).cloned().collect();
-            for n in strays {
-                self.conns.remove(&n);
-            }
+            let (seed, slots) = (&self.single_node, &self.slots);
+            self.conns
+                .retain(|n, _| n == seed || slots.iter().any(|r| &r.2 == n));
             match Wire::connect(&target, deadline) {
                 Ok(c) => self.conns.insert(node.to_string(), c),
                 Err(e) => {
@@ -514,11 +510,12 @@ impl Client {
     /// whole (up to `newer.max + 1` bytes) only where the head says it may
     /// be newer, then `MULTI`, `SET`, `EXEC`; tried again (up to
     /// [`RACE_TRIES`] times, while the call has time) where another client
-    /// changed the key in between. Where the server refuses the transaction
-    /// (a user without `@transaction`, the commands renamed or unknown
-    /// behind a proxy) or the key's slot moved (or migrates), a plain `SET`
-    /// instead, which follows the redirect; a refusal whose `SET` goes through turns the transaction off
-    /// for this client. Any other error reply is a fault.
+    /// changed the key in between; taken to the slot's new node after a
+    /// `MOVED`. Where the server refuses the transaction (a user without
+    /// `@transaction`, the commands renamed or unknown behind a proxy) or
+    /// the key's slot migrates (`ASK`), a plain `SET` instead, which follows
+    /// the redirect; a refusal whose `SET` goes through turns the
+    /// transaction off for this client. Any other error reply is a fault.
     pub(crate) fn set_unless_newer(
         &mut self,
         (key, value): (&str, &[u8]),
@@ -550,7 +547,7 @@ impl Client {
                     }
                 }
                 // A moved slot: the transaction goes to its new node (and the
-                // map is read again after the call). A migrating one (`ASK`)
+                // map is read again before the next call). A migrating one (`ASK`)
                 // is set without it: the transaction would need `ASKING`
                 // before each of its commands, on a node that may not have
                 // the key's value yet.

@@ -46,7 +46,7 @@ impl Target {
     }
 }
 
-fn deadline_passed() -> io::Error {
+pub(crate) fn deadline_passed() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, "the call's deadline passed")
 }
 

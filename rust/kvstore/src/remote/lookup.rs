@@ -69,7 +69,11 @@ pub(crate) fn addresses(host: &str, port: u16, deadline: Instant) -> io::Result<
             .into_iter()
             .map(|ip| SocketAddr::new(ip, port))
             .collect()),
-        Err(e) => Err(io::Error::new(e.kind(), format!("{FAILED}: {e}"))),
+        // The host named: an open's message may be about another node.
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!("{FAILED} for {host}: {e}"),
+        )),
     }
 }
 
@@ -84,8 +88,7 @@ impl Lookups {
     /// The addresses of `host`, from the lookup of it already running or
     /// from one started on a thread of its own, waited for until `deadline`.
     fn look_up(&'static self, host: &str, deadline: Instant) -> io::Result<Vec<IpAddr>> {
-        let timed_out =
-            |why: &str| io::Error::new(io::ErrorKind::TimedOut, format!("{host}: {why}"));
+        let timed_out = |why: &str| io::Error::new(io::ErrorKind::TimedOut, why.to_string());
         if Instant::now() >= deadline {
             return Err(timed_out("the call's deadline passed before the lookup"));
         }
@@ -293,5 +296,11 @@ mod tests {
         let local = addresses("localhost", 9, soon(10_000)).expect("localhost resolves");
         assert!(local.iter().all(|a| a.ip().is_loopback() && a.port() == 9));
         assert!(!local.is_empty());
+        // An error names the host (an open's message may be about another node).
+        let e = addresses("stuck", 9, past).expect_err("too late");
+        assert_eq!(
+            e.to_string(),
+            "name lookup failed for stuck: the call's deadline passed before the lookup"
+        );
     }
 }

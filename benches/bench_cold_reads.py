@@ -25,7 +25,14 @@ huge-page buffers, each in flight count one thread per request:
 - (a) one stream of whole records in file order, 1 and 2 in flight;
 - (b) two streams (a get's two reader threads: contiguous halves) x 2;
 - (c) 2 and 4 adjacent records coalesced into one request, 1 and 2 in flight;
-- (d) plain 2 MiB requests aligned to 2 MiB on disk vs shifted by 4 KiB.
+- (d) plain 2 MiB requests aligned to 2 MiB on disk vs shifted by 4 KiB;
+- (e) whole records read straight into a get's destination: the head into a
+  buffer of its own and the payload scattered into 64 runs of 32 KiB, 2 MiB
+  apart (a block's share of each layer's K or V in a `[L, 2, T, H, D]` tensor
+  of bench_store.py's layout), 1 stream x 1 and x 2, 4 streams x 1 (the
+  engine's direct reads with `KVSTORE_READ_DEPTH=0`); against (a) and (b),
+  which read the same records into one buffer (the engine's queued reads,
+  which then copy the payload out).
 
 Python's `os.preadv` releases the GIL, so threads overlap their reads as the
 engine's do. O_DIRECT of the records themselves is not measured: they are not
@@ -99,11 +106,19 @@ def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: i
         os.close(fd)
 
 
-def direct_streams(path: Path, streams: list[list[tuple[int, int]]], depth: int) -> int:
+PLANES = 64  # a block's runs in a [L, 2, T, H, D] destination of bench_store.py's layout
+
+
+def direct_streams(
+    path: Path, streams: list[list[tuple[int, int]]], depth: int, scatter: bool = False
+) -> int:
     """Reads every stream of (offset, length) requests with O_DIRECT, each
     stream in order with `depth` requests in flight (one thread per request,
     each with its own huge-page buffer, taking the stream's next request);
-    the streams at once. Bytes read."""
+    the streams at once. `scatter`: each request is a v2 record (a head of
+    V2_HEAD bytes, then 2 MiB), its head read into a buffer and its payload
+    into PLANES runs, 2 MiB apart, of a destination of the thread's own,
+    each record at the next run of every plane. Bytes read."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         lock = threading.Lock()
@@ -112,14 +127,26 @@ def direct_streams(path: Path, streams: list[list[tuple[int, int]]], depth: int)
         size = max(n for s in streams for _, n in s)
 
         def reader(stream: int) -> None:
-            mv = aligned_empty(size).data
+            run = IO_CHUNK // PLANES
+            if scatter:
+                head = aligned_empty(V2_HEAD).data
+                dest = aligned_empty(PLANES * IO_CHUNK)
+            else:
+                mv = aligned_empty(size).data
             got = 0
+            k = 0
             while True:
                 with lock:
                     job = next(jobs[stream], None)
                 if job is None:
                     break
-                got += os.preadv(fd, [mv[: job[1]]], job[0])
+                if scatter:
+                    at = (k % PLANES) * run
+                    k += 1
+                    runs = [dest[p * IO_CHUNK + at :][:run].data for p in range(PLANES)]
+                    got += os.preadv(fd, [head, *runs], job[0])
+                else:
+                    got += os.preadv(fd, [mv[: job[1]]], job[0])
             with lock:
                 done.append(got)
 
@@ -152,6 +179,9 @@ def replay_patterns(path: Path, size: int) -> dict[str, Callable[[], int]]:
         ),
         "(b) records, 4 streams (quarters) x 2": lambda: direct_streams(path, quarters, 2),
         "(b) records, 4 streams (quarters) x 1": lambda: direct_streams(path, quarters, 1),
+        "(e) records scattered, 1 stream x 1": lambda: direct_streams(path, [records], 1, True),
+        "(e) records scattered, 1 stream x 2": lambda: direct_streams(path, [records], 2, True),
+        "(e) records scattered, 4 streams x 1": lambda: direct_streams(path, quarters, 1, True),
     }
     for k in (2, 4):
         big = coalesce(records, k * rec)

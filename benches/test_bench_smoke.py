@@ -191,3 +191,27 @@ def test_bench_ttft_sweep_tiny(tmp_path: Path) -> None:
         assert set(samples) == {"32", "64"}
         assert all(len(v) == 1 and v[0] > 0 for v in samples.values())
     assert png.exists() == (iu.find_spec("matplotlib") is not None), data["sweep_notes"]
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_bench_cold_reads_tiny(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], replay: bool
+) -> None:
+    """bench_cold_reads.py on a 16 MiB file: every pattern read the whole file (the
+    bench asserts the bytes each returned) and printed a finite figure; with
+    `--direct-replay`, the scattered patterns (e) among them."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("bench_cold_reads", _HERE / "bench_cold_reads.py")
+    assert spec is not None and spec.loader is not None
+    bc = iu.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    argv = ["--mib", "16", "--repeat", "1", "--dir", str(tmp_path)]
+    try:
+        assert bc.main(argv + (["--direct-replay"] if replay else [])) == 0
+    except OSError as e:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(f"O_DIRECT in {tmp_path}: {e}")
+    rows = [line for line in capsys.readouterr().out.splitlines() if "GiB/s" in line]
+    assert len(rows) == (17 if replay else 9), rows
+    assert all(math.isfinite(float(r.split("GiB/s")[0].split()[-1])) for r in rows)
+    assert sum("(e) records scattered" in r for r in rows) == (3 if replay else 0)

@@ -59,6 +59,7 @@ from peers import IO_CHUNK, aligned_empty, python_read, python_read_inflight  # 
 SEGMENT_HEADER = 32
 V2_HEAD = 4096  # format v2: a record's head pads its payload to 4 KiB
 RECORD_META = 80 + 16 * 4  # record header + 16 token ids (bench_ttft.py's B=16)
+V2_RECORD = V2_HEAD + (2 << 20)  # a replayed record: its head, then a 2 MiB payload
 
 
 def record_spans(size: int, record: int) -> list[tuple[int, int]]:
@@ -78,12 +79,32 @@ def coalesce(spans: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
 
 
 def run_threads(fn: Callable[[int], None], args: Iterable[int]) -> None:
-    """Runs `fn(a)` for every `a` of `args`, each on its own thread, all at once."""
-    workers = [threading.Thread(target=fn, args=(a,)) for a in args]
+    """Runs `fn(a)` for every `a` of `args`, each on its own thread, all at once;
+    raises the first error a thread raised."""
+    errors: list[BaseException] = []
+
+    def run(a: int) -> None:
+        try:
+            fn(a)
+        except BaseException as e:  # noqa: BLE001 - raised again below, on the caller's thread
+            errors.append(e)
+
+    workers = [threading.Thread(target=run, args=(a,)) for a in args]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
+    if errors:
+        raise errors[0]
+
+
+def read_exactly(fd: int, bufs: list[memoryview], off: int) -> int:
+    """`os.preadv` that must fill `bufs` (every request here lies inside the file)."""
+    want = sum(len(b) for b in bufs)
+    got = os.preadv(fd, bufs, off)
+    if got != want:
+        raise RuntimeError(f"read {got} of {want} bytes at {off}")
+    return got
 
 
 def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: int | None) -> int:
@@ -98,7 +119,7 @@ def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: i
         def reader(t: int) -> None:
             buf = bytearray(max(n for _, n in spans))
             for off, n in spans[t * per : (t + 1) * per]:
-                done[t] += os.preadv(fd, [memoryview(buf)[:n]], off)
+                done[t] += read_exactly(fd, [memoryview(buf)[:n]], off)
 
         run_threads(reader, range(threads))
         return sum(done)
@@ -107,32 +128,44 @@ def read_spans(path: Path, spans: list[tuple[int, int]], threads: int, advice: i
 
 
 PLANES = 64  # a block's runs in a [L, 2, T, H, D] destination of bench_store.py's layout
+MAX_THREADS = 8  # the most threads a replay pattern runs (4 streams x 2)
+
+
+class Buffers:
+    """Every buffer the replay's reader threads read into, made (and every page
+    faulted in) once, before anything is timed: one huge-page buffer per thread
+    for whole requests of up to `largest` bytes, and for the scattered reads a
+    head buffer and a destination of PLANES planes of IO_CHUNK per thread."""
+
+    def __init__(self, largest: int, scatter_threads: int) -> None:
+        self.whole = [aligned_empty(largest).data for _ in range(MAX_THREADS)]
+        self.heads = [aligned_empty(V2_HEAD).data for _ in range(scatter_threads)]
+        self.dests = [aligned_empty(PLANES * IO_CHUNK) for _ in range(scatter_threads)]
 
 
 def direct_streams(
-    path: Path, streams: list[list[tuple[int, int]]], depth: int, scatter: bool = False
+    path: Path,
+    streams: list[list[tuple[int, int]]],
+    depth: int,
+    bufs: Buffers,
+    scatter: bool = False,
 ) -> int:
     """Reads every stream of (offset, length) requests with O_DIRECT, each
     stream in order with `depth` requests in flight (one thread per request,
-    each with its own huge-page buffer, taking the stream's next request);
-    the streams at once. `scatter`: each request is a v2 record (a head of
-    V2_HEAD bytes, then 2 MiB), its head read into a buffer and its payload
-    into PLANES runs, 2 MiB apart, of a destination of the thread's own,
-    each record at the next run of every plane. Bytes read."""
+    each with its own huge-page buffer of `bufs`, taking the stream's next
+    request); the streams at once. `scatter`: each request is a v2 record (a
+    head of V2_HEAD bytes, then 2 MiB), its head read into a buffer and its
+    payload into PLANES runs, 2 MiB apart, of a destination of the thread's
+    own, each record at the next run of every plane. Bytes read."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         lock = threading.Lock()
         jobs = [iter(s) for s in streams]
         done: list[int] = []
-        size = max(n for s in streams for _, n in s)
+        run = IO_CHUNK // PLANES
 
-        def reader(stream: int) -> None:
-            run = IO_CHUNK // PLANES
-            if scatter:
-                head = aligned_empty(V2_HEAD).data
-                dest = aligned_empty(PLANES * IO_CHUNK)
-            else:
-                mv = aligned_empty(size).data
+        def reader(t: int) -> None:
+            stream = t // depth
             got = 0
             k = 0
             while True:
@@ -141,24 +174,25 @@ def direct_streams(
                 if job is None:
                     break
                 if scatter:
-                    at = (k % PLANES) * run
+                    dest, at = bufs.dests[t], (k % PLANES) * run
                     k += 1
                     runs = [dest[p * IO_CHUNK + at :][:run].data for p in range(PLANES)]
-                    got += os.preadv(fd, [head, *runs], job[0])
+                    got += read_exactly(fd, [bufs.heads[t], *runs], job[0])
                 else:
-                    got += os.preadv(fd, [mv[: job[1]]], job[0])
+                    got += read_exactly(fd, [bufs.whole[t][: job[1]]], job[0])
             with lock:
                 done.append(got)
 
-        run_threads(reader, [s for s in range(len(streams)) for _ in range(depth)])
+        run_threads(reader, range(len(streams) * depth))
         return sum(done)
     finally:
         os.close(fd)
 
 
-def replay_patterns(path: Path, size: int) -> dict[str, Callable[[], int]]:
-    """The direct-read request patterns of `--direct-replay` over `path`."""
-    rec = V2_HEAD + (2 << 20)
+def replay_patterns(path: Path, size: int, bufs: Buffers) -> dict[str, Callable[[], int]]:
+    """The direct-read request patterns of `--direct-replay` over `path`, each
+    reading into `bufs` (made for records of V2_RECORD, up to 4 a request)."""
+    rec = V2_RECORD
     records = [(off, rec) for off in range(V2_HEAD, size - rec + 1, rec)]
     half = len(records) // 2
     q = -(-len(records) // 4)
@@ -166,28 +200,36 @@ def replay_patterns(path: Path, size: int) -> dict[str, Callable[[], int]]:
     aligned = [(off, IO_CHUNK) for off in range(0, size - IO_CHUNK + 1, IO_CHUNK)]
     shifted = [(off + V2_HEAD, n) for off, n in aligned[:-1]]
     pats: dict[str, Callable[[], int]] = {
-        "(d) O_DIRECT 2 MiB aligned, 1 in flight": lambda: direct_streams(path, [aligned], 1),
-        "(d) O_DIRECT 2 MiB aligned, 2 in flight": lambda: direct_streams(path, [aligned], 2),
-        "(d) O_DIRECT 2 MiB shifted 4K, 1 in flight": lambda: direct_streams(path, [shifted], 1),
-        "(a) records, 1 stream x 1": lambda: direct_streams(path, [records], 1),
-        "(a) records, 1 stream x 2": lambda: direct_streams(path, [records], 2),
+        "(d) O_DIRECT 2 MiB aligned, 1 in flight": lambda: direct_streams(path, [aligned], 1, bufs),
+        "(d) O_DIRECT 2 MiB aligned, 2 in flight": lambda: direct_streams(path, [aligned], 2, bufs),
+        "(d) O_DIRECT 2 MiB shifted 4K, 1 in flight": lambda: direct_streams(
+            path, [shifted], 1, bufs
+        ),
+        "(a) records, 1 stream x 1": lambda: direct_streams(path, [records], 1, bufs),
+        "(a) records, 1 stream x 2": lambda: direct_streams(path, [records], 2, bufs),
         "(b) records, 2 streams (halves) x 2": lambda: direct_streams(
-            path, [records[:half], records[half:]], 2
+            path, [records[:half], records[half:]], 2, bufs
         ),
         "(b) records, 2 streams (halves) x 1": lambda: direct_streams(
-            path, [records[:half], records[half:]], 1
+            path, [records[:half], records[half:]], 1, bufs
         ),
-        "(b) records, 4 streams (quarters) x 2": lambda: direct_streams(path, quarters, 2),
-        "(b) records, 4 streams (quarters) x 1": lambda: direct_streams(path, quarters, 1),
-        "(e) records scattered, 1 stream x 1": lambda: direct_streams(path, [records], 1, True),
-        "(e) records scattered, 1 stream x 2": lambda: direct_streams(path, [records], 2, True),
-        "(e) records scattered, 4 streams x 1": lambda: direct_streams(path, quarters, 1, True),
+        "(b) records, 4 streams (quarters) x 2": lambda: direct_streams(path, quarters, 2, bufs),
+        "(b) records, 4 streams (quarters) x 1": lambda: direct_streams(path, quarters, 1, bufs),
+        "(e) records scattered, 1 stream x 1": lambda: direct_streams(
+            path, [records], 1, bufs, True
+        ),
+        "(e) records scattered, 1 stream x 2": lambda: direct_streams(
+            path, [records], 2, bufs, True
+        ),
+        "(e) records scattered, 4 streams x 1": lambda: direct_streams(
+            path, quarters, 1, bufs, True
+        ),
     }
     for k in (2, 4):
         big = coalesce(records, k * rec)
         for depth in (1, 2):
             pats[f"(c) {k} records a request, x {depth}"] = lambda big=big, depth=depth: (
-                direct_streams(path, [big], depth)
+                direct_streams(path, [big], depth, bufs)
             )
     return pats
 
@@ -236,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.direct_replay:
             limit4 = "O_DIRECT 2 MiB, 4 in flight (limit)"
             patterns[limit4] = lambda: python_read_inflight([path])[1]
-            patterns.update(replay_patterns(path, size))
+            bufs = Buffers(4 * V2_RECORD, scatter_threads=4)
+            patterns.update(replay_patterns(path, size, bufs))
         best: dict[str, float] = {k: float("inf") for k in patterns}
         resident = 0
         for _ in range(args.repeat):

@@ -8,8 +8,8 @@
 //! One lookup runs per name: a caller that finds the name already being
 //! looked up waits for that lookup's answer instead of starting another.
 //! So a name whose lookup hangs holds one thread, however many calls ask
-//! for it, and only that many names hanging at once keep other names from
-//! being looked up.
+//! for it, and only [`MAX_RUNNING`] names hanging at once keep other names
+//! from being looked up.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};

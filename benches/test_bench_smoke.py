@@ -15,6 +15,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,16 +24,19 @@ import torch
 _HERE = Path(__file__).resolve().parent
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_store", _HERE / "bench_store.py")
+def _load(name: str, register: bool = False) -> Any:
+    """The bench script `name`.py of this folder, loaded afresh; `register`: also
+    as `sys.modules[name]`, for the benches that import it."""
+    spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_store"] = mod
+    if register:
+        sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-bs = _load()
+bs = _load("bench_store", register=True)
 import peers  # noqa: E402  (on sys.path through bench_store)
 
 SMALL = [
@@ -157,10 +161,7 @@ def test_bench_remote_tiny(tmp_path: Path) -> None:
 
     if not (shutil.which("redis-server") and shutil.which("redis-benchmark")):
         pytest.skip("needs redis-server and redis-benchmark")
-    spec = importlib.util.spec_from_file_location("bench_remote", _HERE / "bench_remote.py")
-    assert spec is not None and spec.loader is not None
-    br = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(br)
+    br = _load("bench_remote")
     out = tmp_path / "remote.json"
     argv = ["--prefix", "64", "--tput-mib", "1", "--upload-gib", "0.005", "--quick"]
     rows = br.main([*argv, "--dir", str(tmp_path), "--json", str(out)])
@@ -177,10 +178,7 @@ def test_bench_ttft_sweep_tiny(tmp_path: Path) -> None:
     exactly when matplotlib is installed (the bench says so otherwise)."""
     import importlib.util as iu
 
-    spec = iu.spec_from_file_location("bench_ttft", _HERE / "bench_ttft.py")
-    assert spec is not None and spec.loader is not None
-    bt = iu.module_from_spec(spec)
-    spec.loader.exec_module(bt)
+    bt = _load("bench_ttft")
     png, out = tmp_path / "restore.png", tmp_path / "ttft.json"
     argv = ["--sweep-only", "--hidden", "256", "--layers", "2", "--sweep", "32,64"]
     argv += ["--repeat", "1", "--cold-method", "fadvise", "--dir", str(tmp_path)]
@@ -201,7 +199,6 @@ def test_bench_cold_reads_tiny(
     read all it asks for, or the bench raises, from whichever thread) and printed a
     finite figure; with `--direct-replay`, the scattered patterns (e) among them."""
     import errno
-    import importlib.util as iu
 
     probe = tmp_path / "probe"
     probe.write_bytes(b"")
@@ -211,10 +208,7 @@ def test_bench_cold_reads_tiny(
         if e.errno != errno.EINVAL:
             raise
         pytest.skip(f"no O_DIRECT in {tmp_path}")
-    spec = iu.spec_from_file_location("bench_cold_reads", _HERE / "bench_cold_reads.py")
-    assert spec is not None and spec.loader is not None
-    bc = iu.module_from_spec(spec)
-    spec.loader.exec_module(bc)
+    bc = _load("bench_cold_reads")
     argv = ["--mib", "16", "--repeat", "1", "--dir", str(tmp_path)]
     assert bc.main(argv + (["--direct-replay"] if replay else [])) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if "GiB/s" in line]
@@ -226,12 +220,7 @@ def test_bench_cold_reads_tiny(
 def test_bench_cold_reads_raises_a_short_read(tmp_path: Path) -> None:
     """A request that reads less than it asks for fails the bench, also from a
     reader thread (it used to be a warning on stderr and a smaller count)."""
-    import importlib.util as iu
-
-    spec = iu.spec_from_file_location("bench_cold_reads", _HERE / "bench_cold_reads.py")
-    assert spec is not None and spec.loader is not None
-    bc = iu.module_from_spec(spec)
-    spec.loader.exec_module(bc)
+    bc = _load("bench_cold_reads")
     path = tmp_path / "f"
     path.write_bytes(bytes(1000))
     with pytest.raises(RuntimeError, match="read 200 of 300 bytes at 800"):

@@ -31,6 +31,14 @@ reader threads), so the same memcpy cut across that many threads is printed too,
 the load's ratio to it; torch's copy_ (all intra-op threads) is printed for information.
 Targets (issue 14): TTFT with the prefix loaded <= 1/5 of recompute; load >= 0.5x
 memcpy.
+
+Shapes (issue 45): `--tp 2` runs every vLLM tensor-parallel over two workers (each
+stores and loads its KV heads, one record per block and head); `--mla` serves a
+DeepSeek-V3-style model with MLA (its latent stored once, vLLM's CPU MLA backend:
+block size 16, its own prefix cache off). A fourth vLLM without the connector, its
+own prefix cache on, serves the prompt twice: the second TTFT is vLLM's own
+prefix-cache hit, the best a store can approach (goal: the stored prefix <= 1.5x
+it). vLLM's CPU MLA backend has no prefix cache, so `--mla` has no such row.
 """
 
 from __future__ import annotations
@@ -59,8 +67,14 @@ from bench_ttft import build_model  # noqa: E402
 from support import vllm_run  # noqa: E402
 
 
-def save_model(path: Path, hidden: int, layers: int) -> None:
-    """bench_ttft.py's model (seeded random Llama weights), in bfloat16, for vLLM."""
+def save_model(path: Path, hidden: int, layers: int, mla: bool) -> None:
+    """bench_ttft.py's model (seeded random Llama weights), in bfloat16, for vLLM; with
+    `mla`, a DeepSeek-V3 with MLA (tests/support/hf_models.py) of `layers` layers."""
+    if mla:
+        from support.hf_models import tiny_deepseek
+
+        tiny_deepseek("bfloat16", layers=layers).save_pretrained(path)
+        return
     build_model(hidden, layers, vocab=1000).to(torch.bfloat16).save_pretrained(path)
 
 
@@ -113,6 +127,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every vLLM")
+    p.add_argument("--mla", action="store_true", help="a DeepSeek-V3-style model (MLA)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     py = vllm_run.vllm_python()
@@ -129,7 +145,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_vllm-") as tmp:
         root = Path(tmp)
-        save_model(root / "model", args.hidden, args.layers)
+        save_model(root / "model", args.hidden, args.layers, args.mla)
         store = root / "store"
         hot = {"hot_bytes": 256 << 20}
 
@@ -143,6 +159,8 @@ def main() -> int:
                 "batched_tokens": max_len,
                 "max_model_len": max_len,
                 "kv_bytes": kv_bytes,
+                "tp": args.tp,
+                **({"block_size": 16} if args.mla else {}),
             }
 
         def one(name: str, **kw: Any) -> dict[str, Any]:
@@ -178,6 +196,13 @@ def main() -> int:
         )
         hot_run = vllm_run.run(py, spec(hot, warm_up + runs("hot", r), False), logs / "hot.log")
         kvstore.remove_arena(store)
+        native: list[dict[str, Any]] = []
+        if not args.mla:  # vLLM's own prefix cache, without the connector
+            native = vllm_run.run(
+                py,
+                spec({}, warm_up + [one("first")] + runs("native", r), True) | {"store": None},
+                logs / "native.log",
+            )
 
     def best(results: list[dict[str, Any]], name: str) -> float:
         return min(x["seconds"] for x in results if x["name"].startswith(name))
@@ -222,6 +247,14 @@ def main() -> int:
     for name, s in rows:
         print(f"{name:34} {s * 1e3:9.1f} {recompute / s:12.2f}")
     print("target: stored <= 1/5 of recompute (ratio >= 5)")
+    if native:
+        own = best(native, "native")
+        print(f"{'vLLM prefix-cache hit (no store)':34} {own * 1e3:9.1f} {recompute / own:12.2f}")
+        for name, sec in rows[1:]:
+            print(f"  {name:32} {sec / own:6.2f}x vLLM's own hit")
+        print("goal: stored <= 1.5x vLLM's own hit")
+    shape = f"TP={args.tp}" + (", MLA" if args.mla else "")
+    print(f"shape: {shape}")
     print(f"\nconnector throughput ({load_bytes / 2**20:.0f} MiB per load, best of {r}):")
     n = LOAD_THREADS
     for name, bps in [*loads, ("save (gather + put)", save_bps)]:
@@ -247,7 +280,10 @@ def main() -> int:
                     "load_threads": LOAD_THREADS,
                     "torch_copy_Bps": torch_bps,
                     "loadavg": load_avg,
-                    "phases": {"writer": writer, "disk": disk, "hot": hot_run},
+                    "native_hit_s": best(native, "native") if native else None,
+                    "tp": args.tp,
+                    "mla": args.mla,
+                    "phases": {"writer": writer, "disk": disk, "hot": hot_run, "native": native},
                 },
                 indent=1,
             )

@@ -226,3 +226,22 @@ def test_bench_cold_reads_raises_a_short_read(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="read 200 of 300 bytes at 800"):
         bc.read_spans(path, [(0, 300), (800, 300)], 2, None)
     assert bc.read_spans(path, [(0, 300), (500, 300)], 2, None) == 600
+
+
+def test_bench_fingerprint_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_fingerprint.py on a 16 MiB checkpoint, as JSON and as text: every figure
+    ran and is finite, and the checkpoint it wrote is gone afterwards."""
+    bf = _load("bench_fingerprint")
+    argv = ["--gib", "0.015", "--repeat", "1", "--dir", str(tmp_path)]
+    assert bf.main([*argv, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    for key in ("read", "fingerprint"):
+        for cache in ("warm", "cold"):
+            assert 0 < figures[f"{key}_{cache}_s"] < math.inf
+    assert 0 < figures["ratio_warm"] < math.inf and 0 < figures["ratio_cold"] < math.inf
+    assert 0 <= figures["peak_extra_bytes"] < 2**40 and figures["files"] == 2
+    assert figures["memo_hit_s"] > 0 and figures["hub_snapshot_s"] > 0
+    assert bf.main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {part}" in out for part in ("warm:", "cold:", "peak extra memory"))
+    assert list(tmp_path.iterdir()) == []

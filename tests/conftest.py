@@ -67,6 +67,19 @@ def session_hot_dir():
             pytest.fail(f"the test suite left {len(left)} arena(s) in {hot}: {left}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache_dir(tmp_path_factory):
+    """kvstore's user cache (the memo of checkpoint hashes, `kvstore.fingerprint.memo_path`)
+    in this session's temporary directory rather than ~/.cache; children inherit it."""
+    old = os.environ.get("KVSTORE_CACHE_DIR")
+    os.environ["KVSTORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvstore-cache"))
+    yield
+    if old is None:
+        os.environ.pop("KVSTORE_CACHE_DIR", None)
+    else:
+        os.environ["KVSTORE_CACHE_DIR"] = old
+
+
 @pytest.fixture
 def layout():
     return small_layout()

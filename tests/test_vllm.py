@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 from support import vllm_driver, vllm_run
+from support.vllm_run import by_name, delta
 
 # Checked before anything can skip this file: CI (KVSTORE_REQUIRE_VLLM=1) fails
 # instead of skipping.
@@ -120,17 +121,6 @@ DAMAGE = [
 ]
 WARM = [phase("warm", [P.warm])]
 SMALL = 24 * 4 * B * 2 * 2 * 64 * 2  # bytes of 24 blocks (one is vLLM's null block)
-
-
-def by_name(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {r["name"]: r for r in results}
-
-
-def delta(results: list[dict[str, Any]], name: str) -> dict[str, float]:
-    """What the connector's counters (read through vLLM's metrics) grew by in a phase."""
-    i = [r["name"] for r in results].index(name)
-    before = results[i - 1]["counters"] if i else {}
-    return vllm_run.counters_delta(before, results[i]["counters"])
 
 
 def store_stats(path: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@
     with kvstore.open("/data/kv", layout=layout, model="org/model@rev") as store:
         store.put(tokens, kv)            # kv: [L, 2, T, H, D]
         kv = store.get(tokens)           # KV of the longest stored prefix
+    model = kvstore.checkpoint_fingerprint("/models/llama")  # a model fingerprint, from its files
 
 See README.md for durability, concurrency and the disk format.
 """
@@ -22,6 +23,7 @@ from .errors import (
     StoreIOError,
     StoreLocked,
 )
+from .fingerprint import checkpoint_fingerprint
 from .layout import Layout
 from .remote import Remote
 from .store import Store, arenas, open, rebuild_index, remove_arena
@@ -43,6 +45,7 @@ __all__ = [
     "StoreIOError",
     "StoreLocked",
     "arenas",
+    "checkpoint_fingerprint",
     "open",
     "rebuild_index",
     "remove_arena",

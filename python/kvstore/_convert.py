@@ -123,6 +123,12 @@ def extra_bytes(extra: bytes | str | None) -> bytes:
 
 
 def _check_shape(shape: tuple[int, ...], layout: Layout, what: str) -> int:
+    if layout.latent:
+        ok = len(shape) == 3 and shape[0] == layout.num_layers and shape[2] == layout.head_dim
+        if not ok:
+            expected = f"[{layout.num_layers}, T, {layout.head_dim}] (L, T, W)"
+            raise InvalidInput(f"{what}: expected shape {expected}, got {list(shape)}")
+        return int(shape[1])
     want = (layout.num_layers, 2, "T", layout.num_kv_heads, layout.head_dim)
     ok = len(shape) == 5 and all(w == "T" or s == w for s, w in zip(shape, want, strict=False))
     if not ok:
@@ -148,7 +154,11 @@ def kv_bytes(
         if kv.dtype != want:
             raise InvalidInput(f"{what}: expected dtype torch.{layout.dtype}, got {kv.dtype}")
         t = _check_shape(tuple(kv.shape), layout, what)
-        if need is not None and t > need and not (kv.device.type == "cpu" and kv.is_contiguous()):
+        if layout.latent:  # [L, T, W] -> its halves as runs, [L, 2, T, W / 2]
+            kv = kv[:, : min(t, need)] if need is not None else kv
+            t = int(kv.shape[1])
+            kv = kv.detach().to("cpu").unflatten(2, (2, -1)).transpose(1, 2)
+        elif need is not None and t > need and not (kv.device.type == "cpu" and kv.is_contiguous()):
             kv, t = kv[:, :, :need], need
         cpu = kv.detach().to("cpu").contiguous()
         return cpu.reshape(-1).view(torch.uint8).numpy(), t
@@ -156,12 +166,31 @@ def kv_bytes(
         if kv.dtype.name != layout.dtype:
             raise InvalidInput(f"{what}: expected dtype {layout.dtype}, got {kv.dtype}")
         t = _check_shape(kv.shape, layout, what)
-        if need is not None and t > need and not kv.flags.c_contiguous:
+        if layout.latent:  # [L, T, W] -> its halves as runs, [L, 2, T, W / 2]
+            kv = kv[:, : min(t, need)] if need is not None else kv
+            t = int(kv.shape[1])
+            kv = kv.reshape(kv.shape[0], t, 2, -1).transpose(0, 2, 1, 3)
+        elif need is not None and t > need and not kv.flags.c_contiguous:
             kv, t = kv[:, :, :need], need
         # Big-endian input: store the values in native order (what get returns).
         native = kv.dtype.newbyteorder("=")
         return np.ascontiguousarray(kv, dtype=native).reshape(-1).view(np.uint8), t
     raise InvalidInput(f"{what}: expected a numpy array or torch tensor, got {type(kv).__name__}")
+
+
+def latent_from_runs(runs: np.ndarray, layout: Layout, t: int, n: int, dst: Any) -> None:
+    """Copies the first `n` tokens of a latent layout's runs (`runs`: the bytes of
+    `[L, 2, t, W / 2]`, as the engine fills them) into `dst` (`[L, >= n, W]`)."""
+    lay = layout
+    if is_torch(dst):
+        import torch
+
+        src = torch.from_numpy(runs).view(getattr(torch, lay.dtype))
+        halves = src.view(lay.num_layers, 2, t, lay.head_dim // 2)[:, :, :n]
+        dst[:, :n].unflatten(2, (2, -1)).copy_(halves.transpose(1, 2))
+        return
+    halves = runs.view(dst.dtype).reshape(lay.num_layers, 2, t, lay.head_dim // 2)[:, :, :n]
+    dst[:, :n] = halves.transpose(0, 2, 1, 3).reshape(lay.num_layers, n, lay.head_dim)
 
 
 def protect_read_only(mapping: mmap.mmap, start: int, nbytes: int) -> None:

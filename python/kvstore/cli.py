@@ -1,5 +1,6 @@
-"""The `kvstore` command: inspect, verify, compact and garbage-collect stores, and
-reach their remote tier (`kvstore remote ping|stats|push`).
+"""The `kvstore` command: inspect, verify, compact and garbage-collect stores, reach
+their remote tier (`kvstore remote ping|stats|push`), and print a checkpoint's
+model fingerprint (`kvstore fingerprint PATH`).
 
 Every command works while other processes use the store. Human output by
 default, `--json` for scripts; an error prints one line and exits 2;
@@ -121,12 +122,25 @@ def _hot_tier(st: Any) -> str:
     )
 
 
+def _layout_line(lay: Any) -> str:
+    if lay.latent:
+        shape = f"kind=latent L={lay.num_layers} latent_dim={lay.head_dim}"
+    else:
+        shape = f"L={lay.num_layers} H={lay.num_kv_heads} D={lay.head_dim}"
+    storage = f" storage={lay.storage}" if lay.storage != "exact" else ""
+    return f"{shape} {lay.dtype} block_size={lay.block_size}{storage}"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with _open(args.path) as s:
         m, st = s.manifest(), s.stats()
+        heads = s.heads(create=False)
+        hst = heads.store.stats() if heads is not None else None
         data = {
             "path": str(s.path),
             "manifest": m,
+            # Blocks tensor-parallel workers stored one KV head per record (kvstore.heads).
+            "heads": {k: hst[k] for k in ("blocks", "disk_bytes", "live_bytes")} if hst else None,
             "blocks": st["blocks"],
             "segments": st["segments"],
             "segments_v1": st["segments_v1"],
@@ -147,16 +161,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                     f"kvstore {s.path}",
                     [
                         ("model", m["fingerprint"]),
-                        (
-                            "layout",
-                            f"L={m['num_layers']} H={m['num_kv_heads']} D={m['head_dim']} "
-                            f"{m['dtype']} block_size={m['block_size']}"
-                            + (
-                                f" storage={s.layout.storage}"
-                                if s.layout.storage != "exact"
-                                else ""
-                            ),
-                        ),
+                        ("layout", _layout_line(s.layout)),
                         ("block bytes", human_bytes(s.layout.block_bytes)),
                         (
                             "format version",
@@ -174,6 +179,18 @@ def cmd_info(args: argparse.Namespace) -> int:
                         ("segments", st["segments"]),
                         ("disk tier", human_bytes(st["disk_bytes"])),
                         ("hot tier", _hot_tier(st)),
+                        *(
+                            [
+                                (
+                                    "heads store",
+                                    f"{hst['blocks']} records of one KV head each, "
+                                    f"{human_bytes(hst['disk_bytes'])} (tensor-parallel "
+                                    f"workers'; {s.path / 'heads'})",
+                                )
+                            ]
+                            if hst
+                            else []
+                        ),
                     ],
                 )
             )
@@ -333,6 +350,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             rebuilt = _rebuild(args)
     with _open(args.path) as s, _progress(not args.json, "verifying") as progress:
         report = s.verify(progress, repair=args.repair)
+        heads = s.heads(create=False)
+        if heads is not None:  # what tensor-parallel workers stored, head by head
+            report = _with_heads(report, heads.store.verify(progress, repair=args.repair))
     # Repaired damage is out of the index (a miss): the store is consistent again.
     ok = not report["problems"] and (args.repair or not report["damaged"])
     report["ok"] = ok
@@ -359,6 +379,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     _emit(args, report, human)
     return 0 if ok else 1
+
+
+def _with_heads(report: dict[str, Any], heads: dict[str, Any]) -> dict[str, Any]:
+    """The main store's verify report with the heads store's added: its damage marked
+    `"store": "heads"`, its problems prefixed, its counts summed."""
+    out = dict(report)
+    out["damaged"] = [*report["damaged"], *({**d, "store": "heads"} for d in heads["damaged"])]
+    out["problems"] = [*report["problems"], *(f"heads store: {p}" for p in heads["problems"])]
+    for k, v in heads.items():
+        if isinstance(v, int) and not isinstance(v, bool) and isinstance(report.get(k), int):
+            out[k] = report[k] + v
+    return out
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
@@ -446,6 +478,25 @@ def cmd_arenas(args: argparse.Namespace) -> int:
 def cmd_remove_arena(args: argparse.Namespace) -> int:
     n = remove_arena(args.path, hot_dir=args.hot_dir)
     _emit(args, {"removed": n}, lambda: print(f"removed {n} arena file(s)"))
+    return 0
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    from .fingerprint import read_checkpoint
+
+    c = read_checkpoint(
+        args.path,
+        revision=args.revision,
+        hub_cache=args.hub_cache,
+        memo_dir=args.memo_dir,
+        remember=not args.no_memo,
+    )
+    data = {
+        "fingerprint": c.fingerprint,
+        "root": str(c.root),
+        "weights": [{"name": w.name, "size": w.size, "digest": w.digest} for w in c.weights],
+    }
+    _emit(args, data, lambda: print(c.fingerprint))
     return 0
 
 
@@ -615,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     ) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
         sp.set_defaults(fn=fn)
-        if name not in ("demo", "arenas"):
+        if name not in ("demo", "arenas", "fingerprint"):
             sp.add_argument("path", help="store directory")
         if name != "demo":
             sp.add_argument("--json", action="store_true", help="machine-readable output")
@@ -666,6 +717,23 @@ def build_parser() -> argparse.ArgumentParser:
         "delete a store's arena (PATH: the store, or the arena file); mappers keep their mapping",
     )
     ra.add_argument("--hot-dir", help=hot_dir_help)
+    fp = add(
+        "fingerprint",
+        cmd_fingerprint,
+        "the model fingerprint of a checkpoint (config.json and weight files), as the vLLM "
+        "connector and kvstore.hf compute it; never loads the model",
+    )
+    fp.add_argument("path", help="checkpoint directory, or a hub id in the hub cache")
+    fp.add_argument("--revision", help="hub revision: branch, tag or commit (default: main)")
+    fp.add_argument("--hub-cache", help="hub cache directory (default: huggingface_hub's)")
+    fp.add_argument(
+        "--memo-dir",
+        help="remember the files' hashes here, e.g. the store directory (default: "
+        "$KVSTORE_CACHE_DIR, else ~/.cache/kvstore)",
+    )
+    fp.add_argument(
+        "--no-memo", action="store_true", help="read every file, neither using nor saving the memo"
+    )
     _add_remote(sub)
     demo = add("demo", cmd_demo, "the main job end to end: put, restart, lookup, get, timings")
     demo.add_argument("path", nargs="?", help="store directory (default: a temporary one)")

@@ -20,10 +20,12 @@ import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._convert import is_torch
 from .errors import InvalidInput
+from .fingerprint import VOLATILE_CONFIG_KEYS, checkpoint_dir, checkpoint_fingerprint
 from .layout import Layout, dtype_name
 from .store import Store
 from .store import open as open_store
@@ -45,9 +47,6 @@ __all__ = [
     "save",
     "save_session",
 ]
-
-# Config keys that say where or with what a model was saved, not what it computes.
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
 
 
 def _text_config(model_or_config: Any) -> Any:
@@ -101,6 +100,15 @@ def layout_of(model_or_config: Any, block_size: int = 16) -> Layout:
     model whose prefix KV depends on later tokens (dynamic or LongRoPE scaling)."""
     config = _text_config(model_or_config)
     _check_rope(config)
+    if getattr(config, "kv_lora_rank", None):
+        # vLLM and SGLang cache the latent (`kind="latent"` stores); transformers
+        # expands it into per-head K and V, with K wider than V, which no latent
+        # restores bit for bit.
+        raise InvalidInput(
+            f"model_or_config: {getattr(config, 'model_type', 'this model')} uses MLA "
+            f"(kv_lora_rank {config.kv_lora_rank}): transformers' cache holds the expanded "
+            "K and V, not the latent a serving engine stores; kvstore.hf does not store it"
+        )
     try:
         num_layers = int(config.num_hidden_layers)
         num_heads = int(config.num_attention_heads)
@@ -132,19 +140,44 @@ def _tensor_digest(t: torch.Tensor) -> bytes:
     return hashlib.sha256(data.data).digest()  # releases the GIL: tensors hash in parallel
 
 
-def fingerprint(model: Any, *, name: str | None = None) -> str:
-    """A model fingerprint for `kvstore.open(..., model=...)`: `"<name>@sha256:<hex>"`.
+_SOURCES = ("auto", "files", "weights")
 
-    The digest covers the config (every field, sorted, except where and with which
-    transformers version it was saved) and every tensor of the state dict (name,
-    dtype, shape, raw bytes, in name order): fine-tuned weights or another dtype
-    give another fingerprint, hence other block ids. `name` defaults to the
-    config's `model_type`. SHA-256 always (not "BLAKE3 when installed"), so two
-    environments agree on the fingerprint of the same model; tensors are hashed on
-    several threads (~1.5 GB/s per core).
+# Config keys a checkpoint's config may differ from the loaded model's in, the model
+# still being the checkpoint's: where it was saved, and the dtype it was loaded in
+# (which the layout binds, as the store's dtype).
+_LOADED_AS_KEYS = (*VOLATILE_CONFIG_KEYS, "dtype", "torch_dtype")
 
-    If you already have a stable identity (hub id + revision), pass that string to
-    `kvstore.open` instead: it costs nothing to compute.
+
+def fingerprint(
+    model: Any,
+    *,
+    name: str | None = None,
+    source: str = "auto",
+    memo_dir: str | os.PathLike[str] | None = None,
+) -> str:
+    """A model fingerprint for `kvstore.open(..., model=...)`; `source` says from what:
+
+    - "files": the checkpoint the model was loaded from, found by its `name_or_path`
+      (a directory, or a hub id in the hub cache at the commit transformers loaded):
+      `kvstore.fingerprint.checkpoint_fingerprint`, `"<model_type>@ckpt-v1:<hex>"`,
+      the value the vLLM connector computes for the same files and `kvstore
+      fingerprint PATH` prints, so both share blocks. Reads each weight file once
+      (BLAKE3; nothing for a hub cache snapshot) and remembers the hashes in
+      `memo_dir` (`kvstore.fingerprint.memo_path`). InvalidInput if the model
+      names no checkpoint.
+    - "weights": the config (every field, sorted, except where and with which
+      transformers version it was saved) and every tensor of the state dict (name,
+      dtype, shape, raw bytes, in name order), SHA-256 on several threads:
+      `"<name>@sha256:<hex>"`, kvstore's first scheme. For a model built or
+      changed in memory.
+    - "auto" (default): "files" where the model names a checkpoint whose config is
+      the model's (apart from the dtype it was loaded in, which the layout binds),
+      else "weights".
+
+    "files" (and so "auto") cannot see weights changed in memory after loading
+    (training, merged adapters, `load_state_dict`): pass source="weights" for such
+    a model. `name` replaces the prefix (default: the config's `model_type`). A
+    string you already trust (hub id + revision) can go to `kvstore.open` instead.
     """
     config = getattr(model, "config", None)
     state_dict = getattr(model, "state_dict", None)
@@ -153,10 +186,55 @@ def fingerprint(model: Any, *, name: str | None = None) -> str:
             f"model: expected a transformers model (with .config and .state_dict()), "
             f"got {type(model).__name__}"
         )
-    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    if source not in _SOURCES:
+        raise InvalidInput(f"source: expected one of {_SOURCES}, got {source!r}")
+    if source != "weights":
+        root = _checkpoint_of(model, strict=source == "files")
+        if root is not None:
+            return checkpoint_fingerprint(root, name=name, memo_dir=memo_dir)
+    return _weights_fingerprint(model, name)
+
+
+def _checkpoint_of(model: Any, *, strict: bool) -> Path | None:
+    """The directory of the checkpoint `model` was loaded from. `strict`: that or
+    InvalidInput; else None also where the checkpoint's config is not the model's."""
+    config = model.config
+    where = getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", "")
+    if not where:
+        if strict:
+            raise InvalidInput(
+                "model: built in memory (no name_or_path), so it has no checkpoint files; "
+                "use source='weights'"
+            )
+        return None
+    try:
+        root = checkpoint_dir(where, revision=getattr(config, "_commit_hash", None))
+    except InvalidInput:
+        if strict:
+            raise
+        return None
+    if strict:
+        return root
+    try:
+        saved = type(config).from_pretrained(root)
+    except (OSError, ValueError):
+        return None
+    return root if _as_loaded(config.to_dict()) == _as_loaded(saved.to_dict()) else None
+
+
+def _as_loaded(d: Any) -> Any:
+    """A config dict without `_LOADED_AS_KEYS`, at every depth (sub-configs)."""
+    if isinstance(d, dict):
+        return {k: _as_loaded(v) for k, v in d.items() if k not in _LOADED_AS_KEYS}
+    return d
+
+
+def _weights_fingerprint(model: Any, name: str | None) -> str:
+    config = model.config
+    cfg = {k: v for k, v in config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
     h = hashlib.sha256(b"kvstore.hf.fingerprint/1\0")
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    tensors = sorted(state_dict().items())
+    tensors = sorted(model.state_dict().items())
     # Tied weights (lm_head = embed_tokens) appear under two names: hash their bytes once.
     source: dict[str, str] = {}
     first_of: dict[tuple[Any, ...], str] = {}
@@ -190,10 +268,13 @@ def open(  # noqa: A001 - kvstore.hf.open mirrors kvstore.open
 ) -> Store:
     """`kvstore.open(path, layout=layout_of(model, block_size), model=fingerprint)`.
 
-    `fingerprint` defaults to `fingerprint(model)` (hashes the weights; pass your own
-    string, e.g. "org/model@rev", to skip that). Other arguments go to `kvstore.open`.
+    `fingerprint` defaults to `fingerprint(model)` (its checkpoint files, remembered
+    beside the store, or its weights; pass your own string, e.g. "org/model@rev", to
+    skip that). Other arguments go to `kvstore.open`.
     """
-    fp = fingerprint if fingerprint is not None else _fingerprint(model)
+    # The memo goes in the store's directory where the store may be created there.
+    memo_dir = path if open_kwargs.get("create", True) else None
+    fp = fingerprint if fingerprint is not None else _fingerprint(model, memo_dir=memo_dir)
     return open_store(path, layout=layout_of(model, block_size), model=fp, **open_kwargs)
 
 

@@ -9,6 +9,7 @@ from .errors import InvalidInput
 
 DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
 STORAGES = ("exact", "fp8")
+KINDS = ("kv", "latent")
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
@@ -34,6 +35,12 @@ class Layout:
     float32 scale per block, layer, K/V and kv head; `put` and `get` still take and
     return `dtype`; see `kvstore.fp8`). Part of the block ids: stores of the two
     never share blocks.
+
+    `kind`: "kv" (K and V, as above) or "latent": an MLA cache (DeepSeek-V2/V3, Kimi
+    K2) of one vector per token and layer, `head_dim` wide (`kv_lora_rank +
+    qk_rope_head_dim`, even) with `num_kv_heads` 1: a block is `[L, B, head_dim]`,
+    the latent once, and `put`/`get` take and return `[L, T, head_dim]`. Part of the
+    block ids too.
     """
 
     num_layers: int
@@ -42,6 +49,7 @@ class Layout:
     dtype: str = "bfloat16"
     block_size: int = 16
     storage: str = "exact"
+    kind: str = "kv"
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -56,6 +64,16 @@ class Layout:
                 "storage: 'fp8' stores float16, bfloat16 or float32 KV as fp8; "
                 "this layout's dtype is float8_e4m3fn already"
             )
+        if self.kind not in KINDS:
+            raise InvalidInput(f"kind: expected 'kv' or 'latent', got {self.kind!r}")
+        if self.kind == "latent":
+            if self.num_kv_heads != 1 or self.head_dim % 2:
+                raise InvalidInput(
+                    "kind 'latent': expected num_kv_heads 1 and an even head_dim (the latent "
+                    f"width), got num_kv_heads {self.num_kv_heads}, head_dim {self.head_dim}"
+                )
+            if self.storage != "exact":
+                raise InvalidInput("kind 'latent': storage 'fp8' is for K/V layouts")
 
     @property
     def itemsize(self) -> int:
@@ -77,6 +95,20 @@ class Layout:
             * self.itemsize
         )
 
-    def kv_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
-        """Shape of the KV of `tokens` tokens: `[L, 2, tokens, H, D]`."""
+    @property
+    def latent(self) -> bool:
+        return self.kind == "latent"
+
+    def kv_shape(self, tokens: int) -> tuple[int, ...]:
+        """Shape of the KV of `tokens` tokens: `[L, 2, tokens, H, D]`; a latent's
+        `[L, tokens, W]`."""
+        if self.latent:
+            return (self.num_layers, tokens, self.head_dim)
+        return (self.num_layers, 2, tokens, self.num_kv_heads, self.head_dim)
+
+    def runs_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
+        """Shape of the buffers the engine reads and writes: `[L, 2, tokens, H, D]`;
+        a latent's two halves as K and V, `[L, 2, tokens, 1, W / 2]`."""
+        if self.latent:
+            return (self.num_layers, 2, tokens, 1, self.head_dim // 2)
         return (self.num_layers, 2, tokens, self.num_kv_heads, self.head_dim)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,9 +22,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _lib, fp8
-from ._convert import U32_MAX, extra_bytes, is_torch, kv_bytes, out_bytes, tokens_array, utf8
+from ._convert import (
+    U32_MAX,
+    extra_bytes,
+    is_torch,
+    kv_bytes,
+    latent_from_runs,
+    out_bytes,
+    tokens_array,
+    utf8,
+)
 from ._pool import ResultPool
 from .errors import InvalidInput
+from .heads import HeadParts
 from .layout import Layout
 from .remote import Remote
 
@@ -107,6 +118,11 @@ class Store:
         self.model = model
         self._array = array
         self._pool = _RESULTS
+        # The heads store beside this one (kvstore.heads), opened on first need with
+        # this handle's salt, tiers and durability (`_heads_args`, set by `open`).
+        self._heads: HeadParts | None = None
+        self._heads_args: dict[str, Any] | None = None
+        self._heads_lock = threading.Lock()
 
     # -- properties -------------------------------------------------------------------------
 
@@ -175,7 +191,27 @@ class Store:
         """Longest stored prefix of `tokens`, in tokens (a multiple of block_size).
         With `count=False` the store's hit and miss counters are left alone (for a
         planner that asks again and again, e.g. the vLLM connector's scheduler)."""
-        return self._raw.lookup(tokens_array(tokens), extra_bytes(extra), bool(count))
+        toks, ex = tokens_array(tokens), extra_bytes(extra)
+        m = self._raw.lookup(toks, ex, bool(count))
+        b = self.layout.block_size
+        heads = self.heads(create=False) if m < len(toks) // b * b else None
+        return max(m, heads.lookup(toks, ex)) if heads is not None else m
+
+    def heads(self, *, create: bool) -> HeadParts | None:
+        """The heads store beside this one, where tensor-parallel workers store their
+        heads (`kvstore.heads`): opened on first need, created with `create`; None
+        where it does not exist (or this layout has no heads to part: a latent, fp8
+        storage, a handle opened without a layout's arguments)."""
+        if self._heads is not None or self._heads_args is None:
+            return self._heads
+        if self.layout.latent or self.layout.storage != "exact" or self.layout.num_kv_heads == 1:
+            return None
+        if not create and not HeadParts.exists(self.path):
+            return None
+        with self._heads_lock:
+            if self._heads is None:
+                self._heads = HeadParts.open(self.path, self.layout, self.model, **self._heads_args)
+        return self._heads
 
     def get(
         self,
@@ -199,6 +235,11 @@ class Store:
         toks = tokens_array(tokens)
         ex = extra_bytes(extra)
         s = _check_start(start, self.layout.block_size, len(toks))
+        if self.layout.latent:
+            return self._get_latent(toks, ex, s, out, like)
+        heads = self._heads_serving(toks, ex)
+        if heads is not None:
+            return self._get_heads(heads, toks, ex, s, out, like)
         if out is not None:
             flat, t = out_bytes(out, self.layout)
             if self.layout.storage != "fp8":
@@ -220,6 +261,52 @@ class Store:
         if n < m:  # a block turned out damaged (or was compacted away) after lookup
             result = _trimmed(result, n)
         return result
+
+    def _heads_serving(self, toks: np.ndarray, ex: bytes) -> tuple[HeadParts, int] | None:
+        """The heads store and its prefix of `toks`, where it holds more of it than
+        this store (a prefix stored by tensor-parallel workers)."""
+        b = self.layout.block_size
+        if self._heads is None and not HeadParts.exists(self.path):
+            return None
+        m = self._raw.lookup(toks, ex, False)
+        heads = self.heads(create=False) if m < len(toks) // b * b else None
+        if heads is None:
+            return None
+        m_heads = heads.lookup(toks, ex)
+        return (heads, m_heads) if m_heads > m else None
+
+    def _get_heads(
+        self,
+        serving: tuple[HeadParts, int],
+        toks: np.ndarray,
+        ex: bytes,
+        s: int,
+        out: Any,
+        like: Any,
+    ) -> Any:
+        """`get` of a prefix the heads store holds (see `_heads_serving`)."""
+        heads, m = serving
+        if out is not None:
+            out_bytes(out, self.layout)  # the same checks as a get from this store
+            return heads.get_into(toks, ex, s, out)
+        result = self._empty(max(m - s, 0), like)
+        n = max(heads.get_into(toks[:m], ex, s, result) - s, 0)
+        return result if n == int(result.shape[2]) else _trimmed(result, n)
+
+    def _get_latent(self, toks: np.ndarray, ex: bytes, s: int, out: Any, like: Any) -> Any:
+        """`get` of a latent layout: the engine fills the latent's halves as runs
+        (`Layout.runs_shape`), copied out as `[L, T, W]`."""
+        lay = self.layout
+        if out is not None:
+            _, t = out_bytes(out, lay)
+        else:
+            t = max(self._raw.lookup(toks, ex, False) - s, 0)
+        runs = np.empty(math.prod(lay.runs_shape(t)) * lay.itemsize, dtype=np.uint8)
+        m = self._raw.get_into(toks, ex, runs, t, s)
+        n = min(max(m - s, 0), t)
+        dst = out if out is not None else self._empty(n, like)
+        latent_from_runs(runs, lay, t, n, dst)
+        return m if out is not None else dst
 
     def get_fp8(
         self, tokens: Any, *, extra: bytes | str | None = None, start: int = 0
@@ -392,6 +479,8 @@ class Store:
     def flush(self) -> None:
         """Everything put so far is durable, and visible to other processes, on return."""
         self._raw.flush()
+        if self._heads is not None:
+            self._heads.flush()
 
     def stats(self) -> dict[str, Any]:
         """Blocks, bytes per tier, hits and misses (of this handle), dedupe, page kind.
@@ -485,6 +574,8 @@ class Store:
     def close(self) -> None:
         """Commits what is pending and releases the handle. Idempotent."""
         self._raw.close()
+        if self._heads is not None:
+            self._heads.close()
 
     def __enter__(self) -> Store:
         return self
@@ -597,12 +688,26 @@ def open(  # noqa: A001 - the name users expect (kvstore.open)
     if remote is not None:
         options["remote"] = remote._options()
     raw = _lib.Store.open(os.fspath(path), options)
-    num_layers, num_kv_heads, head_dim, dtype, block_size, storage = raw.layout()
-    actual = Layout(num_layers, num_kv_heads, head_dim, dtype, block_size, storage)
+    actual = Layout(*raw.layout())
     fingerprint = model if model is not None else raw.manifest()["fingerprint"]
     if array is None:
         array = "numpy" if actual.dtype in _NUMPY_DTYPES else "torch"
-    return Store(raw, actual, fingerprint, array)
+    store = Store(raw, actual, fingerprint, array)
+    store._heads_args = {
+        "salt": salt,
+        "hot_bytes": hot_bytes,
+        "disk_bytes": disk_bytes,
+        "durability": durability,
+        "array": array,
+        "compression": compression,
+        "compression_level": compression_level,
+        "segment_bytes": segment_bytes,
+        "batch_window_ms": batch_window_ms,
+        "hot_dir": hot_dir,
+        "index_bytes": index_bytes,
+        "remote": remote,
+    }
+    return store
 
 
 def _trimmed(result: Any, n: int) -> Any:

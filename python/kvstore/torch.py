@@ -342,6 +342,11 @@ class BlockPool:
     ):
         if not isinstance(layout, Layout):
             raise InvalidInput(f"layout: expected kvstore.Layout, got {type(layout).__name__}")
+        if layout.latent:
+            raise InvalidInput(
+                "layout: a BlockPool holds K/V blocks for kvstore's paged-attention ops, "
+                "which have no MLA kernel; got kind 'latent'"
+            )
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise InvalidInput(f"num_blocks: expected a positive int, got {num_blocks!r}")
         if device is None:

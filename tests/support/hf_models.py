@@ -105,3 +105,44 @@ def tiny_llava(image_token: int = 999) -> Any:
     model = LlavaForConditionalGeneration(config).eval()
     model.generation_config.do_sample = False
     return model
+
+
+def tiny_deepseek(dtype: str = "float32", seed: int = 0, layers: int = 2) -> Any:
+    """DeepseekV3ForCausalLM with MLA and no experts (every layer dense): hidden 256,
+    `layers` layers, 4 heads, `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (a 576-wide
+    latent, a width vLLM's CPU MLA kernel takes), in `dtype`; eval mode."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    config = DeepseekV3Config(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=layers,
+        first_k_dense_replace=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=2048,
+        rope_scaling=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).eval().to(getattr(torch, dtype))
+    model.generation_config.do_sample = False
+    return model

@@ -6,6 +6,8 @@ Run by the vLLM python (scripts/vllm_env.sh) with a JSON spec as its argument:
      kv_connector_extra_config), "prefix_caching": bool, "batched_tokens": int,
      "max_model_len": int, "kv_bytes": int, "lora_rank": int (enables LoRA),
      "kv_cache_dtype": str, "processes": 3, 2 or 1 (see below),
+     "tp": int (tensor-parallel size, default 1), "block_size": int (default 32),
+     "dtype": str (default "bfloat16"),
      "phases": [{"name": str, "prompts": [[token ids]], "max_tokens": int,
                  "cache_salt": str or null, "evict": path or null, "sleep": s,
                  "lora": {"name": str, "id": int, "path": dir} or null,
@@ -98,6 +100,22 @@ def connector_counters(llm: Any) -> dict[str, float]:
     return out
 
 
+_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
+def bind_threads(tp: int) -> None:
+    """One core per tensor-parallel rank (read by the workers vLLM starts next):
+    without a binding, vLLM's CPU workers refuse to start on a machine of fewer NUMA
+    nodes than ranks. A single worker keeps the caller's setting."""
+    if tp > 1:
+        cores = os.cpu_count() or 1
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp))
+    elif _BIND is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _BIND
+
+
 def serve(spec: dict[str, Any]) -> None:
     """Serves `spec`'s phases with an LLM instance of its own, then shuts it down."""
     from vllm import LLM, SamplingParams
@@ -115,13 +133,15 @@ def serve(spec: dict[str, Any]) -> None:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"path": spec["store"], **spec.get("extra", {})},
         )
+    bind_threads(spec.get("tp", 1))
     processes = spec.get("processes", 3)
     if processes < 3:
         kwargs["distributed_executor_backend"] = "uni" if processes == 1 else "mp"
     llm = LLM(
         model=spec["model"],
-        dtype="bfloat16",
-        block_size=32,
+        dtype=spec.get("dtype", "bfloat16"),
+        block_size=spec.get("block_size", 32),
+        tensor_parallel_size=spec.get("tp", 1),
         max_model_len=spec.get("max_model_len", 512),
         max_num_batched_tokens=spec.get("batched_tokens", 512),
         enable_chunked_prefill=True,

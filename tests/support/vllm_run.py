@@ -127,3 +127,15 @@ def run(python: str, spec: Spec, log: Path) -> list[dict[str, Any]]:
 def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     """What the connector's counters grew by between two phases."""
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def by_name(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A driver's phase results by phase name."""
+    return {r["name"]: r for r in results}
+
+
+def delta(results: list[dict[str, Any]], name: str) -> dict[str, float]:
+    """What the connector's counters (read through vLLM's metrics) grew by in a phase."""
+    i = [r["name"] for r in results].index(name)
+    before = results[i - 1]["counters"] if i else {}
+    return counters_delta(before, results[i]["counters"])

@@ -20,11 +20,11 @@ the attention backend's own cache writer on a probe block, never assumed.
 
 Extra config keys: `path` (required), `hot_bytes`, `disk_bytes`, `durability`
 ("sync", "batch", "none"), `salt` (tenant secret), `remote` (a dict of
-`kvstore.Remote` fields), `fingerprint` (the model identity; default:
-`kvstore.hf.fingerprint` of the weights vLLM serves, in vLLM's dtype, bound to
-vLLM's `hf_overrides` and quantization when set; computing it loads the weights
-once per vLLM process half, so a large model wants a given fingerprint),
-`save_queue` (save jobs in flight before a step waits, default 64).
+`kvstore.Remote` fields), `fingerprint` (the model identity; default: that of
+the checkpoint files vLLM serves, `kvstore.fingerprint`, as `kvstore.hf.fingerprint`
+gives a model loaded from them, bound to vLLM's `hf_overrides` and quantization
+when set; never loads the model, and the files' hashes are remembered beside the
+store), `save_queue` (save jobs in flight before a step waits, default 64).
 
 Multimodal and `prompt_embeds` requests are neither served nor stored (their token
 ids do not identify their KV).

@@ -3,6 +3,7 @@ Imports vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -23,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from ..errors import InvalidInput
+from ..heads import head_extra
 from ..layout import Layout, dtype_name
 from ..remote import Remote
 from ..store import Store
@@ -35,6 +37,7 @@ from .keys import (
     vllm_fingerprint,
 )
 from .paged import PagedKV, paged_block_map
+from .shard import shard
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +55,8 @@ log = logging.getLogger(__name__)
 
 _STAGING_BYTES = 16 << 20  # per staging buffer (one for loads, one for saves)
 
+# vLLM sums the figures of its tensor-parallel workers: token counts come from rank 0
+# alone (every rank moves the same tokens), bytes and errors from every rank.
 _STAT_KEYS = (
     "hit_tokens",  # tokens loaded from the store into vLLM's cache
     "load_bytes",
@@ -70,21 +75,31 @@ _STAT_KEYS = (
 
 
 def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[Layout, list[str]]:
-    """The store layout of vLLM's KV cache, and the attention layer names in layer order."""
+    """The store layout of vLLM's KV cache (the whole model's: every KV head, whatever
+    the tensor-parallel size), and the attention layer names in layer order."""
     from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    if vllm_config.parallel_config.world_size != 1:
+    pc = vllm_config.parallel_config
+    split = {
+        "pipeline_parallel_size": pc.pipeline_parallel_size,
+        "decode_context_parallel_size": pc.decode_context_parallel_size,
+        "prefill_context_parallel_size": pc.prefill_context_parallel_size,
+    }
+    unsupported = {k: v for k, v in split.items() if v != 1}
+    if unsupported:
         raise InvalidInput(
-            "KVStoreConnector: tensor/pipeline parallelism is not supported (one worker only)"
+            f"KVStoreConnector: {unsupported}: a worker holding part of a block's layers or "
+            "tokens is not supported (tensor parallelism is)"
         )
     check_speculative(vllm_config.speculative_config)
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    kinds = [type(g.kv_cache_spec) for g in groups]
+    if len(groups) != 1 or kinds[0] not in (FullAttentionSpec, MLAAttentionSpec):
         raise InvalidInput(
-            f"KVStoreConnector: expected one group of full-attention layers, got {kinds}; "
-            "sliding-window, hybrid and MLA caches do not hold a reusable prefix block by block"
+            f"KVStoreConnector: expected one group of full-attention or MLA layers, got "
+            f"{[k.__name__ for k in kinds]}; sliding-window and hybrid caches do not hold a "
+            "reusable prefix block by block"
         )
     spec = groups[0].kv_cache_spec
     if vllm_config.cache_config.cache_dtype not in ("auto", str(spec.dtype).removeprefix("torch.")):
@@ -93,39 +108,47 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[La
             "quantized; the store keeps the model dtype's KV"
         )
     names = sorted(groups[0].layer_names, key=extract_layer_index)
-    layout = Layout(
-        num_layers=len(names),
-        num_kv_heads=int(spec.num_kv_heads),
-        head_dim=int(spec.head_size),
-        dtype=dtype_name(spec.dtype),
-        block_size=int(spec.block_size),
-    )
+    if isinstance(spec, MLAAttentionSpec):
+        layout = Layout(
+            num_layers=len(names),
+            num_kv_heads=1,
+            head_dim=int(spec.head_size),
+            dtype=dtype_name(spec.dtype),
+            block_size=int(spec.block_size),
+            kind="latent",
+        )
+    else:
+        layout = Layout(
+            num_layers=len(names),
+            num_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+            head_dim=int(spec.head_size),
+            dtype=dtype_name(spec.dtype),
+            block_size=int(spec.block_size),
+        )
     return layout, names
 
 
 def model_fingerprint(vllm_config: VllmConfig) -> str:
-    """`kvstore.hf.fingerprint` of the model vLLM serves (its path or hub id, revision
-    and dtype), so blocks are keyed as `kvstore.hf` keys them for the same weights;
-    bound to vLLM's config and settings (`vllm_fingerprint`) where vLLM changes what
-    transformers would load (`hf_overrides`, quantization)."""
-    from transformers import AutoModelForCausalLM
-
-    from .. import hf
+    """The fingerprint of the checkpoint vLLM serves (`kvstore.fingerprint`: its
+    config.json and weight files, its path or its hub id at its revision, found
+    offline in the hub cache or vLLM's `download_dir`), which `kvstore.hf.fingerprint`
+    gives a model loaded from the same files, so both key blocks alike; bound to
+    vLLM's config and settings (`vllm_fingerprint`) where vLLM changes what
+    transformers would load (`hf_overrides`, quantization). Never loads the model;
+    the weight files' hashes are remembered beside the store."""
+    from ..fingerprint import VOLATILE_CONFIG_KEYS, checkpoint_fingerprint
 
     mc = vllm_config.model_config
-    model = AutoModelForCausalLM.from_pretrained(
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    fp = checkpoint_fingerprint(
         mc.model,
         revision=mc.revision,
-        dtype=mc.dtype,
-        trust_remote_code=mc.trust_remote_code,
+        hub_cache=vllm_config.load_config.download_dir,
+        memo_dir=extra.get("path"),
     )
-    try:
-        fp = hf.fingerprint(model)
-    finally:
-        del model
     if not mc.hf_overrides and mc.quantization is None:
         return fp
-    config = {k: v for k, v in mc.hf_config.to_dict().items() if k not in hf._VOLATILE_CONFIG_KEYS}
+    config = {k: v for k, v in mc.hf_config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
     return vllm_fingerprint(fp, config, quantization=mc.quantization, dtype=str(mc.dtype))
 
 
@@ -379,6 +402,34 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._store.close()
 
 
+def _kv_writer(layer: Any) -> Any:
+    """The attention backend's cache writer of a K/V layer, as `paged_block_map`
+    calls it."""
+    impl = layer.impl
+
+    def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
+        impl.do_kv_cache_update(layer, key, value, cache, slots)
+
+    return write
+
+
+def _mla_writer(layer: Any) -> Any:
+    """An MLA layer's cache writer, as `paged_block_map` calls it: `key` and `value`
+    (`[B, 1, W / 2]`) are the two halves of the latent it writes (`Layout.runs_shape`),
+    cut where vLLM cuts it, into the compressed KV and the rope part."""
+    impl = layer.impl
+    rank = int(impl.kv_lora_rank)
+
+    def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
+        latent = torch.cat([key, value], dim=-1).squeeze(1)
+        k_pe = latent[:, rank:].unsqueeze(1)
+        impl.do_kv_cache_update(
+            latent[:, :rank], k_pe, cache, slots, layer.kv_cache_dtype, layer._k_scale
+        )
+
+    return write
+
+
 def _count(store: Store, figures: dict[str, int]) -> None:
     """Adds the connector's figures to the store's named counters as `vllm.<name>`
     (`kvstore stats`); advisory, so a store that cannot take them loses them."""
@@ -621,13 +672,22 @@ class _WorkerHalf:
     def __init__(
         self, store: Store, layer_names: list[str], vllm_config: VllmConfig, depth: int
     ) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
         self._store = store
         self._layout = store.layout
         self._names = layer_names
         self._config = vllm_config
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self._shard = shard(self._layout, get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
+        # This rank's part of a block: its heads of a K/V layout; a latent whole.
+        lay = self._layout
+        self._local = (
+            lay if lay.latent else dataclasses.replace(lay, num_kv_heads=self._shard.local_heads)
+        )
+        self._part_bytes = self._local.block_bytes
         # Staging buffers of at most _STAGING_BYTES each (whole blocks): a transfer
         # moves in chunks of `self._chunk` tokens, so memory stays bounded.
-        lay = self._layout
         self._chunk = max(_STAGING_BYTES // lay.block_bytes, 1) * lay.block_size
         self._buffers: dict[str, torch.Tensor] = {}
         # Blocks whose load failed, until the scheduler half sees them written again
@@ -663,19 +723,28 @@ class _WorkerHalf:
                     f"strides, got {c.device} {tuple(c.shape)} {c.stride()}"
                 )
         layer = self._config.compilation_config.static_forward_context[self._names[0]]
-        impl = layer.impl
-
-        def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
-            impl.do_kv_cache_update(layer, key, value, cache, slots)
-
-        self._paged = PagedKV(caches, paged_block_map(write, first, self._layout), self._layout)
+        write = _mla_writer(layer) if self._layout.latent else _kv_writer(layer)
+        local = self._local
+        self._paged = PagedKV(caches, paged_block_map(write, first, local), local)
+        if not self._paged.strided and (local.latent or self._shard.per_head):
+            raise InvalidInput(
+                f"KVStoreConnector: the attention backend's cache of shape {tuple(first.shape)} "
+                "keeps a block's values in no strided order; MLA and tensor-parallel caches "
+                "need one"
+            )
         log.info(
-            "kvstore connector: %s, %d layers of %s strides %s, %s copies",
+            "kvstore connector: %s, %d layers of %s strides %s, %s copies, TP rank %d of %d "
+            "(heads %d-%d%s)",
             self._store.path,
             len(caches),
             tuple(first.shape),
             first.stride(),
             "strided" if self._paged.strided else "element-wise",
+            self._shard.rank,
+            self._shard.size,
+            self._shard.heads.start,
+            self._shard.heads.stop - 1,
+            "" if self._shard.writes else ", stored by another rank",
         )
 
     def _caches(self) -> PagedKV:
@@ -720,8 +789,8 @@ class _WorkerHalf:
             with self._lock:
                 self._load_errors.update(failed)
             self._add_stats(
-                hit_tokens=got,
-                load_bytes=got // b * self._layout.block_bytes,
+                hit_tokens=got if self._shard.rank == 0 else 0,  # once, not per rank
+                load_bytes=got // b * self._part_bytes,
                 load_error_blocks=len(failed),
                 load_us=round((time.perf_counter() - t0) * 1e6),
             )
@@ -739,19 +808,54 @@ class _WorkerHalf:
         b = self._layout.block_size
         paged = self._caches()
         end = tr.start + len(tr.block_ids) * b
-        if paged.strided:  # the engine checks and lands each block in place
-            m = paged.load(self._store, tr.tokens[:end], tr.start, tr.extra, tr.block_ids)
-            return max(m - tr.start, 0) // b * b
         got = 0
+        if paged.strided:  # the engine checks and lands each block in place
+            got = self._load_paged(tr, tr.tokens[:end])
+            if got == end - tr.start or not self._shard.per_head:
+                return got
+        # Element-wise caches; or a rank's heads of whole blocks (stored by TP=1
+        # writers): read whole through a staging buffer, this rank's heads landed.
+        heads = slice(self._shard.heads.start, self._shard.heads.stop)
+        staged = 0
         for s, e, blocks in self._chunks(tr):
             buf = self._staging("load", e - s)
             m = self._store.get(tr.tokens[:e], start=s, out=buf, extra=tr.extra)
             n = max(m - s, 0) // b * b
             if n:
-                paged.move(blocks[: n // b], buf[:, :, :n], True)
-            got += n
+                paged.move(blocks[: n // b], buf[:, :, :n, heads].contiguous(), True)
+            staged += n
             if s + n < e:
                 break
+        return max(got, staged)
+
+    def _load_paged(self, tr: _Transfer, tokens: list[int]) -> int:
+        """`_load_one` by the engine's paged path: from the heads store for a rank that
+        stores per head; else from the main store, then, for a K/V layout, the heads
+        store (blocks a tensor-parallel vLLM stored). Tokens landed from tr.start."""
+        paged = self._caches()
+        b, start, ex = self._layout.block_size, tr.start, tr.extra or b""
+
+        def landed(m: int) -> int:
+            return max(m - start, 0) // b * b
+
+        def per_head(local: bool) -> int:
+            parts = self._store.heads(create=False)
+            if parts is None:
+                return 0
+            got = None
+            heads = self._shard.heads if local else range(self._layout.num_kv_heads)
+            for j, g in enumerate(heads):
+                m = paged.load(parts.store, tokens, start, head_extra(ex, g), tr.block_ids, j)
+                got = landed(m) if got is None else min(got, landed(m))
+                if not got:
+                    break
+            return got or 0
+
+        if self._shard.per_head:
+            return per_head(local=True)
+        got = landed(paged.load(self._store, tokens, start, tr.extra, tr.block_ids))
+        if got < len(tr.block_ids) * b and not self._layout.latent:
+            got = max(got, per_head(local=False))
         return got
 
     def take_load_errors(self) -> set[int]:
@@ -767,6 +871,8 @@ class _WorkerHalf:
             # the blocks of every request it handed a save until then.
             with self._lock:
                 self._saving.add(tr.req_id)
+            if not self._shard.writes:
+                continue  # another rank stores these heads (or this latent)
             if not self._failed.isdisjoint(tr.context) or not self._failed.isdisjoint(tr.block_ids):
                 continue  # saved once recomputed (the scheduler plans it again)
             with self._lock:
@@ -801,8 +907,8 @@ class _WorkerHalf:
             ok = False
         blocks = n // self._layout.block_size if ok else 0
         self._add_stats(
-            save_tokens=n if ok else 0,
-            save_bytes=blocks * self._layout.block_bytes,
+            save_tokens=n if ok and self._shard.rank == 0 else 0,
+            save_bytes=blocks * self._part_bytes,
             save_errors=0 if ok else 1,
             save_us=round((time.perf_counter() - t0) * 1e6),
         )
@@ -811,6 +917,15 @@ class _WorkerHalf:
         """Stores `tr`'s blocks out of vLLM's cache."""
         paged = self._caches()
         end = tr.start + len(tr.block_ids) * self._layout.block_size
+        if self._shard.per_head:  # this rank's heads, one record each (kvstore.heads)
+            parts = self._store.heads(create=True)
+            assert parts is not None, "a K/V layout of several heads has a heads store"
+            ex = tr.extra or b""
+            for j, g in enumerate(self._shard.heads):
+                paged.save(
+                    parts.store, tr.tokens[:end], tr.start, head_extra(ex, g), tr.block_ids, j
+                )
+            return
         if paged.strided:  # the engine gathers each block itself
             paged.save(self._store, tr.tokens[:end], tr.start, tr.extra, tr.block_ids)
             return

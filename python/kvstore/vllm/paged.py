@@ -24,7 +24,7 @@ def paged_block_map(write: Any, cache: torch.Tensor, layout: Layout) -> torch.Te
     (`[2, B, H, D]`, K then V), its element offset from the block's first element in
     `cache`'s storage (block `i` starts `i * cache.stride(0)` elements from block 0).
     """
-    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+    b, h, d = _run_dims(layout)
     n = 2 * b * h * d
     dtype = cache.dtype
     probe_shape = [1, *cache.shape[1:]]
@@ -64,11 +64,19 @@ def paged_block_map(write: Any, cache: torch.Tensor, layout: Layout) -> torch.Te
     return result
 
 
+def _run_dims(layout: Layout) -> tuple[int, int, int]:
+    """`(B, H, D)` of a block's runs as the engine moves them: a latent's halves are
+    its K and V (`Layout.runs_shape`)."""
+    _, _, b, h, d = layout.runs_shape(layout.block_size)
+    return b, h, d
+
+
 def affine_strides(block_map: torch.Tensor, layout: Layout) -> list[tuple[int, tuple[int, ...]]]:
     """`[(offset, (token, head, dim strides))]` for K and V when `block_map` places each
     as a strided array inside a block (every backend seen so far: on this CPU K is
-    `[H][D][B]` and V `[H][B][D]`), else []: then values move one by one."""
-    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+    `[H][D][B]` and V `[H][B][D]`; an MLA cache's latent `[B][W]`, its halves K and
+    V), else []: then values move one by one."""
+    b, h, d = _run_dims(layout)
     offsets = block_map.view(2, b, h, d)
     fits = []
     for o in offsets:
@@ -113,7 +121,7 @@ class PagedKV:
         self._views = [
             [
                 c.as_strided(
-                    (c.shape[0], layout.block_size, layout.num_kv_heads, layout.head_dim),
+                    (c.shape[0], *_run_dims(layout)),
                     (self._block_stride, *strides),
                     c.storage_offset() + base,
                 )
@@ -135,26 +143,51 @@ class PagedKV:
         return [f.as_strided(f.shape, (1,)).view(torch.uint8).numpy() for f in self._flat]
 
     def load(
-        self, store: Store, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+        self,
+        store: Store,
+        tokens: Any,
+        start: int,
+        extra: bytes | None,
+        blocks: list[int],
+        head: int | None = None,
     ) -> int:
         """Lands the stored blocks of `tokens` from `start` on in cache blocks `blocks`
-        (one per token block): the stored prefix in tokens from 0, as `Store.get`."""
-        return self._engine(store._raw.get_paged, tokens, start, extra, blocks)
+        (one per token block): the stored prefix in tokens from 0, as `Store.get`.
+        With `head`, `store` holds one head per block (`kvstore.heads`), landed in
+        this cache's head `head`."""
+        return self._engine(store._raw.get_paged, tokens, start, extra, blocks, head)
 
     def save(
-        self, store: Store, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+        self,
+        store: Store,
+        tokens: Any,
+        start: int,
+        extra: bytes | None,
+        blocks: list[int],
+        head: int | None = None,
     ) -> int:
         """Stores the full blocks of `tokens` from `start` on out of cache blocks
-        `blocks`: the tokens covered, as `Store.put`."""
-        return self._engine(store._raw.put_paged, tokens, start, extra, blocks)
+        `blocks`: the tokens covered, as `Store.put`. With `head`, only this cache's
+        head `head`, into a store of one head per block (`kvstore.heads`)."""
+        return self._engine(store._raw.put_paged, tokens, start, extra, blocks, head)
 
     def _engine(
-        self, call: Any, tokens: Any, start: int, extra: bytes | None, blocks: list[int]
+        self,
+        call: Any,
+        tokens: Any,
+        start: int,
+        extra: bytes | None,
+        blocks: list[int],
+        head: int | None,
     ) -> int:
-        """`call` (the binding's get_paged or put_paged) on these caches."""
+        """`call` (the binding's get_paged or put_paged) on these caches, or on head
+        `head` of them (its K and V one head stride further in)."""
         assert self._parts is not None, "the engine's path needs strided K and V"
         spans = self._spans()
         parts = self._parts
+        if head is not None:
+            (kb, ks), (vb, vs) = parts
+            parts = ((kb + head * ks[1], ks), (vb + head * vs[1], vs))
         return int(
             call(
                 tokens_array(tokens),
@@ -170,12 +203,12 @@ class PagedKV:
     def move(self, block_ids: list[int], kv: torch.Tensor, into_cache: bool) -> None:
         """Between the blocks `block_ids` and `kv` (`[L, 2, n*B, H, D]`, each `[n*B, H,
         D]` contiguous): into the caches (a load) or out of them (a save)."""
-        lay = self._layout
+        b, _, _ = _run_dims(self._layout)
         if self.strided:
             ids = torch.tensor(block_ids, dtype=torch.int64)
             for views, layer in zip(self._views, kv, strict=True):
                 for view, x in zip(views, layer, strict=True):
-                    blocks = x.view(len(block_ids), lay.block_size, *x.shape[1:])
+                    blocks = x.view(len(block_ids), b, *x.shape[1:])
                     if into_cache:
                         view.index_copy_(0, ids, blocks)
                     else:
@@ -190,8 +223,8 @@ class PagedKV:
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         """Element offsets, in canonical `[2, n*B, H, D]` order, of `block_ids` in a layer."""
-        lay = self._layout
+        b, h, d = _run_dims(self._layout)
         blocks = torch.tensor(block_ids, dtype=torch.int64) * self._block_stride
-        per_block = self._map.view(2, 1, lay.block_size * lay.num_kv_heads * lay.head_dim)
+        per_block = self._map.view(2, 1, b * h * d)
         idx = per_block + blocks.view(1, -1, 1)  # [2, n, B*H*D]
         return idx.reshape(-1)

@@ -58,6 +58,17 @@ fn remove_arena_file(py: Python<'_>, path: PathBuf) -> PyResult<bool> {
     py.detach(|| kvstore::remove_arena_file(&path)).py()
 }
 
+/// The BLAKE3 hash (hex) of a checkpoint file, on `threads` threads
+/// (default: the CPUs this process may use, at most 16), the GIL released.
+#[pyfunction]
+#[pyo3(signature = (path, threads=None))]
+fn blake3_file(py: Python<'_>, path: PathBuf, threads: Option<usize>) -> PyResult<String> {
+    let threads = threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(16)));
+    let hash = py.detach(|| kvstore::blake3_file(&path, threads)).py()?;
+    Ok(hash.to_hex().to_string())
+}
+
 #[pymodule]
 fn _lib(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::Store>()?;
@@ -65,6 +76,7 @@ fn _lib(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(arena_dirs, m)?)?;
     m.add_function(wrap_pyfunction!(arenas, m)?)?;
     m.add_function(wrap_pyfunction!(remove_arena_file, m)?)?;
+    m.add_function(wrap_pyfunction!(blake3_file, m)?)?;
     m.add("FORMAT_VERSION", kvstore::FORMAT_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -2,7 +2,7 @@
 //! `_lib.pyi`). Keys left out take the engine's defaults.
 
 use crate::error::{invalid, PyResultExt};
-use kvstore::{Codec, DType, Durability, Layout, Options, RemoteOptions, Storage, WriteMode};
+use kvstore::{Codec, DType, Durability, Kind, Layout, Options, RemoteOptions, Storage, WriteMode};
 use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -16,20 +16,25 @@ pub struct LayoutArg {
     dtype: String,
     block_size: u32,
     storage: String,
+    kind: String,
 }
 
 impl LayoutArg {
+    /// A latent layout's `head_dim` is its width (`Layout::latent`).
     fn to_engine(&self) -> PyResult<Layout> {
         let dtype = DType::parse(&self.dtype).py()?;
-        Layout::new(
+        let kind = Kind::parse(&self.kind).py()?;
+        let layout = Layout::of_kind(
+            kind,
             self.num_layers,
             self.num_kv_heads,
             self.head_dim,
             dtype,
             self.block_size,
-        )
-        .and_then(|l| l.with_storage(Storage::parse(&self.storage)?))
-        .py()
+        );
+        layout
+            .and_then(|l| l.with_storage(Storage::parse(&self.storage)?))
+            .py()
     }
 }
 

@@ -48,6 +48,7 @@ report! {
         created_unix: u64,
         store_id: String,
         storage: Option<String>,
+        kind: Option<String>,
     }
 }
 

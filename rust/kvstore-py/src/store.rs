@@ -51,6 +51,9 @@ fn paged_layout(block_stride: usize, parts: [(usize, [usize; 3]); 2]) -> kvstore
     }
 }
 
+/// `Store.layout()`: the fields of a `kvstore.Layout`, in its order.
+type LayoutTuple = (u32, u32, u32, &'static str, u32, &'static str, &'static str);
+
 #[pymethods]
 impl Store {
     /// Opens or creates the store at `path` (see `OpenOptions`).
@@ -73,15 +76,17 @@ impl Store {
     }
 
     /// `(num_layers, num_kv_heads, head_dim, dtype, block_size)`.
-    fn layout(&self) -> PyResult<(u32, u32, u32, &'static str, u32, &'static str)> {
+    /// `(L, H, D, dtype, B, storage, kind)`; a latent layout's `D` is its width.
+    fn layout(&self) -> PyResult<LayoutTuple> {
         let l = self.engine.layout().py()?;
         Ok((
             l.num_layers,
             l.num_kv_heads,
-            l.head_dim,
+            l.latent_width().unwrap_or(l.head_dim),
             l.dtype.name(),
             l.block_size,
             l.storage.name(),
+            l.kind.name(),
         ))
     }
 

@@ -13,7 +13,7 @@
 use crate::error::{Error, IoContext, Result};
 use crate::format::{self, Manifest};
 use crate::fs;
-use crate::layout::{Layout, Storage};
+use crate::layout::{Kind, Layout, Storage};
 use crate::lockwait;
 use crate::os::{ofd_lock, OfdLock, ParentOnly};
 use std::ffi::OsStr;
@@ -114,12 +114,13 @@ impl StoreDir {
             fingerprint: fingerprint.to_string(),
             num_layers: layout.num_layers,
             num_kv_heads: layout.num_kv_heads,
-            head_dim: layout.head_dim,
+            head_dim: layout.latent_width().unwrap_or(layout.head_dim),
             dtype: layout.dtype.name().to_string(),
             block_size: layout.block_size,
             created_unix: crate::clock::now_ms() / 1000,
             store_id: crate::id::hex(&rnd),
             storage: (layout.storage != Storage::Exact).then(|| layout.storage.name().to_string()),
+            kind: (layout.kind != Kind::KeyValue).then(|| layout.kind.name().to_string()),
         };
         self.write_manifest(&m)
     }

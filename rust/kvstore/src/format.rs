@@ -56,7 +56,7 @@
 //! misreads it.
 
 use crate::error::{Error, Result};
-use crate::layout::{DType, Layout, Storage};
+use crate::layout::{DType, Kind, Layout, Storage};
 use serde::{Deserialize, Serialize};
 
 pub const SEGMENT_MAGIC: [u8; 8] = *b"KVSTSEG\0";
@@ -203,6 +203,11 @@ pub struct Manifest {
     /// MANIFESTs of exact stores are the bytes they always were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<String>,
+    /// What a block holds ([`Kind::name`]); absent means K/V, so MANIFESTs
+    /// of K/V stores are the bytes they always were. With `latent`,
+    /// `head_dim` is the latent's width `W` and `num_kv_heads` 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
 }
 
 impl Manifest {
@@ -212,7 +217,12 @@ impl Manifest {
             None => Storage::Exact,
             Some(s) => Storage::parse(s)?,
         };
-        Layout::new(
+        let kind = match &self.kind {
+            None => Kind::KeyValue,
+            Some(k) => Kind::parse(k)?,
+        };
+        Layout::of_kind(
+            kind,
             self.num_layers,
             self.num_kv_heads,
             self.head_dim,
@@ -262,8 +272,10 @@ pub fn check_identity(m: &Manifest, fingerprint: &str, layout: &Layout) -> Resul
     let mine = m.layout()?;
     if m.fingerprint != fingerprint {
         return Err(Error::LayoutMismatch(format!(
-            "store was created for model {:?}, opened with {:?}",
-            m.fingerprint, fingerprint
+            "store was created for model {:?}, opened with {:?}{}",
+            m.fingerprint,
+            fingerprint,
+            crate::fingerprint::mismatch_note(&m.fingerprint, fingerprint)
         )));
     }
     if mine != *layout {
@@ -281,6 +293,14 @@ pub fn describe(l: &Layout) -> String {
         Storage::Exact => String::new(),
         Storage::Fp8 => format!(", storage={}", Storage::Fp8.name()),
     };
+    if let Some(width) = l.latent_width() {
+        return format!(
+            "(kind=latent, num_layers={}, latent_dim={width}, dtype={}, block_size={}{storage})",
+            l.num_layers,
+            l.dtype.name(),
+            l.block_size
+        );
+    }
     format!(
         "(num_layers={}, num_kv_heads={}, head_dim={}, dtype={}, block_size={}{storage})",
         l.num_layers,
@@ -307,6 +327,7 @@ mod tests {
             created_unix: 1,
             store_id: "00".into(),
             storage: None,
+            kind: None,
         }
     }
 
@@ -356,6 +377,27 @@ mod tests {
                 assert!(!placement_ok(Some(2), offset, pad.max(1), meta, big - 1));
             }
         }
+    }
+
+    /// A latent store's MANIFEST names its kind and its width as `head_dim`; a K/V
+    /// store's has no `kind` (its bytes are what they always were).
+    #[test]
+    fn latent_manifest_bytes() {
+        let mut m = manifest(FORMAT_VERSION);
+        assert!(!String::from_utf8(m.encode()).unwrap().contains("kind"));
+        m.num_kv_heads = 1;
+        m.head_dim = 576;
+        m.kind = Some("latent".into());
+        let text = String::from_utf8(m.encode()).unwrap();
+        assert!(text.contains("\"head_dim\": 576,") && text.ends_with("\"kind\": \"latent\"\n}\ncrc32c 6e32eda2\n"), "{text}");
+        let l = Manifest::decode(&m.encode()).unwrap().layout().unwrap();
+        assert_eq!(l, Layout::latent(1, 576, DType::Float16, 16).unwrap());
+        m.num_kv_heads = 2;
+        assert!(m.layout().is_err());
+        m.num_kv_heads = 1;
+        m.kind = Some("mla".into());
+        assert!(m.layout().is_err());
+        assert!(describe(&l).starts_with("(kind=latent, num_layers=1, latent_dim=576,"));
     }
 
     #[test]

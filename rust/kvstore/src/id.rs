@@ -202,4 +202,16 @@ mod tests {
     }
     #[cfg(not(feature = "test-short-ids"))]
     const GOLDEN_ID: &str = "c7e460c452ced648fe94d0452a25427074ec33886f6fe7b9a60c39b492566cdc";
+
+    /// Golden value of a latent (MLA) layout's first id: its kind is in the key.
+    #[test]
+    #[cfg(not(feature = "test-short-ids"))]
+    fn golden_latent_id() {
+        let l = Layout::latent(2, 576, DType::BFloat16, 4).unwrap();
+        let id = Keyer::new("golden", &l, None).chain(&[0, 1, 2, 3], 4, b"")[0];
+        assert_eq!(hex(&id), GOLDEN_LATENT_ID);
+    }
+    #[cfg(not(feature = "test-short-ids"))]
+    const GOLDEN_LATENT_ID: &str =
+        "fab9789e12e1efed0b1aca52b94c6f55041a77fc0a9866a27e2c1f4b2f874d2d";
 }

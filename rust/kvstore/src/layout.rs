@@ -85,8 +85,44 @@ impl Storage {
     }
 }
 
+/// What a block's two runs per layer hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// K and V: a block is `[L, 2, B, H, D]`, K at index 0, V at index 1.
+    #[default]
+    KeyValue,
+    /// One latent vector per token and layer (MLA: DeepSeek-V2/V3, Kimi K2),
+    /// `W` wide. Stored as the two halves of the latent, each a run of
+    /// `[B, 1, W / 2]` (`num_kv_heads` 1, `head_dim` `W / 2`): the runs, codecs
+    /// and paged copies of K/V blocks serve it unchanged, and a block holds
+    /// the latent once (`L * B * W` elements).
+    Latent,
+}
+
+impl Kind {
+    /// Name in the MANIFEST.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::KeyValue => "kv",
+            Kind::Latent => "latent",
+        }
+    }
+
+    /// Parses [`Kind::name`].
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "kv" => Ok(Kind::KeyValue),
+            "latent" => Ok(Kind::Latent),
+            other => Err(Error::InvalidInput(format!(
+                "kind: expected 'kv' or 'latent', got {other:?}"
+            ))),
+        }
+    }
+}
+
 /// `num_layers L`, `num_kv_heads H`, `head_dim D`, `dtype`, `block_size B`.
-/// A block is logically `[L, 2, B, H, D]`, K at index 0 and V at index 1.
+/// A block is logically `[L, 2, B, H, D]`, K at index 0 and V at index 1
+/// (a latent block: see [`Kind::Latent`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
     /// Transformer layers `L`.
@@ -101,6 +137,8 @@ pub struct Layout {
     pub block_size: u32,
     /// How blocks are stored (the dtype is what callers put and get).
     pub storage: Storage,
+    /// K/V or a latent.
+    pub kind: Kind,
 }
 
 /// Upper bound on one block's payload. Keeps every size computation far from
@@ -123,6 +161,7 @@ impl Layout {
             dtype,
             block_size,
             storage: Storage::Exact,
+            kind: Kind::KeyValue,
         };
         for (name, v) in [
             ("num_layers", num_layers),
@@ -148,6 +187,47 @@ impl Layout {
             )));
         }
         Ok(layout)
+    }
+
+    /// A latent layout ([`Kind::Latent`]): `width` elements per token and
+    /// layer (`kv_lora_rank + qk_rope_head_dim`), even.
+    pub fn latent(num_layers: u32, width: u32, dtype: DType, block_size: u32) -> Result<Self> {
+        if width == 0 || !width.is_multiple_of(2) {
+            return Err(Error::InvalidInput(format!(
+                "latent width: expected a positive even integer, got {width}"
+            )));
+        }
+        let l = Layout::new(num_layers, 1, width / 2, dtype, block_size)?;
+        Ok(Layout {
+            kind: Kind::Latent,
+            ..l
+        })
+    }
+
+    /// A layout of `kind` as a MANIFEST or the Python `Layout` names it: for a
+    /// latent, `head_dim` is its width and `num_kv_heads` must be 1.
+    pub fn of_kind(
+        kind: Kind,
+        num_layers: u32,
+        num_kv_heads: u32,
+        head_dim: u32,
+        dtype: DType,
+        block_size: u32,
+    ) -> Result<Self> {
+        match kind {
+            Kind::KeyValue => Layout::new(num_layers, num_kv_heads, head_dim, dtype, block_size),
+            Kind::Latent if num_kv_heads == 1 => {
+                Layout::latent(num_layers, head_dim, dtype, block_size)
+            }
+            Kind::Latent => Err(Error::InvalidInput(format!(
+                "a latent layout has one kv head, got num_kv_heads {num_kv_heads}"
+            ))),
+        }
+    }
+
+    /// The latent width `W` of a [`Kind::Latent`] layout (`None` for K/V).
+    pub fn latent_width(&self) -> Option<u32> {
+        (self.kind == Kind::Latent).then_some(2 * self.head_dim)
     }
 
     /// This layout with `storage`: fp8 storage of a 16- or 32-bit dtype.
@@ -301,6 +381,13 @@ impl Layout {
             v.extend_from_slice(&(s.len() as u32).to_le_bytes());
             v.extend_from_slice(s);
         }
+        // Likewise a latent's: never the ids of a one-head K/V layout.
+        if self.kind != Kind::KeyValue {
+            let k = self.kind.name().as_bytes();
+            v.extend_from_slice(b"kind");
+            v.extend_from_slice(&(k.len() as u32).to_le_bytes());
+            v.extend_from_slice(k);
+        }
         v
     }
 }
@@ -367,6 +454,25 @@ mod tests {
             l.canonical_bytes(),
             l.with_storage(Storage::Exact).unwrap().canonical_bytes()
         );
+    }
+
+    #[test]
+    fn latent_layouts() {
+        let l = Layout::latent(3, 576, DType::BFloat16, 16).unwrap();
+        assert_eq!((l.num_kv_heads, l.head_dim, l.kind), (1, 288, Kind::Latent));
+        assert_eq!(l.latent_width(), Some(576));
+        // The latent once per token and layer.
+        assert_eq!(l.block_bytes(), 3 * 16 * 576 * 2);
+        let kv = Layout::new(3, 1, 288, DType::BFloat16, 16).unwrap();
+        assert_eq!(kv.latent_width(), None);
+        assert_eq!(kv.block_bytes(), l.block_bytes());
+        assert_ne!(kv.canonical_bytes(), l.canonical_bytes());
+        assert!(Layout::latent(3, 575, DType::BFloat16, 16).is_err());
+        assert!(Layout::latent(3, 0, DType::BFloat16, 16).is_err());
+        for k in [Kind::KeyValue, Kind::Latent] {
+            assert_eq!(Kind::parse(k.name()).unwrap(), k);
+        }
+        assert!(Kind::parse("mla").is_err());
     }
 
     #[test]

@@ -38,6 +38,7 @@ internal_mods!(codec, format, index, record, scan);
 
 mod arena;
 mod arenas;
+mod checkpoint;
 mod clock;
 mod crc;
 mod dir;
@@ -47,6 +48,7 @@ mod error;
 pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 mod fault;
+mod fingerprint;
 mod fs;
 mod id;
 mod known;
@@ -64,12 +66,13 @@ mod store;
 
 pub use arena::ArenaStats;
 pub use arenas::{arena_dirs, list_arenas, peek_arena, remove_arena_file, ArenaInfo};
+pub use checkpoint::blake3_file;
 pub use codec::Codec;
 pub use error::{Error, Result};
 pub use format::{Manifest, FORMAT_VERSION};
 pub use id::{hex as block_id_hex, BlockId, Keyer};
 pub use index::DEFAULT_MAP_SIZE as DEFAULT_INDEX_BYTES;
-pub use layout::{DType, Layout, Storage};
+pub use layout::{DType, Kind, Layout, Storage};
 pub use paged::{PagedLayout, PagedPart};
 pub use pages::PageKind;
 pub use progress::Progress;

@@ -154,6 +154,7 @@ fn fuzz_seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         created_unix: 1,
         store_id: "00".into(),
         storage: None,
+        kind: None,
     };
     let location = Location {
         segment: 1,

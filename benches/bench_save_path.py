@@ -90,9 +90,10 @@ def save_once(
     writer: Any,
     blocks: int,
     per_call: int,
-) -> tuple[float, int]:
+) -> tuple[float, int, list[int]]:
     """Seconds to save `blocks` blocks (`per_call` a call, as a step hands them over)
-    and make them durable; and the payload bytes stored."""
+    and make them durable; the payload bytes stored; the tokens they were stored
+    under (cache block `k + 1` holds token block `k`)."""
     paged = PagedKV(caches, paged_block_map(writer, caches[0], lay), lay)
     assert paged.strided
     b = lay.block_size
@@ -122,7 +123,7 @@ def save_once(
         store.flush()
         seconds = time.perf_counter() - t0
         nbytes = blocks * lay.block_bytes * len(extras) // (H if shape == "heads" else 1)
-        return seconds, nbytes
+        return seconds, nbytes, tokens
     finally:
         store.close()
 
@@ -148,7 +149,7 @@ def main() -> int:
                 with tempfile.TemporaryDirectory(prefix="bench_save-", dir=args.dir) as tmp:
                     root = Path(tmp)
                     os.sync()
-                    seconds, nbytes = save_once(
+                    seconds, nbytes, _ = save_once(
                         shape, root, durability, caches, lay, writer, blocks, args.per_call
                     )
                     best = min(best, seconds)

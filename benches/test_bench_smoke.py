@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+import kvstore
+
 _HERE = Path(__file__).resolve().parent
 
 
@@ -245,3 +247,33 @@ def test_bench_fingerprint_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert all(f"  {part}" in out for part in ("warm:", "cold:", "peak extra memory"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("shape", ["whole", "heads", "latent"])
+def test_bench_save_path_tiny(tmp_path: Path, shape: str) -> None:
+    """The save path bench stores what the cache holds: each stored block equals the
+    cache block read back through the same map (whole blocks, a rank's two heads, a
+    latent), and its figures are finite."""
+    from kvstore.heads import head_extra
+    from kvstore.vllm.paged import PagedKV, paged_block_map
+
+    sp = _load("bench_save_path")
+    caches, lay, writer = sp.make_cache(shape, 4)
+    seconds, nbytes, tokens = sp.save_once(shape, tmp_path, "batch", caches, lay, writer, 4, 2)
+    assert math.isfinite(seconds) and seconds > 0 and nbytes > 0
+    paged = PagedKV(caches, paged_block_map(writer, caches[0], lay), lay)
+    want = torch.empty(lay.runs_shape(4 * lay.block_size), dtype=torch.bfloat16)
+    paged.move([1, 2, 3, 4], want, into_cache=False)
+    with kvstore.open(tmp_path / "store", array="torch") as s:
+        if shape == "heads":
+            heads = s.heads(create=False)
+            assert heads is not None and s.stats()["blocks"] == 0
+            for h in (0, 1):
+                got = heads.store.get(tokens, extra=head_extra(b"", h))
+                assert torch.equal(got, want[:, :, :, h : h + 1])
+            assert heads.store.lookup(tokens, extra=head_extra(b"", 2)) == 0
+        elif shape == "latent":
+            halves = want.view(lay.num_layers, 2, -1, lay.head_dim // 2)
+            assert torch.equal(s.get(tokens), halves.transpose(1, 2).flatten(2))
+        else:
+            assert torch.equal(s.get(tokens), want)

@@ -184,6 +184,7 @@ def test_latent_round_trip(tmp_path, family):
         assert s.get(toks, out=out) == 12
         assert (out[:, :12] == kv[:, :12]).all() and not out[:, 12:].any()
         # One block of latent: L x B x W elements, no K/V split.
+        assert lay.block_bytes == 3 * 4 * 576 * lay.itemsize
         s.flush()
         assert s.stats()["raw_live_bytes"] == 3 * (3 * 4 * 576 * lay.itemsize)
         assert s.save_session("agent", toks, kv) == 12

@@ -82,10 +82,12 @@ class Layout:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block as stored: `L * 2 * B * H * D * itemsize`; with fp8
-        storage `L * 2 * (B * H * D + 4 * H)`."""
+        storage `L * 2 * (B * H * D + 4 * H)`; a latent's `L * B * W * itemsize`."""
         if self.storage == "fp8":
             n, h = self.block_size * self.head_dim, self.num_kv_heads
             return self.num_layers * 2 * (n * h + 4 * h)
+        if self.latent:  # the latent once: `L * B * W * itemsize`
+            return self.num_layers * self.block_size * self.head_dim * self.itemsize
         return (
             self.num_layers
             * 2

@@ -134,13 +134,15 @@ GOLDEN_HEAD_IDS = [
             4,
             [(range(0, 1), True), (range(0, 1), False), (range(1, 2), True), (range(1, 2), False)],
         ),
+        # one KV head (MQA): whole on every rank, stored whole by rank 0
+        (1, 2, [(range(0, 1), True), (range(0, 1), False)]),
     ],
 )
 def test_shards_split_heads_as_vllm_does(heads, size, expect):
     layout = kvstore.Layout(2, heads, 8, "bfloat16", 16)
     got = [shard(layout, r, size) for r in range(size)]
     assert [(s.heads, s.writes) for s in got] == expect
-    assert all(s.per_head == (size > 1) for s in got)
+    assert all(s.per_head == (size > 1 and heads > 1) for s in got)
     # Every head is written by exactly one rank.
     written = [h for s in got if s.writes for h in s.heads]
     assert sorted(written) == list(range(heads))

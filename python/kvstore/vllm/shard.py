@@ -7,7 +7,8 @@ head `r // (t/H)` (replicated on `t/H` ranks) where `t > H`. An MLA layer's late
 is whole on every rank. Blocks keep the model's canonical head order whatever the
 TP size: a K/V rank at TP > 1 stores its heads one record per (block, head) in the
 heads store (`kvstore.heads`), one rank per head writing; a TP=1 worker stores
-whole blocks; a latent is stored whole, by rank 0 alone.
+whole blocks; a latent, and the one head of an MQA model, is stored whole, by
+rank 0 alone.
 """
 
 from __future__ import annotations
@@ -53,4 +54,5 @@ def shard(layout: Layout, rank: int, size: int) -> Shard:
         raise InvalidInput(f"tensor parallelism: {size} ranks do not replicate {h} KV heads")
     replicas = size // h
     head = rank // replicas
-    return Shard(rank, size, range(head, head + 1), rank % replicas == 0, per_head=True)
+    # One KV head (MQA): every rank holds the whole block; the first stores it whole.
+    return Shard(rank, size, range(head, head + 1), rank % replicas == 0, per_head=h > 1)

@@ -21,11 +21,13 @@ from conftest import (
     seq,
     small_layout,
 )
-from support.redis_cluster import Cluster, RespError, cmd, env_ok, free_ports
+from support.redis_cluster import Cluster, RespError, cmd, free_ports
+from support.require import need
 
 import kvstore
 
-pytestmark = pytest.mark.skipif(not env_ok(), reason="needs redis-server and redis-cli")
+# Skips the module without the Redis tools; with KVSTORE_REQUIRE=redis (CI) fails it.
+need("redis")
 
 MODEL = "test/remote@1"
 LAYOUT = small_layout(block_size=4)  # 1 KiB blocks
@@ -1739,10 +1741,9 @@ def test_breaker_follows_a_moved_slot(fresh_cluster, tmp_path):
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    from support.redis_tls import OPENSSL, make_certs
+    from support.redis_tls import make_certs
 
-    if OPENSSL is None:
-        pytest.skip("needs the openssl command")
+    need("openssl")
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 

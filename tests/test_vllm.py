@@ -12,15 +12,14 @@ processes the connector needs: the engine core (its scheduler half) in the
 driver's process, the worker (its worker half) in its own. The references, which
 have no connector, run every engine in one process, one after the other.
 
-Without the vLLM virtualenv these tests skip; with KVSTORE_REQUIRE_VLLM=1 (CI,
-scripts/test.sh) that is a failure instead.
+Without the vLLM virtualenv these tests skip; with vllm required (KVSTORE_REQUIRE,
+set by scripts/test.sh; see tests/support/require.py) that is a failure instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -30,21 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import vllm_driver, vllm_run
+from support import require, vllm_driver, vllm_run
 
-# Checked before anything can skip this file: CI (KVSTORE_REQUIRE_VLLM=1) fails
-# instead of skipping.
+# Checked before anything can skip this file: where vllm is required (CI) a missing
+# vLLM fails instead of skipping.
+require.need("vllm")
 PY = vllm_run.vllm_python()
-if PY is None:
-    reason = "no vLLM virtualenv (run scripts/vllm_env.sh, or set KVSTORE_VLLM_PYTHON)"
-    if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"KVSTORE_REQUIRE_VLLM=1 but {reason}")
-    pytest.skip(reason, allow_module_level=True)
 assert PY is not None
 
 import kvstore  # noqa: E402
 
-if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
+if require.required("vllm"):
     import torch
     import transformers
 else:

@@ -173,6 +173,20 @@ def test_bench_remote_tiny(tmp_path: Path) -> None:
     assert len(json.loads(out.read_text())["rows"]) == len(rows.rows)
 
 
+def test_bench_deadlines_runs_every_row(tmp_path: Path) -> None:
+    """bench_deadlines.py against its fake servers: every row ran (each open it
+    expects to fail failed, or the bench raises) and reported a finite time beside
+    its bound; whether a time is within its bound is reported, never asserted."""
+    bd = _load("bench_deadlines")
+    out = tmp_path / "deadlines.json"
+    rows = bd.main(["--timeout", "0.3", "--dir", str(tmp_path), "--json", str(out)])
+    assert len(rows) == 7, rows
+    for r in rows:
+        assert math.isfinite(r["seconds"]) and r["seconds"] >= 0 and r["bound"] > 0, r
+        assert r["within"] == (r["seconds"] <= r["bound"]), r
+    assert json.loads(out.read_text())["rows"] == rows
+
+
 def test_bench_ttft_sweep_tiny(tmp_path: Path) -> None:
     """bench_ttft.py's restore sweep at tiny sizes: every restore checked bitwise by the
     bench (exit status 0), every method timed at every length, and the plot written

@@ -694,8 +694,27 @@ def test_two_processes_then_sigkill_then_fresh(world, reference):
 
 
 def test_import_kvstore_does_not_import_vllm():
-    code = "import sys, kvstore, kvstore.hf, kvstore.vllm; assert 'vllm' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    """In vLLM's python, where vLLM is installed (checked: elsewhere this would pass by
+    accident), importing kvstore, kvstore.hf and kvstore.vllm (the package under test)
+    loads no vLLM module."""
+    code = (
+        "import importlib.util, pathlib, sys\n"
+        "assert importlib.util.find_spec('vllm') is not None, 'vLLM is not installed here'\n"
+        "import kvstore, kvstore.hf, kvstore.vllm\n"
+        "here = str(pathlib.Path(kvstore.__file__).resolve())\n"
+        "assert here == sys.argv[1], (here, sys.argv[1])\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')\n"
+        "assert not loaded, loaded\n"
+    )
+    assert PY is not None
+    r = subprocess.run(
+        [PY, "-c", code, str(Path(kvstore.__file__).resolve())],
+        capture_output=True,
+        text=True,
+        env=vllm_run.env(),
+        timeout=300,  # only ends a hung interpreter
+    )
+    assert r.returncode == 0, r.stderr
 
 
 # Runs scripts one after the other, each in a namespace of its own, in one process of

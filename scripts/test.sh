@@ -7,13 +7,29 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 step() { printf '\n==> %s\n' "$*"; }
 
-step "a Redis server for the remote-tier tests (tests/test_remote.py)"
-if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && apt-get install -y -qq redis-server
-    else
-        echo "neither redis-server nor valkey-server found (and not root): remote tests skip"
-    fi
+# Every component the tests need beyond pip's is required: a test that would skip
+# without one fails instead, naming it (tests/support/require.py).
+export KVSTORE_REQUIRE=redis,openssl,vllm
+
+step "the commands the tests run: a Redis or Valkey server, its client and benchmark; openssl"
+# tests/test_remote.py starts servers and inspects them with the client, its TLS tests
+# make certificates with openssl, benches/bench_remote.py runs redis-benchmark.
+have() { for c in "$@"; do command -v "$c" >/dev/null && return 0; done; return 1; }
+check_tools() {
+    missing=()
+    have redis-server valkey-server || missing+=("redis-server (or valkey-server)")
+    have redis-cli valkey-cli || missing+=("redis-cli (or valkey-cli)")
+    have redis-benchmark valkey-benchmark || missing+=("redis-benchmark (or valkey-benchmark)")
+    have openssl || missing+=("openssl")
+}
+check_tools
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq redis-server redis-tools openssl
+    check_tools
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+    printf 'scripts/test.sh: missing: %s\n' "${missing[*]}" >&2
+    exit 1
 fi
 
 step "install kvstore with its test dependencies (torch, lmdb, zstandard, pytest, ruff, mypy)"
@@ -46,9 +62,9 @@ bash python/kvstore/csrc/compile_check.sh
 
 step "vLLM 0.32 (CPU build) for the connector tests: a cached, pinned virtualenv"
 # Built once per machine (scripts/vllm_env.sh); tests/test_vllm.py runs vLLM in
-# it and, with KVSTORE_REQUIRE_VLLM=1, fails rather than skips without it.
+# it and, vllm being in KVSTORE_REQUIRE, fails rather than skips without it.
 KVSTORE_VLLM_PYTHON="$(bash scripts/vllm_env.sh | tail -n 1)"
-export KVSTORE_VLLM_PYTHON KVSTORE_REQUIRE_VLLM=1
+export KVSTORE_VLLM_PYTHON
 
 step "python: tests (GPU tests are skipped without a GPU)"
 python3 -m pytest -q tests benches/test_bench_smoke.py "$@"

@@ -42,6 +42,23 @@ def small_layout(dtype: str = "float16", block_size: int = 8, L: int = 2, H: int
     )
 
 
+def pytest_sessionstart(session):
+    """With `KVSTORE_REQUIRE` (tests/support/require.py, set by scripts/test.sh) a
+    required component that is missing ends the run before any test, naming it: a run
+    that would skip its remote, TLS or vLLM tests cannot pass as green."""
+    from support import require
+
+    try:
+        gone = require.missing_required()
+    except ValueError as e:
+        pytest.exit(str(e), returncode=pytest.ExitCode.USAGE_ERROR)
+    if gone:
+        pytest.exit(
+            "KVSTORE_REQUIRE: required and missing: " + "; ".join(gone),
+            returncode=pytest.ExitCode.TESTS_FAILED,
+        )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_hot_dir():
     """Every arena a test makes without its own `hot_dir` lands in one directory of

@@ -73,15 +73,17 @@ def hot(tmp_path: Path) -> Path:
 def test_deleted_store_is_listed_as_orphan_and_pruned_by_the_cli(
     tmp_path: Path, hot: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    made_ms = int(time.time() * 1000)  # the wall clock, as the arena's header keeps it
     a, b = make(tmp_path / "a", hot), make(tmp_path / "b", hot)
     got = listed(hot)
+    listed_ms = int(time.time() * 1000)
     assert set(got) == {a.name, b.name}
     for name, store in [(a.name, tmp_path / "a"), (b.name, tmp_path / "b")]:
         assert got[name]["store_path"] == str(store.resolve())
         assert (got[name]["owned"], got[name]["orphan"], got[name]["header"]) == (True, False, "ok")
         assert got[name]["bytes"] == a.stat().st_size > 0
         assert got[name]["mapped_by"] == 0
-        assert got[name]["last_used_ms"] > (time.time() - 600) * 1000
+        assert made_ms <= got[name]["last_used_ms"] <= listed_ms, (made_ms, got[name], listed_ms)
     shutil.rmtree(tmp_path / "a")
     assert cli(["arenas", "--hot-dir", str(hot), "--json"]) == 0
     out = {Path(x["path"]).name: x for x in json.loads(capsys.readouterr().out)}
@@ -372,10 +374,26 @@ def test_hugetlbfs_arena_is_listed_and_pruned(tmp_path: Path) -> None:
         kvstore.remove_arena(tmp_path / "b", hot_dir=mnt)
 
 
+# Each worker round waits until a whole prune pass (counted in a file by the test)
+# has run since the round before: the pruner meets every state the workers' arenas
+# go through, by construction rather than by sharing a time window.
 WORKER = """
 import sys, time, numpy as np, kvstore
+from pathlib import Path
 from conftest import small_layout
-root, hot, me, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+root, hot, me, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+passes = Path(sys.argv[5])
+def passes_done():
+    try:
+        return int(passes.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+def wait_for_a_pass():
+    seen = passes_done()
+    deadline = time.monotonic() + 120  # only ends a wait on a dead pruner
+    while passes_done() < seen + 2:
+        assert time.monotonic() < deadline, "the pruner stopped"
+        time.sleep(0.002)
 L = small_layout()
 def kv_of(t):
     rng = np.random.default_rng(sum(t) + len(t))
@@ -386,26 +404,27 @@ def opened(name):
 t = [(me * 1000 + i) % 50000 for i in range(4 * L.block_size)]
 live = opened(f"live-{me}")      # open for the whole run: its hot blocks must stay
 live.put(t, kv_of(t))
-end, rounds, hot_hits = time.monotonic() + seconds, 0, 0
-while time.monotonic() < end:
-    with opened(f"churn-{me}-{rounds % 3}") as s:   # open, use, close other stores
+for r in range(rounds):
+    wait_for_a_pass()
+    with opened(f"churn-{me}-{r % 3}") as s:   # open, use, close other stores
         s.put(t, kv_of(t))
         assert np.array_equal(s.get(t), kv_of(t))
     before = live.stats()["hot_hit_blocks"]
     assert np.array_equal(live.get(t), kv_of(t))
     st = live.stats()
     assert st["hot_hit_blocks"] - before == 4 and st["disk_hit_blocks"] == 0, st
-    rounds += 1
 live.close()
 print(rounds)
 """
 
+WORKER_ROUNDS = 30
+
 
 def test_pruning_races_safely_with_stores_opening_and_closing(tmp_path: Path, hot: Path) -> None:
-    seconds = 6.0
+    passes = tmp_path / "passes"
     workers = [
         subprocess.Popen(
-            child_argv(WORKER, str(tmp_path), str(hot), str(i), str(seconds)),
+            child_argv(WORKER, str(tmp_path), str(hot), str(i), str(WORKER_ROUNDS), str(passes)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -413,19 +432,26 @@ def test_pruning_races_safely_with_stores_opening_and_closing(tmp_path: Path, ho
         for i in range(3)
     ]
     orphans_made = pruned = 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        # An orphan every round, next to the workers' arenas, then a prune pass.
-        make(tmp_path / "doomed", hot, blocks=1)
-        shutil.rmtree(tmp_path / "doomed")
-        orphans_made += 1
-        pruned += sum(a["pruned"] for a in listed(hot, prune=True).values())
-    outs = [w.communicate(timeout=120) for w in workers]
+    try:
+        while any(w.poll() is None for w in workers):
+            # An orphan every pass, next to the workers' arenas, then the prune.
+            make(tmp_path / "doomed", hot, blocks=1)
+            shutil.rmtree(tmp_path / "doomed")
+            orphans_made += 1
+            pruned += sum(a["pruned"] for a in listed(hot, prune=True).values())
+            (tmp_path / "passes.tmp").write_text(str(orphans_made))
+            os.replace(tmp_path / "passes.tmp", passes)
+        outs = [w.communicate(timeout=120) for w in workers]  # only ends a hung worker
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
     for w, (out, err) in zip(workers, outs, strict=True):
         assert w.returncode == 0, (
             f"worker exited {w.returncode} (SIGBUS is {-signal.SIGBUS})\n{err}"
         )
-        assert int(out) > 0
+        assert int(out) == WORKER_ROUNDS
     # Every orphan went (by our prunes or by the workers' opens); no live store's did.
     left = listed(hot, prune=True)
     assert all(a["owned"] for a in left.values()), left
@@ -434,7 +460,8 @@ def test_pruning_races_safely_with_stores_opening_and_closing(tmp_path: Path, ho
     }
     existing = {p.name for p in tmp_path.iterdir()} & live_and_churn
     assert len(left) == len(existing)
-    assert orphans_made > 0 and pruned <= orphans_made
+    # A prune pass ran between every two rounds of every worker.
+    assert orphans_made >= 2 * WORKER_ROUNDS and pruned <= orphans_made
     for name in existing:
         kvstore.remove_arena(tmp_path / name, hot_dir=hot)
     assert list(hot.iterdir()) == []

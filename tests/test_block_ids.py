@@ -75,15 +75,28 @@ def test_ids_are_stable_across_handles_and_keyed_by_salt_extra_and_model(tmp_pat
 
 
 def test_ids_name_stored_blocks(tmp_path):
-    """The ids are the store's: a put stores the blocks, and get finds them, by
-    the same tokens whose ids these are (salted handles included)."""
+    """The ids are the store's: a put stores its blocks in the index under exactly
+    these ids (each record holding its block's tokens), and get finds them by the
+    same tokens (a salted handle; another salt's ids name none of them)."""
+    from conftest import index_blocks, read_record
+
     tokens = list(range(3 * B))
     kv = np.arange(LAYOUT.num_layers * 2 * 3 * B * 2 * 16, dtype=np.float16).reshape(
         LAYOUT.kv_shape(3 * B)
     )
-    with _open(tmp_path / "s", salt=b"t") as s:
+    path = tmp_path / "s"
+    with _open(path, salt=b"t") as s:
         assert s.put(tokens, kv) == 3 * B
-        assert len(s.block_ids(tokens)) * B == s.lookup(tokens)
+        ids = s.block_ids(tokens)
+        assert s.lookup(tokens) == 3 * B
+        np.testing.assert_array_equal(s.get(tokens), kv)
+    with _open(path, salt=b"u") as other:
+        other_ids = other.block_ids(tokens)
+    index = index_blocks(path)
+    assert set(index) == set(ids) and len(ids) == 3
+    for i, bid in enumerate(ids):
+        assert read_record(path, index[bid]).tokens == tuple(tokens[i * B : (i + 1) * B])
+    assert not set(other_ids) & set(index)
 
 
 def test_block_pool_keys_blocks_by_the_store_ids(tmp_path):
@@ -121,10 +134,26 @@ def test_block_pool_keys_blocks_by_the_store_ids(tmp_path):
             pool.load(s, tokens, namespace=[1])
 
 
-def test_version_is_the_package_version():
-    tomllib = pytest.importorskip("tomllib")
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+def _project_version(pyproject: Path) -> str:
+    """`[project] version` of a pyproject.toml: through tomllib where Python has it
+    (3.11+), else read from the `[project]` table's `version = "..."` line, so that
+    the check runs on every supported Python."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import re
+
+        project = re.search(r"^\[project\]\n(.*?)(?=^\[)", pyproject.read_text(), re.M | re.S)
+        assert project is not None, "no [project] table"
+        version = re.search(r'^version\s*=\s*"([^"]+)"', project.group(1), re.M)
+        assert version is not None, "no version in [project]"
+        return version.group(1)
     with pyproject.open("rb") as f:
-        want = tomllib.load(f)["project"]["version"]
+        return str(tomllib.load(f)["project"]["version"])
+
+
+def test_version_is_the_package_version():
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    want = _project_version(pyproject)
     assert kvstore.__version__ == want
     assert kvstore._lib.__version__ == want

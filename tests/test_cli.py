@@ -189,14 +189,14 @@ def test_gc_and_compact_reclaim_space(tmp_path: Path) -> None:
 
 READER = textwrap.dedent(
     """
-    import sys, time, numpy as np, kvstore
+    import os, sys, numpy as np, kvstore
     sys.path.insert(0, {test_dir!r})
     from test_cli import LAYOUT, MODEL, kv_of
     seqs = [np.arange(64) + 1000 * i for i in range(20)]
     reads = 0
     with kvstore.open({path!r}, layout=LAYOUT, model=MODEL, durability="none") as s:
-        end = time.monotonic() + {seconds}
-        while time.monotonic() < end:
+        while True:
+            stop = os.path.exists({stop!r})  # read before the round: one more after
             for t in seqs:
                 got = s.get(t)
                 m = got.shape[2]
@@ -204,6 +204,10 @@ READER = textwrap.dedent(
                     print("WRONG", flush=True)
                     sys.exit(3)
                 reads += 1
+            if reads == len(seqs):
+                print("READING", flush=True)
+            if stop:
+                break
     print("READS", reads, flush=True)
     """
 )
@@ -211,24 +215,38 @@ READER = textwrap.dedent(
 
 @pytest.mark.slow
 def test_compact_and_gc_while_another_process_reads(tmp_path: Path) -> None:
+    """A reader in another process reads every sequence over and over, bit-exact
+    or a miss, from before the first gc until after the last compaction: it says
+    it is reading before they start and stops only when told, after they end."""
     fill(tmp_path)
+    stop = tmp_path.parent / f"{tmp_path.name}.stop"
     reader = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            READER.format(test_dir=str(Path(__file__).parent), path=str(tmp_path), seconds=4),
+            READER.format(test_dir=str(Path(__file__).parent), path=str(tmp_path), stop=str(stop)),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    live = json.loads(cli("stats", tmp_path, "--json").stdout)["store"]["live_bytes"]
-    for i in range(4):
-        cli("gc", tmp_path, "--max-bytes", str(live * (9 - i) // 10))
-        cli("compact", tmp_path)
-    out, err = reader.communicate(timeout=60)
+    try:
+        assert reader.stdout is not None
+        assert reader.stdout.readline().strip() == "READING", "the reader did not start"
+        live = json.loads(cli("stats", tmp_path, "--json").stdout)["store"]["live_bytes"]
+        for i in range(4):
+            cli("gc", tmp_path, "--max-bytes", str(live * (9 - i) // 10))
+            cli("compact", tmp_path)
+        assert reader.poll() is None, "the reader ended before gc and compaction did"
+        stop.touch()
+        out, err = reader.communicate(timeout=120)  # only ends a hung reader
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
     assert reader.returncode == 0, f"reader failed: {out}\n{err}"
-    assert "READS" in out and "WRONG" not in out
+    assert "WRONG" not in out
+    assert int(out.split("READS")[1]) >= 2 * 20, out
     report = json.loads(cli("verify", tmp_path, "--json").stdout)
     assert report["ok"], report
     # The reader's open files of deleted segments are gone with it: disk use

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_kv_equal, kv_for, seq
+from conftest import assert_kv_equal, index_blocks, kv_for, read_record, seq
 
+import kvstore
 from kvstore import InvalidInput
 
 
-def test_chunked_prefill_stores_the_blocks_of_one_put(store, layout):
+def test_chunked_prefill_stores_the_blocks_of_one_put(store, store_path, layout, tmp_path):
     B = layout.block_size
     tokens = seq(500, 5 * B + 3)
     kv = kv_for(layout, tokens)
@@ -24,8 +25,17 @@ def test_chunked_prefill_stores_the_blocks_of_one_put(store, layout):
     assert store.stats()["blocks_written"] == 5
     assert store.lookup(tokens) == 5 * B
     assert_kv_equal(store.get(tokens), kv[:, :, : 5 * B])
-    # The same ids a whole put would give.
-    assert len(store.block_ids(tokens)) == 5
+    store.close()
+    # The blocks a whole put of the sequence stores in another store: the same ids
+    # in the index, each record with the same token ids and the same payload.
+    whole_path = tmp_path / "whole"
+    with kvstore.open(whole_path, layout=layout, model="test/model@1", durability="none") as w:
+        assert w.put(tokens, kv) == 5 * B
+    chunked, whole = index_blocks(store_path), index_blocks(whole_path)
+    assert len(whole) == 5 and set(chunked) == set(whole)
+    for bid in whole:
+        a, b = read_record(store_path, chunked[bid]), read_record(whole_path, whole[bid])
+        assert (a.tokens, a.payload) == (b.tokens, b.payload), bid.hex()
 
 
 def test_range_get_returns_the_slice_from_start(store, layout):

@@ -21,11 +21,13 @@ from conftest import (
     seq,
     small_layout,
 )
-from support.redis_cluster import Cluster, RespError, cmd, env_ok, free_ports
+from support.redis_cluster import Cluster, RespError, cmd, free_ports
+from support.require import need
 
 import kvstore
 
-pytestmark = pytest.mark.skipif(not env_ok(), reason="needs redis-server and redis-cli")
+# Skips the module without the Redis tools; with KVSTORE_REQUIRE=redis (CI) fails it.
+need("redis")
 
 MODEL = "test/remote@1"
 LAYOUT = small_layout(block_size=4)  # 1 KiB blocks
@@ -785,20 +787,18 @@ def test_node_kill_and_restart(fresh_cluster, tmp_path):
     on_victim = {k for k in cmd(victim, "KEYS", "kvstore:*")}
     assert on_victim, "the chains spread over every node"
     c.kill(victim)
-    worst = 0.0
     with open_host(tmp_path / "b", c, remote={"timeout": timeout}) as b:
         served = 0
         for t in chains:
-            t0 = time.monotonic()
             n = b.lookup(t)
-            worst = max(worst, time.monotonic() - t0)
             served += n == len(t)
             x = seq(70000 + len(t), 4 * B)
             b.put(t[:B] + x, kv_for(LAYOUT, t[:B] + x))  # local puts keep working
         r = remote_stats(b)
         assert 0 < served < len(chains), "live nodes serve, the dead node's chains miss"
         assert r["errors_connection"] + r["breaker_skips"] + r["errors_cluster_down"] > 0, r
-        assert worst < 4 * timeout + 1, worst
+        # A dead node refuses at once: no call waited out its deadline.
+        assert r["errors_timeout"] == 0, r
     c.start_node(victim)
     c.wait_ok()
     time.sleep(3.2)  # the breaker's cool-down
@@ -820,23 +820,26 @@ def test_node_kill_and_restart(fresh_cluster, tmp_path):
             time.sleep(0.5)
 
 
+# A breaker cool-down no test outlasts: "one timeout" is then a count, whatever the
+# machine's speed (with the default 3 s a slow run could see the breaker probe again).
+LONG_BREAKER = 600
+
+
 def test_frozen_node_costs_one_timeout(fresh_cluster, tmp_path):
     c = fresh_cluster
     timeout = 0.5
     chains = upload_chains(c, tmp_path / "a", 40000, remote={"timeout": timeout})
-    with open_host(tmp_path / "b", c, remote={"timeout": timeout}) as b:
+    remote = {"timeout": timeout, "breaker": LONG_BREAKER}
+    with open_host(tmp_path / "b", c, remote=remote) as b:
         c.kill(c.ports[2], signal.SIGSTOP)
         try:
-            t0 = time.monotonic()
             for t in chains:
                 b.lookup(t)
-            total = time.monotonic() - t0
             r = remote_stats(b)
         finally:
             c.kill(c.ports[2], signal.SIGCONT)
-        assert r["errors_timeout"] >= 1, r
         # Without the breaker every chain on the frozen node would cost a timeout.
-        assert total < 4 * timeout + 1, (total, r)
+        assert r["errors_timeout"] == 1 and r["breaker_skips"] >= 1, r
         assert r["hits"] > 0, r
 
 
@@ -848,21 +851,18 @@ def test_a_frozen_node_costs_a_write_through_put_one_timeout(fresh_cluster, tmp_
     c = fresh_cluster
     timeout = 0.5
     chains = [seq(90000 + 1000 * k, 16 * B) for k in range(12)]
-    remote = {"timeout": timeout, "write": "through"}
+    remote = {"timeout": timeout, "write": "through", "breaker": LONG_BREAKER}
     with open_host(tmp_path / "a", c, remote=remote) as a:
         a.put(seq(80000, 4 * B), kv_for(LAYOUT, seq(80000, 4 * B)))  # connections made
         c.kill(c.ports[2], signal.SIGSTOP)
         try:
-            t0 = time.monotonic()
             for t in chains:
                 a.put(t, kv_for(LAYOUT, t))
-            total = time.monotonic() - t0
             r = remote_stats(a)
         finally:
             c.kill(c.ports[2], signal.SIGCONT)
-    assert r["errors_timeout"] >= 1, r
+    assert r["errors_timeout"] == 1 and r["breaker_skips"] >= 1, r
     assert r["blocks_uploaded"] > 4, r  # the other nodes took theirs
-    assert total < 4 * timeout + 1, (total, r)
 
 
 def test_a_failover_is_followed(tmp_path_factory, tmp_path):
@@ -897,12 +897,13 @@ def test_a_failover_is_followed(tmp_path_factory, tmp_path):
         c.stop()
 
 
-def test_a_cluster_that_lost_a_master_costs_no_more_than_the_timeout(tmp_path_factory, tmp_path):
+def test_a_cluster_that_lost_a_master_is_misses_without_a_timeout(tmp_path_factory, tmp_path):
     """With full coverage required (Redis's default) and no reads while down, a
     cluster that lost a master refuses every command on its live nodes too
-    (CLUSTERDOWN). Each lookup stays within the timeout: a refusal is a miss,
-    not tried again (the redis crate's cluster client, used before, waited 1.28 s
-    or more before its retry, whatever the timeout)."""
+    (CLUSTERDOWN). A refusal is a miss, not tried again (the redis crate's cluster
+    client, used before, waited 1.28 s or more before its retry, whatever the
+    timeout): no call waits out its deadline. (How long the lookups take:
+    benches/bench_deadlines.py.)"""
     down = ["--cluster-require-full-coverage", "yes", "--cluster-allow-reads-when-down", "no"]
     c = _start(tmp_path_factory, 3, True, down)
     try:
@@ -915,13 +916,11 @@ def test_a_cluster_that_lost_a_master_costs_no_more_than_the_timeout(tmp_path_fa
             while b"cluster_state:fail" not in cmd(c.ports[1], "CLUSTER", "INFO"):
                 assert time.monotonic() < deadline, "the cluster did not go down"
                 time.sleep(0.2)
-            t0 = time.monotonic()
             for t in chains:
                 b.lookup(t)
-            total = time.monotonic() - t0
             r = remote_stats(b)
         assert r["errors_cluster_down"] > 0, r
-        assert total < 4 * timeout + 1, (total, r)
+        assert r["errors_timeout"] == 0, r
     finally:
         c.stop()
 
@@ -932,13 +931,11 @@ def test_cluster_down_after_open_is_misses(fresh_cluster, tmp_path):
     with open_host(tmp_path / "b", c, remote={"timeout": 0.3}) as b:
         for p in c.ports:
             c.kill(p)
-        t0 = time.monotonic()
         assert b.lookup(tokens) == 0
         b.put(tokens, kv_for(LAYOUT, tokens))
         assert b.lookup(tokens) == 8 * B
         assert_kv_equal(b.get(tokens), kv_for(LAYOUT, tokens))
         b.flush()
-        assert time.monotonic() - t0 < 10
         r = remote_stats(b)
         assert r["errors_connection"] + r["breaker_skips"] + r["errors_timeout"] > 0, r
         assert r["write_failures"] + r["writes_dropped"] > 0, r
@@ -1503,20 +1500,18 @@ def test_a_redirect_to_a_frozen_node_costs_one_timeout(tmp_path):
 
     me = FakeServer(handler)
     try:
-        with _fake_store(tmp_path / "s", me, timeout=0.3) as s:
-            t0 = time.monotonic()
+        with _fake_store(tmp_path / "s", me, timeout=0.3, breaker=LONG_BREAKER) as s:
             assert s.lookup(seq(800, 16 * B)) == 0
-            took = time.monotonic() - t0
-            t1 = time.monotonic()
+            first = remote_stats(s)
             for k in range(1, 5):
                 assert s.lookup(seq(800 + 1000 * k, 16 * B)) == 0
-            later = time.monotonic() - t1
             r = remote_stats(s)
     finally:
         me.close()
         frozen.close()
-    assert took < 2, (took, r)
-    assert later < 0.3, (later, r)
+    # The first call: one deadline, one timeout; each later one skipped at the
+    # redirect, without a timeout of its own.
+    assert first["errors_timeout"] == 1, first
     assert r["errors_timeout"] == 1 and r["breaker_skips"] >= 4, r
 
 
@@ -1530,20 +1525,18 @@ def test_a_frozen_migration_target_costs_one_timeout(fresh_cluster, tmp_path):
     slot, src, dst = _upload_and_start_moving(c, tmp_path / "a", tokens)
     try:
         assert c.migrate(slot, src, dst) == 16
-        with open_host(tmp_path / "b", c, remote={"timeout": 0.5}) as b:
+        remote = {"timeout": 0.5, "breaker": LONG_BREAKER}
+        with open_host(tmp_path / "b", c, remote=remote) as b:
             c.kill(dst, signal.SIGSTOP)
             try:
-                t0 = time.monotonic()
                 for _ in range(6):
                     assert b.lookup(tokens) == 0
-                took = time.monotonic() - t0
                 r = remote_stats(b)
             finally:
                 c.kill(dst, signal.SIGCONT)
     finally:
         c.end_move(slot, dst)
     assert r["errors_timeout"] == 1 and r["breaker_skips"] >= 5, r
-    assert took < 2, (took, r)
 
 
 def test_slow_nodes_after_a_moved_keep_answering(tmp_path):
@@ -1739,10 +1732,9 @@ def test_breaker_follows_a_moved_slot(fresh_cluster, tmp_path):
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    from support.redis_tls import OPENSSL, make_certs
+    from support.redis_tls import make_certs
 
-    if OPENSSL is None:
-        pytest.skip("needs the openssl command")
+    need("openssl")
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 
@@ -1828,18 +1820,16 @@ def _fake_store(path, fake, **remote):
     )
 
 
-def test_a_name_that_does_not_resolve_fails_open_within_the_timeout(tmp_path):
-    """A node whose name does not resolve (`.invalid` never does): open fails
-    within the timeout, whether the resolver answers at once or not at all, and
-    says so (not a hint about TLS ports)."""
+def test_a_name_that_does_not_resolve_fails_open_naming_the_lookup(tmp_path):
+    """A node whose name does not resolve (`.invalid` never does): open fails with
+    a RemoteError that says so (not a hint about TLS ports). (That it fails within
+    the timeout, whether the resolver answers at once or not at all, is measured by
+    benches/bench_deadlines.py.)"""
     remote = kvstore.Remote(nodes=["kvstore-test.invalid:6379"], timeout=0.5)
-    t0 = time.monotonic()
     with pytest.raises(kvstore.RemoteError, match="unreachable: name lookup failed") as e:
         kvstore.open(tmp_path / "s", LAYOUT, MODEL, durability="none", remote=remote)
-    took = time.monotonic() - t0
     assert "TLS" not in str(e.value), e.value
     assert "name lookup failed for kvstore-test.invalid: " in str(e.value), e.value
-    assert took < 1.5, took
 
 
 def test_open_gives_each_node_one_timeout(tmp_path):
@@ -1847,22 +1837,25 @@ def test_open_gives_each_node_one_timeout(tmp_path):
     gives up on it once its steps (connect, INFO, CONFIG GET, the key check)
     together pass one timeout, and says so. Each step had a timeout of its own,
     so open took up to five timeouts per node given, and kept a node too slow
-    for any call."""
+    for any call. Here every step answers within the timeout, so only a deadline
+    shared by the steps makes open give up; and it gives up while its third
+    command (at 0.8 s of the 1.0) is being answered, so the node sees no more."""
     from support.fake_resp import FakeServer
 
+    seen: list[bytes] = []
+
     def handler(c, a):
+        seen.append(a[0].upper())
         time.sleep(0.4)
         return None
 
     fake = FakeServer(handler)
     try:
-        t0 = time.monotonic()
         with pytest.raises(kvstore.RemoteError, match="no answer within the timeout"):
             _fake_store(tmp_path / "s", fake, timeout=1.0)
-        took = time.monotonic() - t0
     finally:
         fake.close()
-    assert took < 1.5, took
+    assert 1 <= len(seen) <= 3, seen
 
 
 def test_a_trickled_reply_costs_one_timeout(tmp_path):
@@ -1879,25 +1872,25 @@ def test_a_trickled_reply_costs_one_timeout(tmp_path):
 
     fake = FakeServer(handler)
     try:
-        with _fake_store(tmp_path / "s", fake, timeout=0.3) as s:
-            t0 = time.monotonic()
+        with _fake_store(tmp_path / "s", fake, timeout=0.3, breaker=LONG_BREAKER) as s:
             assert s.lookup(seq(500, 4 * B)) == 0
-            took = time.monotonic() - t0
+            # Per socket read every byte came in time: no timeout would be counted.
             r = remote_stats(s)
-            assert took < 3, (took, r)
             assert r["errors_timeout"] == 1, r
-            t0 = time.monotonic()
             assert s.lookup(seq(9000, 4 * B)) == 0  # the breaker is open: no wait
-            assert time.monotonic() - t0 < 1
-            assert remote_stats(s)["breaker_skips"] >= 1
+            r = remote_stats(s)
+            assert r["errors_timeout"] == 1 and r["breaker_skips"] >= 1, r
     finally:
         fake.close()
 
 
-def test_close_is_bounded_by_close_timeout_with_a_trickling_server(tmp_path):
-    """close() drains the upload queue within close_timeout (10 s): against a
-    server trickling every reply the uploader's batch failed only after 30 s or
-    more, and close() waited for it."""
+def test_close_returns_with_a_trickling_server_and_the_put_stays_local(tmp_path):
+    """close() returns against a server trickling every reply (the uploader's
+    batch once failed only after 30 s or more, and close() waited for it), and
+    the local put is durable whatever the server did. (That close returns within
+    close_timeout, 10 s, is measured by benches/bench_deadlines.py.)"""
+    import threading
+
     from support.fake_resp import FakeServer, trickle
 
     def handler(c, a):
@@ -1910,10 +1903,10 @@ def test_close_is_bounded_by_close_timeout_with_a_trickling_server(tmp_path):
         s = _fake_store(tmp_path / "s", fake, timeout=0.3)
         tokens = seq(700, 16 * B)
         s.put(tokens, kv_for(LAYOUT, tokens))
-        t0 = time.monotonic()
-        s.close()
-        took = time.monotonic() - t0
-        assert took < 10 + 3, took
+        closer = threading.Thread(target=s.close, daemon=True)
+        closer.start()
+        closer.join(timeout=120)  # only ends a hung close
+        assert not closer.is_alive(), "close() hung"
     finally:
         fake.close()
     # The local put is durable whatever the server did.
@@ -1946,10 +1939,11 @@ def test_open_passes_over_a_node_that_fails_after_connecting(clean, tmp_path):
     try:
         for k in ("loading", "frozen"):
             remote = kvstore.Remote(nodes=[fakes[k].node, *clean.nodes], timeout=0.3)
-            t0 = time.monotonic()
             with kvstore.open(tmp_path / k, LAYOUT, MODEL, durability="none", remote=remote) as s:
                 assert s.lookup(seq(1, 4 * B)) == 0
-            assert time.monotonic() - t0 < 5
+                # Served by the real cluster it moved on to.
+                nodes = {n["node"] for n in s.remote_nodes()}
+                assert nodes == set(clean.nodes), nodes
         msg = open_error(tmp_path / "x", "no-secret", nodes=[fakes["loading"].node], timeout=0.3)
         assert fakes["loading"].node in msg and "loading" in msg.lower(), msg
         assert "may not use" not in msg, msg
@@ -1964,29 +1958,31 @@ def test_open_passes_over_a_node_that_fails_after_connecting(clean, tmp_path):
             f.close()
 
 
-def test_a_frozen_cluster_costs_about_one_timeout_per_call(fresh_cluster, tmp_path):
+def test_a_frozen_cluster_costs_each_node_one_timeout(fresh_cluster, tmp_path):
     """Every node frozen: a lookup that times out reads the slot map again only
     within its own deadline, and a node that fails then trips its breaker, so
-    each lookup costs at most about one timeout and the breakers make the rest
-    free. Before, each timeout walked every other node (a fresh connection and
-    CLUSTER SLOTS, a timeout each, their breakers left closed): one lookup took
-    6 timeouts and twelve took 17."""
+    each lookup costs at most two timeouts, each node one in all, and the
+    breakers make the rest free. Before, each timeout walked every other node (a
+    fresh connection and CLUSTER SLOTS, a timeout each, their breakers left
+    closed): one lookup took 6 timeouts and twelve took 17."""
     c = fresh_cluster
     timeout = 0.5
     chains = upload_chains(c, tmp_path / "a", 150000, remote={"timeout": timeout})
-    with open_host(tmp_path / "b", c, remote={"timeout": timeout}) as b:
+    remote = {"timeout": timeout, "breaker": LONG_BREAKER}
+    with open_host(tmp_path / "b", c, remote=remote) as b:
         for p in c.ports:
             c.kill(p, signal.SIGSTOP)
         try:
-            times = []
+            per_lookup, before = [], 0
             for t in chains:
-                t0 = time.monotonic()
                 b.lookup(t)
-                times.append(time.monotonic() - t0)
+                now = remote_stats(b)["errors_timeout"]
+                per_lookup.append(now - before)
+                before = now
             r = remote_stats(b)
         finally:
             for p in c.ports:
                 c.kill(p, signal.SIGCONT)
-    assert max(times) < 3 * timeout + 0.5, (times, r)
-    assert sum(times) < 6 * timeout + 2, (times, r)
+    assert max(per_lookup) <= 2, (per_lookup, r)
+    assert sum(per_lookup) <= len(c.ports), (per_lookup, r)
     assert r["breaker_skips"] > 0, r

@@ -16,22 +16,18 @@ vLLM computes by its prefill path over the restored latent.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import vllm_run
+from support import require, vllm_run
 from support.vllm_run import by_name, delta
 
+# Where vllm is required (CI) a missing vLLM fails instead of skipping.
+require.need("vllm")
 PY = vllm_run.vllm_python()
-if PY is None:
-    reason = "no vLLM virtualenv (run scripts/vllm_env.sh, or set KVSTORE_VLLM_PYTHON)"
-    if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"KVSTORE_REQUIRE_VLLM=1 but {reason}")
-    pytest.skip(reason, allow_module_level=True)
 assert PY is not None
 
 import torch  # noqa: E402

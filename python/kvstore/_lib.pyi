@@ -58,6 +58,7 @@ class RemoteOptions(TypedDict):
     write: str
     ttl_ms: int | None
     timeout_ms: int | None
+    breaker_ms: int | None
 
 @type_check_only
 class NodeReport(TypedDict):
@@ -147,6 +148,8 @@ class Stats(TypedDict):
     hot_evictions: int
     hot_inserts: int
     hot_slots_torn: int
+    hot_lock_timeouts: int
+    hot_fills_skipped: int
     page_kind: str
     hot_mapped: bool
     remote: RemoteStats | None

@@ -39,6 +39,8 @@ class Remote:
       "through" (before put returns; a failure is counted, never raised).
     - `ttl`: seconds a value lives, renewed on read (None: server eviction only).
     - `timeout`: seconds, connection and response timeout of every call.
+    - `breaker`: seconds a node that timed out or could not be reached is skipped (a
+      miss, counted in `breaker_skips`) before one call tries it again.
     """
 
     nodes: list[str] | tuple[str, ...]
@@ -49,6 +51,7 @@ class Remote:
     write: str = "behind"
     ttl: float | None = None
     timeout: float = 1.0
+    breaker: float = 3.0
     password_file: str | os.PathLike[str] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -91,7 +94,11 @@ class Remote:
             raise InvalidInput(f"remote nodes: expected a list of 'host:port', got {self.nodes!r}")
         if self.write not in ("behind", "through"):
             raise InvalidInput(f"remote write: expected 'behind' or 'through', got {self.write!r}")
-        for name, value in (("ttl", self.ttl), ("timeout", self.timeout)):
+        for name, value in (
+            ("ttl", self.ttl),
+            ("timeout", self.timeout),
+            ("breaker", self.breaker),
+        ):
             if value is not None and (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
@@ -110,4 +117,5 @@ class Remote:
             "write": self.write,
             "ttl_ms": None if self.ttl is None else max(1, round(self.ttl * 1000)),
             "timeout_ms": max(1, round(self.timeout * 1000)),
+            "breaker_ms": max(1, round(self.breaker * 1000)),
         }

@@ -488,7 +488,10 @@ class Store:
         Hot tier: `hot_hit_blocks` / `disk_hit_blocks` (blocks this handle served from
         memory / from the segments), `hot_bytes`, `hot_slots`, `hot_slots_used`,
         `hot_slots_pinned`, `hot_evictions`, `page_kind` ("hugetlb", "thp", "normal", or
-        "none" without a hot tier), `hot_path`."""
+        "none" without a hot tier), `hot_path`; `hot_lock_timeouts` / `hot_fills_skipped`
+        (this handle's waits for the arena's writers' lock that ran out, and its copies
+        into the arena skipped because that lock was not free: a process stopped while
+        holding it)."""
         s: dict[str, Any] = dict(self._raw.stats())
         live = s["live_bytes"]
         s["compression_ratio"] = (s["raw_live_bytes"] / live) if live else 1.0

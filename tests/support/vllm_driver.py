@@ -23,6 +23,10 @@ under that path from the page cache (fsync + posix_fadvise DONTNEED), for cold
 reads; with `stored`, wait until the store holds the whole computable prefix of
 `tokens` (saves are asynchronous); with `barrier`, mark itself ready in `dir` and
 wait until every phase named in `all` (in any process) is, so they run at once.
+A phase with `barrier` also marks in `dir` when its generate call starts and ends,
+and reports in `peers_at_end` what each other phase of `all` was doing when its own
+call ended ("not started", "running" or "ended"): that they ran at once is then
+shown by events, not by comparing clocks.
 
 The argument may also be a JSON list of specs: each is served in turn by an LLM
 instance of its own, shut down before the next starts, in this one process (their
@@ -85,6 +89,23 @@ def barrier(name: str, spec: dict[str, Any]) -> None:
     d.mkdir(parents=True, exist_ok=True)
     (d / name).touch()
     wait_until(lambda: all((d / n).exists() for n in spec["all"]), f"phases {spec['all']}")
+
+
+def mark(name: str, spec: dict[str, Any], event: str) -> None:
+    """Marks in the barrier's dir that phase `name`'s generate call has `event`
+    ("started" or "ended")."""
+    (Path(spec["dir"]) / f"{name}.{event}").touch()
+
+
+def peers(name: str, spec: dict[str, Any]) -> dict[str, str]:
+    """What each other phase of the barrier is doing now, by its marks."""
+    d = Path(spec["dir"])
+    out = {}
+    for n in spec["all"]:
+        if n != name:
+            ended, started = (d / f"{n}.ended").exists(), (d / f"{n}.started").exists()
+            out[n] = "ended" if ended else "running" if started else "not started"
+    return out
 
 
 def connector_counters(llm: Any) -> dict[str, float]:
@@ -174,12 +195,17 @@ def serve(spec: dict[str, Any]) -> None:
             wait_stored(spec["store"], phase["stored"])
         if phase.get("barrier"):
             barrier(phase["name"], phase["barrier"])
+            mark(phase["name"], phase["barrier"], "started")
         start = time.time()
         t0 = time.perf_counter()
         lora = phase.get("lora")
         adapter = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
         seconds = time.perf_counter() - t0
+        at_end = None
+        if phase.get("barrier"):
+            mark(phase["name"], phase["barrier"], "ended")
+            at_end = peers(phase["name"], phase["barrier"])
         result = {
             "name": phase["name"],
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
@@ -188,6 +214,8 @@ def serve(spec: dict[str, Any]) -> None:
             "seconds": seconds,
             "counters": connector_counters(llm),
         }
+        if at_end is not None:
+            result["peers_at_end"] = at_end
         print("PHASE " + json.dumps(result), flush=True)
     if processes < 3:
         # The engine core lives here: shut it down now (its worker exits, both

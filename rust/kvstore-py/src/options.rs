@@ -59,6 +59,8 @@ pub struct RemoteArg {
     ttl_ms: Option<u64>,
     #[pyo3(default)]
     timeout_ms: Option<u64>,
+    #[pyo3(default)]
+    breaker_ms: Option<u64>,
 }
 
 impl RemoteArg {
@@ -89,6 +91,7 @@ impl RemoteArg {
             write: WriteMode::parse(&self.write).py()?,
             ttl: self.ttl_ms.map(Duration::from_millis),
             timeout: self.timeout_ms.map_or(d.timeout, Duration::from_millis),
+            breaker: self.breaker_ms.map_or(d.breaker, Duration::from_millis),
             ..d
         })
     }

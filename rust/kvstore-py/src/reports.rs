@@ -176,6 +176,10 @@ pub struct Stats {
     pub hot_evictions: u64,
     pub hot_inserts: u64,
     pub hot_slots_torn: u64,
+    /// This handle's waits for the arena's writers' lock that ran out.
+    pub hot_lock_timeouts: u64,
+    /// This handle's cache fills skipped because that lock was not free.
+    pub hot_fills_skipped: u64,
     pub page_kind: String,
     /// Whether this handle maps the arena (false: opened without a hot
     /// tier, the figures read from the store's arena file).
@@ -277,6 +281,8 @@ impl From<kvstore::Stats> for Stats {
             hot_evictions: a.evictions,
             hot_inserts: a.inserts,
             hot_slots_torn: a.slots_torn,
+            hot_lock_timeouts: a.lock_timeouts,
+            hot_fills_skipped: a.fills_skipped,
             page_kind: a.page_kind,
             hot_mapped: a.mapped,
             remote: s.remote.map(RemoteStats::from),

@@ -293,6 +293,12 @@ pub struct ArenaStats {
     /// Whether this handle maps it (false: a handle opened without a hot
     /// tier, reporting the store's arena from its file).
     pub mapped: bool,
+    /// Waits for the writers' lock this handle gave up after [`WRITE_WAIT`]
+    /// (a holder stopped or stuck); 0 where it does not map the arena.
+    pub lock_timeouts: u64,
+    /// Cache fills of this handle skipped because the writers' lock was not
+    /// free (`Inserted::Busy`: the block stays in the segments).
+    pub fills_skipped: u64,
 }
 
 /// The store an arena belongs to, as its header names it.
@@ -325,6 +331,10 @@ pub(crate) struct Arena {
     /// until when cache fills try the writers' `flock` once instead of
     /// waiting for it (a writer gave up waiting, and none has taken it since).
     writers: Mutex<Option<Instant>>,
+    /// This handle's waits for the writers' lock that ran out (`ArenaStats`).
+    lock_timeouts: AtomicU64,
+    /// This handle's cache fills skipped for a busy lock (`ArenaStats`).
+    fills_skipped: AtomicU64,
     /// The description the writers' lock is taken through (see "Protocol");
     /// `None` where it could not be opened: one is opened per use then.
     lock: Option<ParentOnly>,
@@ -714,6 +724,8 @@ impl Arena {
             file,
             path: path.to_path_buf(),
             writers: Mutex::new(None),
+            lock_timeouts: AtomicU64::new(0),
+            fills_skipped: AtomicU64::new(0),
             lock,
             nslots: geo.nslots,
             ways: geo.ways,
@@ -1047,6 +1059,10 @@ impl Arena {
         if !locked {
             if !skipping {
                 *skip_until = Some(Instant::now() + FILL_BACKOFF);
+                self.lock_timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+            if fill {
+                self.fills_skipped.fetch_add(1, Ordering::Relaxed);
             }
             return Ok(None);
         }
@@ -1268,6 +1284,8 @@ impl Arena {
             slots_torn: torn,
             page_kind: self.page_kind.name().to_string(),
             mapped: true,
+            lock_timeouts: self.lock_timeouts.load(Ordering::Relaxed),
+            fills_skipped: self.fills_skipped.load(Ordering::Relaxed),
         }
     }
 }

@@ -489,6 +489,8 @@ fn peek(path: &Path, now_ms: u64) -> Option<ArenaStats> {
         slots_torn: torn,
         page_kind: ins.page_kind.map_or("unknown", |k| k.name()).to_string(),
         mapped: false,
+        lock_timeouts: 0,
+        fills_skipped: 0,
     })
 }
 

@@ -53,6 +53,15 @@ fn record_meta_bytes() {
 
 const FIXTURE_MODEL: &str = "kvstore-fixture@1";
 
+/// The fixture writers replace checked-in files: `--ignored` alone (or
+/// `--include-ignored`) must not run them by accident.
+fn require_write_fixture() {
+    assert!(
+        std::env::var_os("KVSTORE_WRITE_FIXTURE").is_some(),
+        "this writes a checked-in fixture: set KVSTORE_WRITE_FIXTURE=1 to mean it"
+    );
+}
+
 fn fixture_layout() -> Layout {
     Layout::new(2, 1, 4, DType::Float16, 4).unwrap()
 }
@@ -83,12 +92,12 @@ fn fixture_opts(codec: Codec) -> Options {
 }
 
 /// Writes `tests/fixtures/v1` (run once, by hand, when a format version is
-/// released: `KVSTORE_WRITE_FIXTURE=1 cargo test -p kvstore --test golden`).
+/// released: `KVSTORE_WRITE_FIXTURE=1 cargo test -p kvstore --test golden --
+/// --ignored --exact write_v1_fixture`).
 #[test]
+#[ignore = "writes the v1 fixture; run by hand (see its doc)"]
 fn write_v1_fixture() {
-    if std::env::var("KVSTORE_WRITE_FIXTURE").is_err() {
-        return;
-    }
+    require_write_fixture();
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/v1");
     let _ = std::fs::remove_dir_all(&dir);
     let data = fixture_data();
@@ -325,12 +334,12 @@ fn exponent_record() -> Vec<u8> {
 }
 
 /// Writes the exponent-plane golden record (by hand, once:
-/// `KVSTORE_WRITE_FIXTURE=1 cargo test -p kvstore --test golden`).
+/// `KVSTORE_WRITE_FIXTURE=1 cargo test -p kvstore --test golden -- --ignored
+/// --exact write_exponent_record`).
 #[test]
+#[ignore = "writes the exponent-plane golden record; run by hand (see its doc)"]
 fn write_exponent_record() {
-    if std::env::var("KVSTORE_WRITE_FIXTURE").is_err() {
-        return;
-    }
+    require_write_fixture();
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(EXPONENT_RECORD);
     std::fs::write(path, exponent_record()).unwrap();
 }

@@ -36,6 +36,7 @@ import transformers  # noqa: E402
 import kvstore  # noqa: E402
 from kvstore import hf  # noqa: E402
 from kvstore.heads import head_extra  # noqa: E402
+from kvstore.vllm.keys import latent_tag  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -292,7 +293,7 @@ def test_mla_stores_the_latent_once(world, reference, mla_stored):
         # layers x block x latent width x dtype size: the latent once, no K/V split
         assert st["block_bytes"] == 2 * MB * 576 * 4
         assert st["raw_live_bytes"] == st["blocks"] * 2 * MB * 576 * 4
-        assert s.get(M1)[:, :n].shape == (2, n, 576)
+        assert s.get(M1, extra=latent_tag(1))[:, :n].shape == (2, n, 576)
     # transformers' own latent (layer 0: compressed KV, normalized) is what was stored
     mla = transformers.AutoModelForCausalLM.from_pretrained(world["deepseek"], dtype=torch.float32)
     with torch.inference_mode():
@@ -300,7 +301,7 @@ def test_mla_stores_the_latent_once(world, reference, mla_stored):
         x = layer.input_layernorm(mla.model.embed_tokens(torch.tensor([M1[:n]])))
         kv_c = layer.self_attn.kv_a_layernorm(layer.self_attn.kv_a_proj_with_mqa(x)[..., :512])
     with mla_store(world, mla_stored["path"]) as s:
-        latent = s.get(M1[:n])
+        latent = s.get(M1[:n], extra=latent_tag(1))
     assert (latent[0, :, :512] - kv_c[0]).abs().max().item() < 1e-3
 
 
@@ -309,7 +310,8 @@ def mla_fresh(world: dict[str, Any], mla_stored: dict[str, Any]) -> list[dict[st
     with mla_store(world, mla_stored["path"]) as s:
         n = len(M2) // MB * MB
         g = torch.Generator().manual_seed(5)
-        assert s.put(M2[:n], torch.randn(2, n, 576, generator=g).mul(4)) == n
+        planted = torch.randn(2, n, 576, generator=g).mul(4)
+        assert s.put(M2[:n], planted, extra=latent_tag(1)) == n
     return run(world, "mla-fresh", mla_spec(world, mla_stored["path"], MLA_PHASES))
 
 
@@ -335,13 +337,22 @@ def test_mla_damaged_store_is_recomputed(world, reference, mla_stored, mla_fresh
     assert by_name(results)["m1"]["tokens"] == reference["mla"]["m1"]["tokens"]
 
 
-def test_mla_at_tp2_reads_the_latent_a_single_worker_stored(
-    world, reference, mla_stored, mla_fresh
-):
-    """Under TP every rank holds the latent whole: each reads it; rank 0 alone stores."""
-    results = run(world, "mla-tp2", mla_spec(world, mla_stored["path"], MLA_PHASES[:1], tp=2))
+def test_mla_latents_are_kept_to_their_tp_size(world, reference, mla_stored, mla_fresh):
+    """Under TP every rank holds the latent whole: rank 0 alone stores it, each rank
+    reads it. vLLM's CPU build computes another latent at TP=2 than at TP=1 (see
+    kvstore.vllm.keys.latent_tag), so TP=1's is no hit at TP=2: TP=2 recomputes and
+    stores its own, which a fresh TP=2 process then hits."""
+    path = mla_stored["path"]
+    first = run(world, "mla-tp2-fill", mla_spec(world, path, MLA_PHASES[:1], tp=2))
+    assert delta(first, "m1")["hit_tokens"] == 0
+    assert by_name(first)["m1"]["tokens"] == reference["mla-tp2"]["m1"]["tokens"]
+    with mla_store(world, path) as s:
+        n = stored_prefix(M1 + by_name(first)["m1"]["tokens"], MB)
+        assert s.lookup(M1[:n], extra=latent_tag(2), count=False) == n  # stored once
+    results = run(world, "mla-tp2", mla_spec(world, path, MLA_PHASES[:1], tp=2))
     m1 = delta(results, "m1")
     assert m1["hit_tokens"] == stored_prefix(M1, MB)  # counted once, by rank 0
+    # each of the two ranks landed the whole latent: L x B x W x 4 bytes a block
     assert m1["load_bytes"] == 2 * (stored_prefix(M1, MB) // MB) * 2 * MB * 576 * 4
     assert m1["load_error_blocks"] == 0
     assert by_name(results)["m1"]["tokens"] == reference["mla-tp2"]["m1"]["tokens"]

@@ -32,12 +32,13 @@ from ..store import open as open_store
 from .keys import (
     check_speculative,
     keyed_by_tokens,
+    latent_tag,
     parse_extra,
     request_extra,
     vllm_fingerprint,
 )
 from .paged import PagedKV, paged_block_map
-from .shard import shard
+from .shard import Shard, shard
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -288,12 +289,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker_half: _WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             recompute = tc.kv_load_failure_policy == "recompute"
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            tag = latent_tag(tp) if self._store.layout.latent else None
             self._sched = _SchedulerHalf(
-                self._store, tc.is_kv_consumer, tc.is_kv_producer, recompute
+                self._store, tc.is_kv_consumer, tc.is_kv_producer, recompute, tag
             )
         else:
             depth = int(extra.get("save_queue", 64))
-            self._worker_half = _WorkerHalf(self._store, self._layer_names, vllm_config, depth)
+            part = _rank_shard(vllm_config, self._store.layout)
+            self._worker_half = _WorkerHalf(
+                self._store, self._layer_names, vllm_config, depth, part
+            )
 
     # -- scheduler half ---------------------------------------------------------------------
 
@@ -402,6 +408,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._store.close()
 
 
+def _rank_shard(vllm_config: VllmConfig, layout: Layout) -> Shard:
+    """This worker's shard of the tensor-parallel group (`kvstore.vllm.shard`)."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return shard(layout, 0, 1)
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return shard(layout, get_tensor_model_parallel_rank(), tp)
+
+
 def _kv_writer(layer: Any) -> Any:
     """The attention backend's cache writer of a K/V layer, as `paged_block_map`
     calls it."""
@@ -445,9 +461,12 @@ def _first_in(ids: list[int], blocks: set[int]) -> int | None:
 
 
 class _SchedulerHalf:
-    def __init__(self, store: Store, loads: bool, saves: bool, recompute: bool) -> None:
+    def __init__(
+        self, store: Store, loads: bool, saves: bool, recompute: bool, tag: bytes | None = None
+    ) -> None:
         self._store = store
         self._loads, self._saves = loads, saves
+        self._tag = tag  # ahead of every request's extra (keys.latent_tag), if any
         # vLLM recomputes the blocks of a failed load (kv_load_failure_policy), so a
         # load may count on saves this process cannot see yet (see `matched`).
         self._recompute = recompute
@@ -483,7 +502,7 @@ class _SchedulerHalf:
         upto = (len(tokens) - 1) // b * b
         try:
             # Looked up even when vLLM's own hit covers it: what is stored needs no save.
-            extra = self._extras[request.request_id] = request_extra(request)
+            extra = self._extras[request.request_id] = request_extra(request, self._tag)
             stored = self._store.lookup(tokens[:upto], extra=extra, count=False)
         except Exception as e:  # a store that cannot answer is a miss; vLLM goes on
             self._lookup_errors += 1
@@ -510,7 +529,9 @@ class _SchedulerHalf:
         t = self._reqs.get(rid)
         if t is None:
             try:
-                extra = self._extras[rid] if rid in self._extras else request_extra(request)
+                extra = (
+                    self._extras[rid] if rid in self._extras else request_extra(request, self._tag)
+                )
             except Exception as e:  # its lookup failed too: no load was promised
                 log.warning("kvstore connector: %s not tracked: %s", rid, e)
                 return
@@ -670,16 +691,19 @@ class _SchedulerHalf:
 
 class _WorkerHalf:
     def __init__(
-        self, store: Store, layer_names: list[str], vllm_config: VllmConfig, depth: int
+        self,
+        store: Store,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        depth: int,
+        part: Shard | None = None,
     ) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
         self._store = store
         self._layout = store.layout
         self._names = layer_names
         self._config = vllm_config
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        self._shard = shard(self._layout, get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
+        # What this worker holds of a block (None: all of it, a single worker).
+        self._shard = part if part is not None else shard(self._layout, 0, 1)
         # This rank's part of a block: its heads of a K/V layout; a latent whole.
         lay = self._layout
         self._local = (

@@ -86,11 +86,22 @@ def key_extra(cache_salt: str | None, adapter: str | None) -> bytes | None:
     return b"".join(parts)
 
 
-def request_extra(request: Any) -> bytes | None:
-    """`key_extra` of a vLLM request."""
+def request_extra(request: Any, tag: bytes | None = None) -> bytes | None:
+    """`key_extra` of a vLLM request, after `tag` (see `latent_tag`) where given."""
     lora = getattr(request, "lora_request", None)
     adapter = adapter_digest(lora.lora_path) if lora is not None else None
-    return key_extra(getattr(request, "cache_salt", None), adapter)
+    extra = key_extra(getattr(request, "cache_salt", None), adapter)
+    return extra if tag is None else tag + (extra or b"")
+
+
+def latent_tag(tensor_parallel_size: int) -> bytes:
+    """The key bytes that keep an MLA latent to the tensor-parallel size that computed
+    it (fixed length, ahead of the request's extra). vLLM 0.32's CPU build computes
+    another latent at TP=2 than at TP=1 from layer 1 on, O(1) apart, not rounding
+    (measured on a tiny DeepSeek-V3, float32): a latent of one TP size restored into
+    another would not be that vLLM's KV. K/V heads carry no such tag: each TP size's
+    KV agrees with the others' to rounding, and one store serves them all."""
+    return b"kvstore.vllm.latent-tp/1\0" + tensor_parallel_size.to_bytes(4, "little")
 
 
 # Speculative methods that keep no KV of a model of their own: a store's blocks are

@@ -925,6 +925,8 @@ class Store:  # holds the prefix's first 4 blocks
         return min(32, len(tokens) // 8 * 8)
     def add_counters(self, figures):
         pass
+    def heads(self, create):
+        return None  # no blocks of tensor-parallel workers
 
 class Paged:  # vLLM's caches: a load lands 2 blocks, then finds the 3rd damaged
     strided = True

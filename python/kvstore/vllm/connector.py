@@ -35,6 +35,7 @@ from .keys import (
     latent_tag,
     parse_extra,
     request_extra,
+    tagged,
     vllm_fingerprint,
 )
 from .paged import PagedKV, paged_block_map
@@ -502,7 +503,7 @@ class _SchedulerHalf:
         upto = (len(tokens) - 1) // b * b
         try:
             # Looked up even when vLLM's own hit covers it: what is stored needs no save.
-            extra = self._extras[request.request_id] = request_extra(request, self._tag)
+            extra = self._extras[request.request_id] = tagged(request_extra(request), self._tag)
             stored = self._store.lookup(tokens[:upto], extra=extra, count=False)
         except Exception as e:  # a store that cannot answer is a miss; vLLM goes on
             self._lookup_errors += 1
@@ -530,7 +531,9 @@ class _SchedulerHalf:
         if t is None:
             try:
                 extra = (
-                    self._extras[rid] if rid in self._extras else request_extra(request, self._tag)
+                    self._extras[rid]
+                    if rid in self._extras
+                    else tagged(request_extra(request), self._tag)
                 )
             except Exception as e:  # its lookup failed too: no load was promised
                 log.warning("kvstore connector: %s not tracked: %s", rid, e)

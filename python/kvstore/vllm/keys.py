@@ -86,11 +86,15 @@ def key_extra(cache_salt: str | None, adapter: str | None) -> bytes | None:
     return b"".join(parts)
 
 
-def request_extra(request: Any, tag: bytes | None = None) -> bytes | None:
-    """`key_extra` of a vLLM request, after `tag` (see `latent_tag`) where given."""
+def request_extra(request: Any) -> bytes | None:
+    """`key_extra` of a vLLM request."""
     lora = getattr(request, "lora_request", None)
     adapter = adapter_digest(lora.lora_path) if lora is not None else None
-    extra = key_extra(getattr(request, "cache_salt", None), adapter)
+    return key_extra(getattr(request, "cache_salt", None), adapter)
+
+
+def tagged(extra: bytes | None, tag: bytes | None) -> bytes | None:
+    """`extra` after `tag` (see `latent_tag`), where there is one."""
     return extra if tag is None else tag + (extra or b"")
 
 

@@ -10,8 +10,8 @@ all 8, whatever TP size wrote them. A prefix is stored for a reader when every
 head it needs is, each a prefix-closed chain of its own.
 
 Whole blocks (TP=1 writers, `kvstore.hf`) stay in the main store; readers take a
-prefix from whichever of the two holds more of it. The docs' "Tensor parallelism"
-section has the rules; the format document has the ids.
+prefix from whichever of the two holds more of it. The README's vLLM section has
+the rules; its "Disk format" section ("Heads store") has the ids.
 """
 
 from __future__ import annotations
@@ -87,10 +87,10 @@ class HeadParts:
         )
         return cls(store, layout.num_kv_heads)
 
-    def lookup(self, tokens: Any, extra: bytes, heads: range | None = None) -> int:
-        """The prefix of `tokens` stored for every head in `heads` (all by default)."""
+    def lookup(self, tokens: Any, extra: bytes) -> int:
+        """The prefix of `tokens` stored for every head."""
         best: int | None = None
-        for h in heads if heads is not None else range(self.num_heads):
+        for h in range(self.num_heads):
             m = self.store.lookup(tokens, extra=head_extra(extra, h), count=False)
             best = m if best is None else min(best, m)
             if best == 0:
